@@ -1,0 +1,114 @@
+"""DDTree speculative-config validation (pure Python, no engine)."""
+
+import pytest
+
+from vllm_ddtree.config import (
+    DEFAULT_TREE_BUDGET,
+    DDTreeConfigError,
+    split_speculative_config,
+)
+
+VLLM_FIELDS = ["method", "model", "num_speculative_tokens", "attention_backend", "max_model_len"]
+DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
+
+
+def split(raw, drafter=DFLASH):
+    return split_speculative_config(raw, VLLM_FIELDS, drafter_config=drafter)
+
+
+def test_ddtree_becomes_dflash_with_tree_settings_beside_it():
+    vllm_part, ddtree = split(
+        {"method": "ddtree", "model": "d", "num_speculative_tokens": 15, "tree_budget": 64}
+    )
+    assert vllm_part == {"method": "dflash", "model": "d", "num_speculative_tokens": 15}
+    assert (ddtree.tree_budget, ddtree.tree_top_k, ddtree.depth) == (64, 16, 15)
+    assert ddtree.drafter_block_size == 16
+
+
+def test_defaults_budget_top_k_and_depth_from_the_drafter():
+    vllm_part, ddtree = split({"method": "ddtree", "model": "d"})
+    assert ddtree.tree_budget == DEFAULT_TREE_BUDGET
+    assert ddtree.tree_top_k == min(DEFAULT_TREE_BUDGET, 16)
+    assert ddtree.depth == 15 and vllm_part["num_speculative_tokens"] == 15
+
+
+def test_small_budget_caps_top_k_at_the_budget():
+    _, ddtree = split({"method": "ddtree", "model": "d", "tree_budget": 4})
+    assert ddtree.tree_top_k == 4
+
+
+def test_a_smaller_depth_than_the_block_is_legal():
+    _, ddtree = split({"method": "ddtree", "model": "d", "num_speculative_tokens": 7})
+    assert ddtree.depth == 7
+
+
+def test_dashes_are_normalised():
+    _, ddtree = split({"method": "ddtree", "model": "d", "tree-budget": 8})
+    assert ddtree.tree_budget == 8
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("tree_budget", 0, r"'tree_budget'\] must be in 1\.\.1024, got 0"),
+        ("tree_budget", 1025, r"'tree_budget'\] must be in 1\.\.1024, got 1025"),
+        ("tree_budget", "64", r"'tree_budget'\] must be an int in 1\.\.1024"),
+        ("tree_budget", True, r"'tree_budget'\] must be an int"),
+        ("tree_budget", 8.0, r"'tree_budget'\] must be an int"),
+        ("tree_top_k", 0, r"'tree_top_k'\] must be in 1\.\.64, got 0"),
+        ("tree_top_k", 65, r"'tree_top_k'\] must be in 1\.\.64, got 65"),
+        (
+            "num_speculative_tokens",
+            16,
+            r"'num_speculative_tokens'\] must be in 1\.\.15 .*block_size 16",
+        ),
+        ("num_speculative_tokens", 0, r"'num_speculative_tokens'\] must be in 1\.\.15"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_allowed_values(key, value, message):
+    raw = {"method": "ddtree", "model": "d", "tree_budget": 64, key: value}
+    with pytest.raises(DDTreeConfigError, match=message):
+        split(raw)
+
+
+def test_unknown_keys_are_named_with_the_allowed_ddtree_keys():
+    with pytest.raises(
+        DDTreeConfigError, match=r"unknown .*\['tree_depth'\].*tree_budget.*tree_top_k"
+    ):
+        split({"method": "ddtree", "model": "d", "tree_depth": 3})
+
+
+def test_tree_keys_without_the_ddtree_method_are_refused():
+    with pytest.raises(DDTreeConfigError, match=r"\['tree_budget'\] need \"method\": \"ddtree\""):
+        split({"method": "dflash", "model": "d", "tree_budget": 8})
+
+
+def test_other_methods_pass_through_untouched():
+    raw = {"method": "ngram", "num_speculative_tokens": 3}
+    assert split(raw) == (raw, None)
+
+
+def test_a_drafter_without_dflash_config_is_refused():
+    eagle = {"architectures": ["LlamaForCausalLMEagle3"]}
+    with pytest.raises(DDTreeConfigError, match=r"not a DFlash drafter.*dflash_config"):
+        split({"method": "ddtree", "model": "some/eagle3"}, drafter=eagle)
+
+
+def test_missing_model_is_refused():
+    with pytest.raises(DDTreeConfigError, match=r"'model'\] is required"):
+        split({"method": "ddtree"})
+
+
+def test_unknown_block_size_needs_an_explicit_depth():
+    no_block = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1]}}
+    with pytest.raises(DDTreeConfigError, match="num_speculative_tokens.*required"):
+        split({"method": "ddtree", "model": "d"}, drafter=no_block)
+    _, ddtree = split({"method": "ddtree", "model": "d", "num_speculative_tokens": 9}, no_block)
+    assert ddtree.depth == 9
+
+
+def test_drafter_config_is_read_from_a_local_checkpoint(tiny_drafter_path):
+    _, ddtree = split_speculative_config(
+        {"method": "ddtree", "model": tiny_drafter_path}, VLLM_FIELDS
+    )
+    assert ddtree.drafter_block_size == 16 and ddtree.depth == 15

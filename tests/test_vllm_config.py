@@ -1,0 +1,151 @@
+"""vLLM accepts "method": "ddtree" through its own entry points, and refuses bad input early.
+
+These build vLLM's engine config in-process (no engine starts) with the plugin loaded the way
+vLLM loads it: through the ``vllm.general_plugins`` entry point.
+"""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
+from vllm_ddtree.vllm_patches import get_ddtree_config  # noqa: E402
+
+
+def engine_config(target, spec, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=target, speculative_config=spec, skip_tokenizer_init=True, max_model_len=512, **kwargs
+    )
+    return args.create_engine_config()
+
+
+def test_plugin_is_discovered_through_the_entry_point():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("ddtree") == "vllm_ddtree:register"
+
+
+def test_register_is_idempotent():
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_ddtree
+
+    vllm_ddtree.register()
+    patched = EngineArgs.create_speculative_config
+    vllm_ddtree.register()
+    from vllm_ddtree import vllm_patches
+
+    vllm_patches.apply()
+    assert EngineArgs.create_speculative_config is patched
+
+
+def test_llm_style_config_keeps_vllm_on_dflash_and_carries_the_tree(
+    tiny_target_path, tiny_drafter_path
+):
+    spec = {
+        "method": "ddtree",
+        "model": tiny_drafter_path,
+        "num_speculative_tokens": 15,
+        "tree_budget": 64,
+    }
+    config = engine_config(tiny_target_path, spec)
+    sc = config.speculative_config
+    assert sc.method == "dflash" and sc.num_speculative_tokens == 15
+    ddtree = get_ddtree_config(sc)
+    assert (ddtree.tree_budget, ddtree.tree_top_k, ddtree.depth) == (64, 16, 15)
+    # Engine-core and worker processes receive the config pickled.
+    assert get_ddtree_config(pickle.loads(pickle.dumps(config)).speculative_config) == ddtree
+
+
+def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
+    config = engine_config(
+        tiny_target_path,
+        {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},
+    )
+    assert config.speculative_config.method == "dflash"
+    assert get_ddtree_config(config.speculative_config) is None
+
+
+def test_serve_cli_arguments_accept_ddtree(tiny_target_path, tiny_drafter_path):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    spec = json.dumps(
+        {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 32, "tree_top_k": 4}
+    )
+    args = parser.parse_args(
+        [
+            "--model",
+            tiny_target_path,
+            "--speculative-config",
+            spec,
+            "--max-model-len",
+            "512",
+            "--skip-tokenizer-init",
+        ]
+    )
+    config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    ddtree = get_ddtree_config(config.speculative_config)
+    assert (ddtree.tree_budget, ddtree.tree_top_k, ddtree.depth) == (32, 4, 15)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"tree_budget": 0}, r"tree_budget'\] must be in 1\.\.1024"),
+        ({"tree_budget": 2048}, r"tree_budget'\] must be in 1\.\.1024"),
+        ({"num_speculative_tokens": 16}, r"num_speculative_tokens'\] must be in 1\.\.15"),
+        ({"tree_width": 3}, r"unknown speculative_config keys .*tree_width"),
+    ],
+)
+def test_bad_ddtree_input_fails_before_the_engine(
+    tiny_target_path, tiny_drafter_path, extra, message
+):
+    spec = {"method": "ddtree", "model": tiny_drafter_path, **extra}
+    with pytest.raises(DDTreeConfigError, match=message):
+        engine_config(tiny_target_path, spec)
+
+
+def test_a_non_dflash_drafter_is_refused(tiny_target_path):
+    # The target itself is a plain Qwen3 checkpoint: no dflash_config.
+    with pytest.raises(DDTreeConfigError, match="not a DFlash drafter"):
+        engine_config(tiny_target_path, {"method": "ddtree", "model": tiny_target_path})
+
+
+def test_the_api_server_exits_with_the_error_before_starting_an_engine(
+    tiny_target_path, tiny_drafter_path
+):
+    spec = json.dumps({"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 0})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            tiny_target_path,
+            "--speculative-config",
+            spec,
+            "--max-model-len",
+            "512",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode != 0
+    assert "speculative_config['tree_budget'] must be in 1..1024, got 0" in proc.stderr
+    assert "EngineCore" not in proc.stderr  # nothing half-started

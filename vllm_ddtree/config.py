@@ -1,0 +1,194 @@
+"""DDTree settings: the keys DDTree adds to ``--speculative-config`` and their validation.
+
+vLLM's ``SpeculativeConfig`` is a pydantic dataclass that forbids unknown keys, and about twenty
+call sites in vLLM test ``method == "dflash"``. So a ``"method": "ddtree"`` request is split in
+two before vLLM sees it (``split_speculative_config``): a plain DFlash config that vLLM validates
+and runs its DFlash machinery on, and a ``DDTreeConfig`` carried beside it. Everything here is
+pure Python (no vLLM import), so it is testable anywhere and raises before any engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DDTREE_METHOD = "ddtree"
+DFLASH_METHOD = "dflash"
+MIN_TREE_BUDGET = 1
+MAX_TREE_BUDGET = 1024
+# Default budget: the paper's speedup rises up to 256-512 nodes at batch 1 in eager HF code,
+# where per-step overheads hide verify cost; ports with CUDA graphs found their best budgets at
+# 22-40 nodes on consumer GPUs (Lucebox) and the verify batch grows as budget x batch size.
+# 64 sits between the two and matches the budget the project's examples use.
+DEFAULT_TREE_BUDGET = 64
+# Per-depth candidate cap. Lemma 1 of the paper needs min(budget, V) for exact optimality, but
+# a token ranked past 16 at one depth almost never enters a top-budget prefix set; the cap
+# bounds the tree builder's work at budget x 16 candidates per depth.
+DEFAULT_TOP_K_CAP = 16
+
+DDTREE_KEYS: dict[str, str] = {
+    "tree_budget": f"int in {MIN_TREE_BUDGET}..{MAX_TREE_BUDGET} (default {DEFAULT_TREE_BUDGET}):"
+    " draft tree nodes verified per step, root excluded",
+    "tree_top_k": f"int in 1..tree_budget (default min(tree_budget, {DEFAULT_TOP_K_CAP})):"
+    " most probable tokens considered at each depth",
+}
+
+
+class DDTreeConfigError(ValueError):
+    """A DDTree speculative-config value is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class DDTreeConfig:
+    """DDTree settings carried beside vLLM's (DFlash) ``SpeculativeConfig``.
+
+    Attributes:
+        tree_budget: nodes per draft tree (root excluded); verify tokens = budget + 1.
+        tree_top_k: per-depth candidate cap used by ``build_trees``.
+        depth: tree depth limit = ``num_speculative_tokens`` (<= drafter block size - 1).
+        drafter_block_size: the drafter's DFlash block size, when its config states it.
+    """
+
+    tree_budget: int
+    tree_top_k: int
+    depth: int
+    drafter_block_size: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_int(key: str, value: Any, low: int, high: int | None, why: str = "") -> int:
+    allowed = f"{low}..{high}" if high is not None else f">= {low}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DDTreeConfigError(
+            f"speculative_config['{key}'] must be an int in {allowed}{why}, got "
+            f"{value!r} ({type(value).__name__})"
+        )
+    if value < low or (high is not None and value > high):
+        raise DDTreeConfigError(
+            f"speculative_config['{key}'] must be in {allowed}{why}, got {value}"
+        )
+    return value
+
+
+def read_drafter_config(model: str | None) -> dict[str, Any] | None:
+    """The drafter's ``config.json`` as a dict, or None when it cannot be read locally.
+
+    Looks in a local directory first, then in the Hugging Face cache (never downloads).
+    """
+    if not model:
+        return None
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:  # noqa: BLE001 - an unreadable cache just means "unknown"
+            cached = None
+        if not isinstance(cached, str):
+            return None
+        path = cached
+    with open(path) as f:
+        return json.load(f)
+
+
+def drafter_block_size(drafter_config: Mapping[str, Any]) -> int | None:
+    """The DFlash block size stated by a drafter config (top level or ``dflash_config``)."""
+    dflash = drafter_config.get("dflash_config") or {}
+    for value in (drafter_config.get("block_size"), dflash.get("block_size")):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def check_drafter_is_dflash(drafter_config: Mapping[str, Any], model: str) -> None:
+    """Raise unless the drafter config describes a DFlash drafter."""
+    if not isinstance(drafter_config.get("dflash_config"), Mapping):
+        archs = drafter_config.get("architectures")
+        raise DDTreeConfigError(
+            f"speculative_config['model'] = {model!r} is not a DFlash drafter: its config has no "
+            f"'dflash_config' (architectures: {archs}). DDTree needs a DFlash block-diffusion "
+            "drafter (e.g. a z-lab/*-DFlash checkpoint)."
+        )
+
+
+def split_speculative_config(
+    raw: Mapping[str, Any],
+    vllm_fields: Iterable[str],
+    drafter_config: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], DDTreeConfig | None]:
+    """Split a user's speculative config into vLLM's part and DDTree's part.
+
+    Args:
+        raw: the user's ``--speculative-config`` dict (keys may use ``-`` or ``_``).
+        vllm_fields: the field names vLLM's ``SpeculativeConfig`` accepts.
+        drafter_config: the drafter's ``config.json`` when known (else read from ``model``).
+
+    Returns:
+        ``(vllm_dict, ddtree)``: for ``method == "ddtree"``, ``vllm_dict`` is the same request
+        as ``method == "dflash"`` without the DDTree keys, and ``ddtree`` the validated settings;
+        for any other method, ``(raw, None)`` after checking no DDTree key was given.
+    """
+    config = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    method = config.get("method")
+    tree_keys = sorted(k for k in config if k in DDTREE_KEYS)
+    if method != DDTREE_METHOD:
+        if tree_keys:
+            raise DDTreeConfigError(
+                f'speculative_config keys {tree_keys} need "method": "ddtree" '
+                f"(got method={method!r})"
+            )
+        return config, None
+
+    allowed = set(vllm_fields) | set(DDTREE_KEYS)
+    unknown = sorted(k for k in config if k not in allowed)
+    if unknown:
+        raise DDTreeConfigError(
+            f"unknown speculative_config keys for method 'ddtree': {unknown}. DDTree keys: "
+            + "; ".join(f"{k}: {v}" for k, v in DDTREE_KEYS.items())
+            + ". Other keys must be fields of vLLM's SpeculativeConfig."
+        )
+
+    model = config.get("model")
+    if not model:
+        raise DDTreeConfigError(
+            "speculative_config['model'] is required for method 'ddtree': the path or hub id of "
+            "a DFlash drafter"
+        )
+    if drafter_config is None:
+        drafter_config = read_drafter_config(model)
+    block_size = None
+    if drafter_config is not None:
+        check_drafter_is_dflash(drafter_config, model)
+        block_size = drafter_block_size(drafter_config)
+
+    depth = config.get("num_speculative_tokens")
+    if depth is None:
+        if block_size is None:
+            raise DDTreeConfigError(
+                "speculative_config['num_speculative_tokens'] (the tree depth limit) is required "
+                "when the drafter's block size is unknown"
+            )
+        depth = block_size - 1
+    if block_size is not None:
+        why = f" (the tree depth limit; at most the drafter's block_size {block_size} - 1)"
+        depth = _check_int("num_speculative_tokens", depth, 1, block_size - 1, why)
+    else:
+        depth = _check_int("num_speculative_tokens", depth, 1, None, " (the tree depth limit)")
+
+    budget = config.pop("tree_budget", DEFAULT_TREE_BUDGET)
+    budget = _check_int("tree_budget", budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
+    top_k = config.pop("tree_top_k", min(budget, DEFAULT_TOP_K_CAP))
+    top_k = _check_int("tree_top_k", top_k, 1, budget)
+
+    config["method"] = DFLASH_METHOD
+    config["num_speculative_tokens"] = depth
+    ddtree = DDTreeConfig(
+        tree_budget=budget, tree_top_k=top_k, depth=depth, drafter_block_size=block_size
+    )
+    return config, ddtree

@@ -1,0 +1,102 @@
+"""Tiny random-weight checkpoints for tests and benchmarks (HF layout, safetensors).
+
+Nothing here downloads anything: models are built with transformers from a config and saved
+with ``save_pretrained``, then loaded back through the ordinary loading code (transformers or
+vLLM), exactly like a real checkpoint.
+
+Random models need *sharp* logits (``initializer_range`` around 0.5): with the default 0.02 the
+next-token distribution is nearly uniform, and bf16/fp32 rounding differences between two
+correct kernels then flip greedy ties, which would look like (but is not) a losslessness bug.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.dflash_drafter import DFlashDrafterConfig, random_drafter
+
+
+@dataclass(frozen=True)
+class TinyQwen3Spec:
+    """Shape of a tiny Qwen3 target (head_dim 64: supported by vLLM's CPU and GPU backends)."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    initializer_range: float = 0.5
+    max_position_embeddings: int = 4096
+
+
+def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+    """Save a random-weight Qwen3ForCausalLM checkpoint (bf16 safetensors) under ``path``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        initializer_range=spec.initializer_range,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_drafter_config(
+    target_spec: TinyQwen3Spec = TinyQwen3Spec(),
+    num_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+) -> DFlashDrafterConfig:
+    """A DFlash drafter config matching a tiny target (mask token = last vocab id)."""
+    if target_layer_ids is None:
+        target_layer_ids = [1, max(target_spec.num_hidden_layers - 2, 1)]
+    return DFlashDrafterConfig(
+        hidden_size=target_spec.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=target_spec.num_attention_heads,
+        num_key_value_heads=target_spec.num_key_value_heads,
+        head_dim=target_spec.head_dim,
+        intermediate_size=target_spec.intermediate_size,
+        vocab_size=target_spec.vocab_size,
+        mask_token_id=target_spec.vocab_size - 1,
+        target_layer_ids=target_layer_ids,
+        block_size=block_size,
+        num_target_layers=target_spec.num_hidden_layers,
+        max_position_embeddings=target_spec.max_position_embeddings,
+    )
+
+
+def make_tiny_dflash(
+    path: str,
+    target_spec: TinyQwen3Spec = TinyQwen3Spec(),
+    seed: int = 0,
+    **config_kwargs,
+) -> str:
+    """Save a random-weight DFlash drafter in vLLM's DFlash checkpoint format under ``path``."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    drafter = random_drafter(tiny_drafter_config(target_spec, **config_kwargs), seed=seed)
+    drafter.save_pretrained(path)
+    return path

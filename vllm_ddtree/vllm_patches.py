@@ -1,0 +1,148 @@
+"""Every change vllm-ddtree makes to vLLM at run time, in one place.
+
+Written against vLLM 0.26.0. Each patch names the vLLM function it wraps; ``apply()`` checks
+that the function still has the shape this module expects and fails loudly if vLLM changed.
+
+Patches:
+
+* ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (called by
+  ``create_engine_config`` in the API / ``LLM`` process, before any engine process starts): a
+  ``"method": "ddtree"`` request is validated and rewritten to vLLM's DFlash request, and the
+  ``DDTreeConfig`` is attached to the resulting ``SpeculativeConfig`` as ``ddtree_config``
+  (a plain attribute: it pickles with the config into engine-core and worker processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+
+from vllm_ddtree.config import (
+    DDTREE_METHOD,
+    DDTreeConfig,
+    DDTreeConfigError,
+    check_drafter_is_dflash,
+    split_speculative_config,
+)
+
+logger = logging.getLogger("vllm.ddtree")
+
+WRITTEN_FOR_VLLM = "0.26.0"
+DDTREE_ATTR = "ddtree_config"
+_PATCHED_FLAG = "__vllm_ddtree_patched__"
+
+
+class VLLMIncompatibleError(RuntimeError):
+    """The installed vLLM no longer has what a vllm-ddtree patch wraps."""
+
+
+def get_ddtree_config(speculative_config) -> DDTreeConfig | None:
+    """The ``DDTreeConfig`` attached to a vLLM ``SpeculativeConfig`` (None if not DDTree)."""
+    if speculative_config is None:
+        return None
+    return getattr(speculative_config, DDTREE_ATTR, None)
+
+
+def _speculative_config_fields() -> list[str]:
+    from vllm.config import SpeculativeConfig
+
+    return [f.name for f in dataclasses.fields(SpeculativeConfig)]
+
+
+def _check_vllm_shape() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    fn = getattr(EngineArgs, "create_speculative_config", None)
+    if fn is None:
+        raise VLLMIncompatibleError(
+            "vllm-ddtree: vllm.engine.arg_utils.EngineArgs.create_speculative_config is gone; "
+            f"this plugin was written for vLLM {WRITTEN_FOR_VLLM}"
+        )
+    params = list(inspect.signature(fn).parameters)
+    if params[:3] != ["self", "target_model_config", "target_parallel_config"]:
+        raise VLLMIncompatibleError(
+            "vllm-ddtree: EngineArgs.create_speculative_config(self, target_model_config, "
+            f"target_parallel_config) changed to {params}; written for vLLM {WRITTEN_FOR_VLLM}"
+        )
+    if "speculative_config" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        raise VLLMIncompatibleError("vllm-ddtree: EngineArgs has no speculative_config field")
+
+
+def _wrap_create_speculative_config(original):
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        ddtree: DDTreeConfig | None = getattr(self, "_ddtree_config", None)
+        if getattr(self, "spec_method", None) == DDTREE_METHOD:
+            # `--spec-method ddtree`: fold it into the dict the way vLLM folds the flag.
+            self.speculative_config = dict(self.speculative_config or {})
+            if "method" in self.speculative_config:
+                raise DDTreeConfigError(
+                    "--spec-method and --speculative-config['method'] are mutually exclusive"
+                )
+            self.speculative_config["method"] = DDTREE_METHOD
+            self.spec_method = None
+        raw = self.speculative_config
+        if isinstance(raw, dict):
+            merged = dict(raw)
+            if getattr(self, "spec_model", None) is not None and "model" not in merged:
+                merged["model"] = self.spec_model
+            if getattr(self, "spec_tokens", None) is not None:
+                merged.setdefault("num_speculative_tokens", self.spec_tokens)
+            vllm_dict, parsed = split_speculative_config(merged, _speculative_config_fields())
+            if parsed is not None:
+                ddtree = parsed
+                # Flags folded above must not be applied twice by vLLM.
+                self.spec_model = None
+                self.spec_tokens = None
+                self.speculative_config = vllm_dict
+                self._ddtree_config = ddtree
+        spec = original(self, target_model_config, target_parallel_config)
+        if ddtree is not None and spec is not None:
+            hf_config = spec.draft_model_config.hf_config if spec.draft_model_config else None
+            if hf_config is not None:
+                check_drafter_is_dflash(
+                    {
+                        "dflash_config": getattr(hf_config, "dflash_config", None),
+                        "architectures": getattr(hf_config, "architectures", None),
+                    },
+                    spec.model,
+                )
+            setattr(spec, DDTREE_ATTR, ddtree)
+            logger.warning(
+                "vllm-ddtree: method 'ddtree' accepted (tree_budget=%d, tree_top_k=%d, depth=%d). "
+                "This release validates and carries the DDTree settings; the engine still drafts "
+                "and verifies as a DFlash chain of %d tokens (tree verification in vLLM is on "
+                "the roadmap, see CONTRIBUTING.md). Output is exactly the target's.",
+                ddtree.tree_budget,
+                ddtree.tree_top_k,
+                ddtree.depth,
+                ddtree.depth,
+            )
+        return spec
+
+    setattr(create_speculative_config, _PATCHED_FLAG, True)
+    return create_speculative_config
+
+
+def apply() -> None:
+    """Install every patch once per process (idempotent)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.create_speculative_config, _PATCHED_FLAG, False):
+        return
+    _check_vllm_shape()
+    try:
+        import vllm
+
+        version = getattr(vllm, "__version__", "unknown")
+    except Exception:  # noqa: BLE001
+        version = "unknown"
+    if not str(version).startswith(WRITTEN_FOR_VLLM):
+        logger.warning(
+            "vllm-ddtree was written for vLLM %s; running on %s", WRITTEN_FOR_VLLM, version
+        )
+    EngineArgs.create_speculative_config = _wrap_create_speculative_config(
+        EngineArgs.create_speculative_config
+    )
