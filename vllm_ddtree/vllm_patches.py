@@ -5,6 +5,13 @@ that the function still has the shape this module expects and fails loudly if vL
 
 Patches:
 
+* ``vllm.v1.attention.backends.registry``: TREE_ATTN is registered in the ``CUSTOM`` slot of
+  ``AttentionBackendEnum`` (``register_backend``), and ``TREE_ATTN`` is added as an alias name of
+  that member, so ``--attention-backend TREE_ATTN`` parses and the member pickles as the static
+  ``CUSTOM`` (a new enum member would not unpickle in a spawned worker before the plugin ran).
+* ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
+  CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
+
 * ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (called by
   ``create_engine_config`` in the API / ``LLM`` process, before any engine process starts): a
   ``"method": "ddtree"`` request is validated and rewritten to vLLM's DFlash request, and the
@@ -70,6 +77,33 @@ def _check_vllm_shape() -> None:
         raise VLLMIncompatibleError("vllm-ddtree: EngineArgs has no speculative_config field")
 
 
+def _as_backend(value):
+    from vllm.config.attention import AttentionConfig
+
+    return AttentionConfig.validate_backend_before(value) if isinstance(value, str) else value
+
+
+def _choose_attention_backends(engine_args, speculative: dict) -> None:
+    """DDTree verifies with TREE_ATTN: select it for the target when none was chosen, refuse a
+    backend that cannot do tree attention, and keep the (non-causal) DFlash drafter on the
+    platform's usual backend unless the user named one for it."""
+    from vllm.platforms import current_platform
+
+    config_backend = getattr(engine_args.attention_config, "backend", None)
+    chosen = _as_backend(engine_args.attention_backend) or _as_backend(config_backend)
+    if chosen is None:
+        engine_args.attention_backend = TREE_ATTN_NAME
+    elif not is_tree_attention(chosen):
+        raise DDTreeConfigError(
+            f"method 'ddtree' verifies draft trees with the TREE_ATTN attention backend; the "
+            f"target's attention backend {chosen.name} cannot do tree attention. Use "
+            "--attention-backend TREE_ATTN or leave it unset (speculative_config"
+            "['attention_backend'] chooses the drafter's backend)."
+        )
+    if speculative.get("attention_backend") is None:
+        speculative["attention_backend"] = "CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"
+
+
 def _wrap_create_speculative_config(original):
     @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config):
@@ -93,6 +127,7 @@ def _wrap_create_speculative_config(original):
             vllm_dict, parsed = split_speculative_config(merged, _speculative_config_fields())
             if parsed is not None:
                 ddtree = parsed
+                _choose_attention_backends(self, vllm_dict)
                 # Flags folded above must not be applied twice by vLLM.
                 self.spec_model = None
                 self.spec_tokens = None
@@ -126,10 +161,62 @@ def _wrap_create_speculative_config(original):
     return create_speculative_config
 
 
+TREE_ATTN_NAME = "TREE_ATTN"
+TREE_ATTN_PATH = "tree_attn_backend.backend.TreeAttentionBackend"
+
+
+def register_tree_attention() -> None:
+    """Register TREE_ATTN in vLLM's CUSTOM backend slot under the name ``TREE_ATTN``."""
+    from vllm.v1.attention.backends import registry
+
+    enum = registry.AttentionBackendEnum
+    custom = enum.CUSTOM
+    existing = registry._ATTN_OVERRIDES.get(custom)
+    if existing not in (None, TREE_ATTN_PATH):
+        raise VLLMIncompatibleError(
+            f"vllm-ddtree: the CUSTOM attention backend slot already holds {existing}; "
+            "TREE_ATTN needs it"
+        )
+    registry.register_backend(custom, TREE_ATTN_PATH)
+    if TREE_ATTN_NAME not in enum._member_map_:
+        enum._member_map_[TREE_ATTN_NAME] = custom
+
+
+def is_tree_attention(backend) -> bool:
+    """True if ``backend`` (an ``AttentionBackendEnum`` or None) selects TREE_ATTN."""
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
+
+    return (
+        backend is AttentionBackendEnum.CUSTOM
+        and _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM) == TREE_ATTN_PATH
+    )
+
+
+def _patch_cpu_platform() -> None:
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except Exception:  # noqa: BLE001 - no CPU platform in this vLLM build
+        return
+    original = CpuPlatform.get_attn_backend_cls.__func__
+    if getattr(original, _PATCHED_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def get_attn_backend_cls(cls, selected_backend, *args, **kwargs):
+        if is_tree_attention(selected_backend):
+            return TREE_ATTN_PATH
+        return original(cls, selected_backend, *args, **kwargs)
+
+    setattr(get_attn_backend_cls, _PATCHED_FLAG, True)
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
 def apply() -> None:
     """Install every patch once per process (idempotent)."""
     from vllm.engine.arg_utils import EngineArgs
 
+    register_tree_attention()
+    _patch_cpu_platform()
     if getattr(EngineArgs.create_speculative_config, _PATCHED_FLAG, False):
         return
     _check_vllm_shape()

@@ -1,7 +1,13 @@
-"""Generate with vLLM: the target alone, then with a speculative config; print JSON.
+"""Run one or more vLLM engines over the same token prompts (greedy) and print JSON.
 
-Runs as its own process (vLLM engines keep process-global state):
-    python run_vllm_generate.py TARGET SPEC_JSON PROMPTS_JSON MAX_TOKENS
+Each engine runs in this process, one after the other (vLLM engines keep process-global
+state, so tests start this script as a subprocess):
+
+    python run_vllm_generate.py TARGET RUNS_JSON PROMPTS_JSON MAX_TOKENS
+
+RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` arguments
+(e.g. ``speculative_config``, ``attention_backend``, ``dtype``). Prints one line
+``RESULT {name: {"tokens": [...], "metrics": {...}, "ddtree": {...}, "backend": ...}}``.
 """
 
 import gc
@@ -10,43 +16,48 @@ import os
 import sys
 
 
-def generate(target: str, spec: dict | None, prompts: list[list[int]], max_tokens: int):
+def generate(target: str, kwargs: dict, prompts: list[list[int]], max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
         model=target,
-        speculative_config=spec,
         enforce_eager=True,
         skip_tokenizer_init=True,
         max_model_len=512,
         max_num_seqs=4,
         seed=0,
         disable_log_stats=False,
+        **kwargs,
     )
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
     )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
     metrics = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):
             metrics[metric.name] = getattr(metric, "value", None)
-    speculative_config = llm.llm_engine.vllm_config.speculative_config
-    ddtree = getattr(speculative_config, "ddtree_config", None)
+    config = llm.llm_engine.vllm_config
+    ddtree = getattr(config.speculative_config, "ddtree_config", None)
+    backend = config.attention_config.backend
+    result = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "metrics": metrics,
+        "ddtree": ddtree.to_dict() if ddtree else None,
+        "backend": backend.name if backend is not None else None,
+    }
     del llm
     gc.collect()
-    return tokens, metrics, (ddtree.to_dict() if ddtree else None)
+    return result
 
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    target, spec_json, prompts_json, max_tokens = sys.argv[1:5]
+    target, runs_json, prompts_json, max_tokens = sys.argv[1:5]
     prompts = json.loads(prompts_json)
-    plain, _, _ = generate(target, None, prompts, int(max_tokens))
-    spec, metrics, ddtree = generate(target, json.loads(spec_json), prompts, int(max_tokens))
-    print(
-        "RESULT " + json.dumps({"plain": plain, "spec": spec, "metrics": metrics, "ddtree": ddtree})
-    )
+    results = {}
+    for run in json.loads(runs_json):
+        results[run["name"]] = generate(target, run["kwargs"], prompts, int(max_tokens))
+    print("RESULT " + json.dumps(results))

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Runs the GPU checks and benchmarks on an air-gapped GPU host that has torch/triton but no
+# package registry; vLLM 0.26.0 arrives as the slim bundle in .vllm-device/ (see CONTRIBUTING.md).
+#   bash benchmarks/gpu_host.sh STEP [OUT_DIR]
+# STEP: kernels  - tree algorithms + tree-attention kernel tests on CUDA (no vLLM needed)
+#       bench    - benchmarks/bench_tree_attn.py (needs vLLM for the TRITON_ATTN baseline)
+#       engines  - benchmarks/tree_attn_vllm_gpu.py (vLLM engines with TREE_ATTN)
+set -uo pipefail
+STEP=$1
+OUT=${2:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# The vLLM bundle: each part's setup.sh installs every part this call carried into /tmp/site.
+for part in .vllm-device/part1 .vllm-device/part2 .vllm-device/part3; do
+  if [ -f "$part/setup.sh" ]; then bash "$part/setup.sh"; break; fi
+done
+# This package runs from the source tree; vLLM finds the plugin through its entry point, so
+# write the distribution metadata next to the bundle (no build backend needed on the host).
+mkdir -p /tmp/site/vllm_ddtree-0.0.0.dist-info
+printf 'Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.0.0\n' \
+  > /tmp/site/vllm_ddtree-0.0.0.dist-info/METADATA
+printf '[vllm.general_plugins]\nddtree = vllm_ddtree:register\n' \
+  > /tmp/site/vllm_ddtree-0.0.0.dist-info/entry_points.txt
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+case "$STEP" in
+  kernels)
+    timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py \
+      tests/test_tree_attention_kernel.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -25 ;;
+  bench)
+    timeout 560 python3 benchmarks/bench_tree_attn.py --out "$OUT" 2>&1 | tee "$OUT/bench_tree_attn.log" | tail -60 ;;
+  engines)
+    timeout 560 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tree_attn_vllm_gpu.log" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -60 ;;
+  *) echo "unknown step $STEP"; exit 2 ;;
+esac

@@ -1,0 +1,132 @@
+"""The Triton tree-attention kernel against its PyTorch reference.
+
+On a machine without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1,
+set for this module by ``run_kernel_tests.py``-style re-exec below) on small shapes; on a GPU
+the same tests run natively, plus a larger grid.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tree_attn_backend.ops.tree_attention import (
+    pack_tree_mask,
+    tree_attention_ref,
+    unpack_tree_mask,
+)
+from tree_attn_backend.testing import random_case, relative_error
+
+ON_GPU = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_pack_and_unpack_round_trip():
+    visible = torch.rand(3, 70, 70) > 0.5
+    packed = pack_tree_mask(visible)
+    assert packed.shape == (3, 70, 3) and packed.dtype == torch.int32
+    assert torch.equal(unpack_tree_mask(packed, 70), visible)
+
+
+def test_reference_tree_rows_equal_their_branch_as_a_causal_chain():
+    """A tree node's output equals causal attention over context + its root-to-node path."""
+    case = random_case([("tree", 21, 12)], 4, 2, 32, 16, torch.float32, "cpu", seed=3)
+    out = tree_attention_ref(**case.kwargs())
+    visible = unpack_tree_mask(case.tree_mask, 13)
+    context_len = 21
+    for node in range(13):
+        path = torch.nonzero(visible[node]).flatten().tolist()  # ancestors + itself, in order
+        kv = list(range(context_len)) + [context_len + j for j in path]
+        blocks = case.block_table[0, torch.tensor(kv) // 16].long()
+        keys = case.key_cache[blocks, torch.tensor(kv) % 16]
+        values = case.value_cache[blocks, torch.tensor(kv) % 16]
+        query = case.q[node].view(2, 2, 32)
+        scores = torch.einsum("hgd,khd->hgk", query, keys) * case.scale
+        expected = torch.einsum("hgk,khd->hgd", scores.softmax(-1), values).reshape(4, 32)
+        assert torch.allclose(out[node], expected, atol=1e-5)
+
+
+def kernel_cases():
+    mixed = [("tree", 37, 20), ("causal", 5, 9), ("causal", 40, 1), ("tree", 16, 0), ("tree", 3, 7)]
+    return [
+        ("mixed-gqa2", mixed, 4, 2, 32, 16, None),
+        ("mixed-mha", mixed, 2, 2, 64, 16, None),
+        ("gqa4-blocks32", [("tree", 70, 33), ("causal", 0, 12)], 8, 2, 32, 32, None),
+        ("window", [("tree", 50, 15), ("causal", 30, 6)], 4, 2, 32, 16, 24),
+        ("empty-trees", [("tree", 9, 0), ("tree", 64, 0)], 4, 1, 64, 16, None),
+    ]
+
+
+def run_kernel(case, window=None):
+    from tree_attn_backend.ops.tree_attention import tree_attention
+
+    out = torch.full_like(case.q, float("nan"))  # poisoned: every element must be written
+    return tree_attention(
+        **case.kwargs(), max_query_len=case.max_query_len, sliding_window=window, out=out
+    )
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name,requests,hq,hkv,d,bs,window", kernel_cases())
+def test_kernel_matches_reference(name, requests, hq, hkv, d, bs, window):
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess (see test_kernels_under_interpreter)")
+    device = "cuda" if ON_GPU else "cpu"
+    for seed in range(2):
+        case = random_case(requests, hq, hkv, d, bs, torch.float32, device, seed=seed)
+        ref = tree_attention_ref(**case.kwargs(), sliding_window=window)
+        out = run_kernel(case, window)
+        tolerance = 1e-5 if INTERPRETED else 5e-3  # tf32 dots on a GPU
+        assert relative_error(out, ref) < tolerance, name
+
+
+@pytest.mark.interpreter
+def test_kernel_half_precision_matches_reference():
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    device = "cuda" if ON_GPU else "cpu"
+    case = random_case([("tree", 30, 10), ("causal", 4, 5)], 4, 2, 32, 16, torch.float16, device)
+    ref = tree_attention_ref(**case.kwargs())
+    assert relative_error(run_kernel(case), ref) < 5e-3
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
+def test_kernels_under_interpreter():
+    """Re-run this module's kernel tests with TRITON_INTERPRET=1 (set before Triton JITs)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "kernel_matches or half_precision or window_without",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.interpreter
+def test_kernel_window_without_positions_uses_kv_indices():
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    device = "cuda" if ON_GPU else "cpu"
+    case = random_case([("causal", 40, 9), ("causal", 3, 1)], 4, 2, 32, 16, torch.float32, device)
+    kwargs = {**case.kwargs(), "positions": None, "is_tree": None, "tree_mask": None}
+    ref = tree_attention_ref(**kwargs, sliding_window=17)
+    from tree_attn_backend.ops.tree_attention import tree_attention
+
+    out = tree_attention(**kwargs, max_query_len=case.max_query_len, sliding_window=17)
+    assert relative_error(out, ref) < (1e-5 if INTERPRETED else 5e-3)

@@ -1,0 +1,102 @@
+"""TREE_ATTN's registration in vLLM and its capability answers (no engine)."""
+
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+import vllm_ddtree  # noqa: E402
+from tree_attn_backend.backend import TreeAttentionBackend  # noqa: E402
+from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
+
+vllm_ddtree.register()
+
+SUPPORTED = dict(
+    head_size=128,
+    dtype=torch.bfloat16,
+    kv_cache_dtype="auto",
+    block_size=16,
+    use_mla=False,
+    has_sink=False,
+    use_sparse=False,
+    use_mm_prefix=False,
+    use_per_head_quant_scales=False,
+    device_capability=DeviceCapability(9, 0),
+    attn_type="decoder",
+)
+
+
+def test_tree_attn_name_parses_to_the_custom_slot_and_survives_pickling():
+    member = AttentionBackendEnum["TREE_ATTN"]
+    assert member is AttentionBackendEnum.CUSTOM
+    assert member.get_path() == "tree_attn_backend.backend.TreeAttentionBackend"
+    assert member.get_class() is TreeAttentionBackend
+    assert pickle.loads(pickle.dumps(member)) is member
+
+
+def test_cpu_platform_answers_tree_attn_when_selected():
+    from vllm.platforms.cpu import CpuPlatform
+
+    path = CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, None)
+    assert path == "tree_attn_backend.backend.TreeAttentionBackend"
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_supported_configurations_validate(head_size):
+    assert (
+        TreeAttentionBackend.validate_configuration(**{**SUPPORTED, "head_size": head_size}) == []
+    )
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({"head_size": 48}, "head_size"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"block_size": 8}, "block_size"),
+        ({"use_non_causal": True}, "non-causal"),
+        ({"has_sink": True}, "sink"),
+        ({"attn_type": "encoder_only"}, "attention type"),
+    ],
+)
+def test_unsupported_configurations_are_refused_with_a_reason(change, reason):
+    reasons = TreeAttentionBackend.validate_configuration(**{**SUPPORTED, **change})
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_kv_cache_shape_is_paged_and_split():
+    assert TreeAttentionBackend.get_kv_cache_shape(10, 16, 8, 128) == (2, 10, 16, 8, 128)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        TreeAttentionBackend.get_kv_cache_shape(10, 8, 8, 128)
+
+
+def engine_config(target, spec, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=target, speculative_config=spec, skip_tokenizer_init=True, max_model_len=512, **kwargs
+    ).create_engine_config()
+
+
+def test_ddtree_selects_tree_attn_for_the_target_and_a_causal_free_backend_for_the_drafter(
+    tiny_target_path, tiny_drafter_path
+):
+    config = engine_config(tiny_target_path, {"method": "ddtree", "model": tiny_drafter_path})
+    assert config.attention_config.backend is AttentionBackendEnum.CUSTOM
+    assert config.speculative_config.attention_backend is AttentionBackendEnum.CPU_ATTN
+
+
+def test_ddtree_refuses_a_target_backend_without_tree_attention(
+    tiny_target_path, tiny_drafter_path
+):
+    with pytest.raises(DDTreeConfigError, match="CPU_ATTN cannot do tree attention"):
+        engine_config(
+            tiny_target_path,
+            {"method": "ddtree", "model": tiny_drafter_path},
+            attention_backend="CPU_ATTN",
+        )

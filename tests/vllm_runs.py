@@ -1,0 +1,23 @@
+"""Start vLLM engines in a subprocess (tests/helpers/run_vllm_generate.py) and read results."""
+
+import json
+import os
+import subprocess
+import sys
+
+HELPER = os.path.join(os.path.dirname(__file__), "helpers", "run_vllm_generate.py")
+TREE_ATTN_ACTIVE = "TREE_ATTN: tree attention backend active"
+
+
+def run_engines(target: str, runs: list[dict], prompts: list[list[int]], max_tokens: int = 32):
+    """Returns (results by run name, the subprocess's whole log)."""
+    proc = subprocess.run(
+        [sys.executable, HELPER, target, json.dumps(runs), json.dumps(prompts), str(max_tokens)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT ")), proc.stdout + proc.stderr

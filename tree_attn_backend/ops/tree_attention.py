@@ -1,0 +1,390 @@
+"""Tree attention over vLLM's paged KV cache: Triton kernel, launcher and PyTorch reference.
+
+One launch serves a whole mixed batch. Every request ``r`` owns query tokens
+``query_start_loc[r] .. query_start_loc[r + 1]`` (``q_len`` of them), written to KV positions
+``context_len .. seq_len - 1`` with ``context_len = seq_len - q_len``:
+
+* an ordinary request (prefill, chunked prefill, decode) attends causally: query ``i`` sees key
+  positions ``< context_len + i + 1``;
+* a tree-verify request (``is_tree[r] = 1``) sees the whole committed context, and inside its
+  own ``q_len`` tokens (root = token 0, node ``k`` = token ``k``) only itself and its ancestors.
+  The structure arrives bit-packed: ``tree_mask[t, w]`` bit ``b`` says whether query token ``t``
+  sees in-tree token ``32 w + b`` (``O(N^2 / 32)`` int32 per request, never a dense bias).
+
+Sliding windows are measured in positions (``positions[t]`` is the RoPE position of query token
+``t``; for a tree node that is ``context_len + depth``): a key is visible only if
+``q_pos - k_pos < sliding_window``.
+
+Shapes: ``q``/``out`` ``[T, Hq, D]``; ``key_cache``/``value_cache``
+``[num_blocks, block_size, Hkv, D]`` (any strides; last dim contiguous); ``block_table``
+``[R, max_blocks]`` int32; ``query_start_loc`` ``[R + 1]`` int32; ``seq_lens`` ``[R]`` int32;
+``positions`` ``[T]`` int; ``tree_mask`` ``[T, W]`` int32; ``is_tree`` ``[R]`` int32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton is a dependency of torch on Linux
+    HAS_TRITON = False
+
+
+def pack_tree_mask(visible: torch.Tensor) -> torch.Tensor:
+    """Bit-pack a boolean visibility matrix.
+
+    Args:
+        visible: bool ``[..., Q, Q]``; ``visible[..., i, j]``: query ``i`` sees in-tree token ``j``.
+
+    Returns:
+        int32 ``[..., Q, ceil(Q / 32)]``; bit ``j % 32`` of word ``j // 32`` is ``visible[i, j]``.
+    """
+    size = visible.shape[-1]
+    words = (size + 31) // 32
+    padded = torch.zeros(*visible.shape[:-1], words * 32, dtype=torch.int64, device=visible.device)
+    padded[..., :size] = visible.to(torch.int64)
+    weights = torch.bitwise_left_shift(
+        torch.ones(32, dtype=torch.int64, device=visible.device),
+        torch.arange(32, dtype=torch.int64, device=visible.device),
+    )
+    packed = (padded.view(*visible.shape[:-1], words, 32) * weights).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_tree_mask(packed: torch.Tensor, size: int) -> torch.Tensor:
+    """Inverse of ``pack_tree_mask``: int32 ``[..., Q, W]`` -> bool ``[..., Q, size]``."""
+    bits = torch.arange(size, device=packed.device)
+    words = packed.to(torch.int64)[..., bits // 32]
+    return ((words >> (bits % 32)) & 1).bool()
+
+
+def tree_attention_ref(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None = None,
+    is_tree: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch tree attention (float32 math), same contract as ``tree_attention``.
+
+    Also the CPU implementation of the TREE_ATTN backend. Loops over requests on the host.
+    """
+    num_tokens, num_heads, head_size = q.shape
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for r in range(len(lens)):
+        q_start, q_end = starts[r], starts[r + 1]
+        q_len, seq_len = q_end - q_start, lens[r]
+        if q_len == 0:
+            continue
+        context_len = seq_len - q_len
+        kv_index = torch.arange(seq_len, device=q.device)
+        blocks = block_table[r, kv_index // block_size].long()
+        keys = key_cache[blocks, kv_index % block_size].float()  # [S, Hkv, D]
+        values = value_cache[blocks, kv_index % block_size].float()
+        local = torch.arange(q_len, device=q.device)
+        visible = kv_index.unsqueeze(0) < (context_len + local.unsqueeze(1) + 1)  # causal
+        if is_tree is not None and int(is_tree[r]):
+            in_tree = unpack_tree_mask(tree_mask[q_start:q_end], q_len)
+            visible = visible.clone()
+            visible[:, context_len:] = in_tree
+        if sliding_window is not None and sliding_window > 0:
+            if positions is None:
+                q_pos = context_len + local
+            else:
+                q_pos = positions[q_start:q_end].long()
+            k_pos = kv_index.clone()
+            k_pos[context_len:] = q_pos
+            visible = visible & ((q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < sliding_window)
+        query = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_size)
+        scores = torch.einsum("qhgd,khd->hgqk", query, keys) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        result = torch.einsum("hgqk,khd->qhgd", probs, values)
+        out[q_start:q_end] = result.reshape(q_len, num_heads, head_size).to(out.dtype)
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _find_seq_idx(query_start_loc_ptr, target_block, num_seqs, BLOCK_Q: tl.constexpr):
+        """Request whose q-blocks contain ``target_block`` (blocks: start // BLOCK_Q + r)."""
+        left = 0
+        right = num_seqs
+        while left < right:
+            mid = (left + right) // 2
+            val = tl.load(query_start_loc_ptr + mid)
+            mid_val = val // BLOCK_Q + mid
+            if mid_val <= target_block:
+                left = mid + 1
+            else:
+                right = mid
+        return left - 1
+
+    @triton.jit
+    def _tree_attention_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        out_ptr,
+        query_start_loc_ptr,
+        seq_lens_ptr,
+        block_table_ptr,
+        positions_ptr,
+        tree_mask_ptr,
+        is_tree_ptr,
+        scale,
+        num_seqs,
+        sliding_window,
+        stride_q_t,
+        stride_q_h,
+        stride_o_t,
+        stride_o_h,
+        stride_k_blk,
+        stride_k_pos,
+        stride_k_h,
+        stride_v_blk,
+        stride_v_pos,
+        stride_v_h,
+        stride_bt,
+        stride_mask_t,
+        NUM_QUERIES_PER_KV: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_SIZE_PADDED: tl.constexpr,
+        KV_BLOCK_SIZE: tl.constexpr,
+        USE_SLIDING_WINDOW: tl.constexpr,
+        HAS_POSITIONS: tl.constexpr,
+    ):
+        q_block_global = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq_idx)
+        q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
+        q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+        if q_block_local * BLOCK_Q >= q_len:
+            return
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+        q_local = q_block_local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV  # query index in request
+        head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+        q_valid = q_local < q_len
+        d_valid = offs_d < HEAD_SIZE
+        q_token = q_start + q_local
+        q_tile = tl.load(
+            q_ptr + q_token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+            mask=q_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+
+        seq_len = tl.load(seq_lens_ptr + seq_idx)
+        context_len = seq_len - q_len
+        tree = tl.load(is_tree_ptr + seq_idx) != 0
+        causal_only = tl.load(is_tree_ptr + seq_idx) == 0
+        # Keys past the block's last query are never visible (ancestors precede descendants).
+        last_local = tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
+        key_end = context_len + last_local
+        key_begin = 0
+        if USE_SLIDING_WINDOW:
+            if HAS_POSITIONS:
+                q_pos = tl.load(positions_ptr + q_token, mask=q_valid, other=0).to(tl.int32)
+                first_pos = tl.load(positions_ptr + q_start + q_block_local * BLOCK_Q).to(tl.int32)
+            else:  # positions are KV indices (no tree in this launch)
+                q_pos = context_len + q_local
+                first_pos = context_len + q_block_local * BLOCK_Q
+            # Context keys sit at their own position; none below first_pos - window + 1 is seen.
+            key_begin = tl.maximum(first_pos - sliding_window + 1, 0)
+            key_begin = tl.minimum(key_begin, context_len)
+            key_begin = (key_begin // BLOCK_N) * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+        for start_n in range(key_begin, key_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < key_end
+            physical = tl.load(
+                block_table_ptr + seq_idx * stride_bt + offs_n // KV_BLOCK_SIZE,
+                mask=n_valid,
+                other=0,
+            ).to(tl.int64)
+            slot = offs_n % KV_BLOCK_SIZE
+            k_tile = tl.load(
+                k_cache_ptr
+                + physical[None, :] * stride_k_blk
+                + slot[None, :] * stride_k_pos
+                + kv_head * stride_k_h
+                + offs_d[:, None],
+                mask=n_valid[None, :] & d_valid[:, None],
+                other=0.0,
+            )
+            scores = tl.dot(q_tile, k_tile) * scale  # [BLOCK_M, BLOCK_N] fp32
+
+            in_tree_idx = offs_n - context_len  # index inside the request's query tokens
+            in_context = in_tree_idx < 0
+            causal_ok = in_tree_idx[None, :] <= q_local[:, None]
+            word = tl.load(
+                tree_mask_ptr
+                + q_token[:, None] * stride_mask_t
+                + tl.maximum(in_tree_idx, 0)[None, :] // 32,
+                mask=tree & q_valid[:, None] & (in_tree_idx >= 0)[None, :] & n_valid[None, :],
+                other=0,
+            )
+            bit = ((word >> (tl.maximum(in_tree_idx, 0)[None, :] % 32)) & 1) != 0
+            in_block_ok = causal_ok & (bit | causal_only)
+            visible = (in_context[None, :] | in_block_ok) & n_valid[None, :] & q_valid[:, None]
+            if USE_SLIDING_WINDOW:
+                if HAS_POSITIONS:
+                    tree_pos = tl.load(
+                        positions_ptr + q_start + tl.maximum(in_tree_idx, 0),
+                        mask=(in_tree_idx >= 0) & n_valid,
+                        other=0,
+                    ).to(tl.int32)
+                    k_pos = tl.where(in_context, offs_n, tree_pos)
+                else:
+                    k_pos = offs_n
+                visible = visible & ((q_pos[:, None] - k_pos[None, :]) < sliding_window)
+            scores = tl.where(visible, scores, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_tile = tl.load(
+                v_cache_ptr
+                + physical[:, None] * stride_v_blk
+                + slot[:, None] * stride_v_pos
+                + kv_head * stride_v_h
+                + offs_d[None, :],
+                mask=n_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        result = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + q_token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=q_valid[:, None] & d_valid[None, :],
+        )
+
+
+def choose_block_m(num_queries_per_kv: int, max_query_len: int) -> int:
+    """Query rows (tokens x grouped heads) per program: wide for tree verify, narrow for decode."""
+    rows = max(16, triton.next_power_of_2(num_queries_per_kv))
+    if max_query_len * num_queries_per_kv >= 64:
+        rows = max(rows, 64)
+    return rows
+
+
+def tree_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    tree_mask: torch.Tensor | None = None,
+    is_tree: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Tree attention with the Triton kernel (launch shape independent of tree contents).
+
+    ``q`` ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``; see the module docstring
+    for the rest. ``max_query_len`` (a host int) only sizes the launch: it must bound every
+    request's query length. ``tree_mask``/``is_tree`` None means every request is causal.
+    Returns ``out`` ``[T, Hq, D]`` (allocated when not given).
+    """
+    num_tokens, num_heads, head_size = q.shape
+    _, kv_block_size, num_kv_heads, _ = key_cache.shape
+    assert key_cache.shape == value_cache.shape, "key and value caches differ in shape"
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if tree_mask is None or is_tree is None:
+        tree_mask = torch.zeros((1, 1), dtype=torch.int32, device=q.device)
+        is_tree = torch.zeros(num_seqs, dtype=torch.int32, device=q.device)
+    use_window = sliding_window is not None and sliding_window > 0
+    has_positions = positions is not None
+    # Without positions, windows are measured in KV indices: exact for causal requests; tree
+    # requests with sliding windows must pass positions (depth-based).
+    if positions is None:
+        positions = torch.zeros(1, dtype=torch.int32, device=q.device)
+    group = num_heads // num_kv_heads
+    block_m = choose_block_m(group, max_query_len)
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _tree_attention_kernel[grid](
+        q,
+        key_cache,
+        value_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        positions,
+        tree_mask,
+        is_tree,
+        scale,
+        num_seqs,
+        sliding_window if use_window else 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        tree_mask.stride(0),
+        NUM_QUERIES_PER_KV=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+        KV_BLOCK_SIZE=kv_block_size,
+        USE_SLIDING_WINDOW=use_window,
+        HAS_POSITIONS=has_positions,
+    )
+    return out
+
+
+def default_scale(head_size: int) -> float:
+    return 1.0 / math.sqrt(head_size)
