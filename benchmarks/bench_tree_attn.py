@@ -239,12 +239,27 @@ def speed_grid(quick: bool, bandwidth_gbs: float) -> list[dict]:
                     row["chain_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 query, keys, values, mask = dense_inputs(case)
                 dense = (query, keys, values, mask, case.scale)
-                row["sdpa_ms"] = median_ms(lambda dense=dense: sdpa(*dense))
-                reference = sdpa(
-                    query.float(), keys.float(), values.float(), mask.float(), case.scale
-                ).reshape(case.q.shape)
+                try:
+                    row["sdpa_ms"] = median_ms(lambda dense=dense: sdpa(*dense))
+                except torch.OutOfMemoryError:
+                    row["sdpa_ms"] = None  # the dense mask path does not fit
+                try:
+                    reference = sdpa(
+                        query.float(), keys.float(), values.float(), mask.float(), case.scale
+                    ).reshape(case.q.shape)
+                except torch.OutOfMemoryError:
+                    reference = tree_attention_ref(  # float32, one request at a time
+                        **{
+                            **case.kwargs(),
+                            "q": case.q.float(),
+                            "key_cache": case.key_cache.float(),
+                            "value_cache": case.value_cache.float(),
+                        }
+                    )
                 row["rel_error_vs_fp32"] = relative_error(run_tree(), reference)
                 row["ok"] = bool(row["rel_error_vs_fp32"] < BF16_TOLERANCE)
+                del dense, reference
+                torch.cuda.empty_cache()
                 kv_bytes = int(case.seq_lens.sum()) * hkv * d * 2 * 2
                 qo_bytes = 2 * case.q.numel() * 2
                 row["min_bytes"] = kv_bytes + qo_bytes
@@ -252,10 +267,62 @@ def speed_grid(quick: bool, bandwidth_gbs: float) -> list[dict]:
                 row["tree_fraction_of_copy_bw"] = row["tree_gbs"] / bandwidth_gbs
                 if row["chain_ms"]:
                     row["tree_over_chain"] = row["tree_ms"] / row["chain_ms"]
-                row["sdpa_over_tree"] = row["sdpa_ms"] / row["tree_ms"]
+                if row["sdpa_ms"]:
+                    row["sdpa_over_tree"] = row["sdpa_ms"] / row["tree_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
+    return rows
+
+
+def tune(quick: bool) -> list[dict]:
+    """Kernel launch variants on a few shapes (the speed grid uses the launcher's defaults)."""
+    rows = []
+    for nodes, context, batch in [(64, 8192, 1), (64, 8192, 8), (64, 8192, 32), (256, 1024, 8)]:
+        case = random_case(
+            [("tree", context, nodes)] * batch,
+            32,
+            8,
+            128,
+            16,
+            torch.bfloat16,
+            "cuda",
+            seed=1,
+            vocab=256,
+        )
+        out = torch.empty_like(case.q)
+        for block_n in (32, 64):
+            for num_warps in (4, 8):
+                for segments in (None, 1):
+
+                    def run(
+                        block_n=block_n, num_warps=num_warps, segments=segments, case=case, out=out
+                    ):
+                        return tree_attention(
+                            **case.kwargs(),
+                            max_query_len=case.max_query_len,
+                            out=out,
+                            block_n=block_n,
+                            num_warps=num_warps,
+                            num_segments=segments,
+                        )
+
+                    try:
+                        ms = median_ms(run)
+                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                        ms = None
+                        print(f"variant failed: {type(exc).__name__}: {exc}"[:200])
+                    row = dict(
+                        nodes=nodes,
+                        context=context,
+                        batch=batch,
+                        block_n=block_n,
+                        num_warps=num_warps,
+                        segments=segments or "auto",
+                        ms=ms,
+                    )
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     return rows
 
 
@@ -283,9 +350,11 @@ def markdown(result: dict) -> str:
     for r in result["speed"]:
         chain = f"{r['chain_ms']:.3f}" if r.get("chain_ms") else "n/a"
         ratio = f"{r['tree_over_chain']:.2f}" if r.get("tree_over_chain") else "n/a"
+        sdpa_ms = f"{r['sdpa_ms']:.3f}" if r.get("sdpa_ms") else "OOM"
+        sdpa_ratio = f"{r['sdpa_over_tree']:.1f}" if r.get("sdpa_over_tree") else "n/a"
         lines.append(
             f"| {r['nodes']} | {r['context']} | {r['batch']} | {r['tree_ms']:.3f} | {chain} | "
-            f"{r['sdpa_ms']:.3f} | {ratio} | {r['sdpa_over_tree']:.1f} | {r['tree_gbs']:.0f} | "
+            f"{sdpa_ms} | {ratio} | {sdpa_ratio} | {r['tree_gbs']:.0f} | "
             f"{100 * r['tree_fraction_of_copy_bw']:.0f} | {r['rel_error_vs_fp32']:.1e} |"
         )
     return "\n".join(lines) + "\n"
@@ -296,6 +365,8 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--tune", action="store_true", help="time launch variants first")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     os.makedirs(args.out, exist_ok=True)
@@ -317,11 +388,13 @@ def main() -> int:
         python=platform.python_version(),
     )
     result["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
+    result["tuning"] = tune(args.quick) if args.tune else []
     result["checks"] = [] if args.skip_checks else check_grid(args.quick)
     print(
         f"checks: {sum(r['ok'] for r in result['checks'])}/{len(result['checks'])} ok", flush=True
     )
-    result["speed"] = speed_grid(args.quick, result["copy_bandwidth_gbs"])
+    speed = [] if args.skip_speed else speed_grid(args.quick, result["copy_bandwidth_gbs"])
+    result["speed"] = speed
     result["seconds"] = time.time() - t0
     with open(os.path.join(args.out, "tree_attn.json"), "w") as f:
         json.dump(result, f, indent=1)

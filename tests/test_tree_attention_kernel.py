@@ -107,7 +107,7 @@ def test_kernels_under_interpreter():
             "no:cacheprovider",
             __file__,
             "-k",
-            "kernel_matches or half_precision or window_without",
+            "kernel_matches or half_precision or window_without or split_kv",
         ],
         capture_output=True,
         text=True,
@@ -129,4 +129,22 @@ def test_kernel_window_without_positions_uses_kv_indices():
     from tree_attn_backend.ops.tree_attention import tree_attention
 
     out = tree_attention(**kwargs, max_query_len=case.max_query_len, sliding_window=17)
+    assert relative_error(out, ref) < (1e-5 if INTERPRETED else 5e-3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("segments", [2, 4])
+def test_split_kv_segments_match_reference(segments):
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    device = "cuda" if ON_GPU else "cpu"
+    requests = [("tree", 70, 12), ("causal", 0, 5), ("tree", 3, 0), ("causal", 100, 1)]
+    case = random_case(requests, 4, 2, 32, 16, torch.float32, device, seed=segments)
+    from tree_attn_backend.ops.tree_attention import tree_attention
+
+    out = torch.full_like(case.q, float("nan"))
+    tree_attention(
+        **case.kwargs(), max_query_len=case.max_query_len, out=out, num_segments=segments
+    )
+    ref = tree_attention_ref(**case.kwargs())
     assert relative_error(out, ref) < (1e-5 if INTERPRETED else 5e-3)

@@ -147,6 +147,9 @@ if HAS_TRITON:
         k_cache_ptr,
         v_cache_ptr,
         out_ptr,
+        partial_out_ptr,
+        partial_max_ptr,
+        partial_sum_ptr,
         query_start_loc_ptr,
         seq_lens_ptr,
         block_table_ptr,
@@ -155,6 +158,8 @@ if HAS_TRITON:
         is_tree_ptr,
         scale,
         num_seqs,
+        num_tokens,
+        num_heads,
         sliding_window,
         stride_q_t,
         stride_q_h,
@@ -177,9 +182,11 @@ if HAS_TRITON:
         KV_BLOCK_SIZE: tl.constexpr,
         USE_SLIDING_WINDOW: tl.constexpr,
         HAS_POSITIONS: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr,
     ):
         q_block_global = tl.program_id(0)
         kv_head = tl.program_id(1)
+        segment = tl.program_id(2)
         seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq_idx)
         q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
@@ -220,12 +227,22 @@ if HAS_TRITON:
             key_begin = tl.minimum(key_begin, context_len)
             key_begin = (key_begin // BLOCK_N) * BLOCK_N
 
+        # Split-KV: this program covers one of NUM_SEGMENTS tile-aligned slices of the keys.
+        if NUM_SEGMENTS > 1:
+            num_tiles = tl.cdiv(key_end - key_begin, BLOCK_N)
+            tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+            segment_begin = key_begin + segment * tiles_per_segment * BLOCK_N
+            segment_end = tl.minimum(segment_begin + tiles_per_segment * BLOCK_N, key_end)
+        else:
+            segment_begin = key_begin
+            segment_end = key_end
+
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-        for start_n in range(key_begin, key_end, BLOCK_N):
+        for start_n in range(segment_begin, segment_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < key_end
+            n_valid = offs_n < segment_end
             physical = tl.load(
                 block_table_ptr + seq_idx * stride_bt + offs_n // KV_BLOCK_SIZE,
                 mask=n_valid,
@@ -286,12 +303,60 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
             m_i = m_new
 
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        result = acc / l_safe[:, None]
+        if NUM_SEGMENTS > 1:
+            # Unnormalised partials [segment, token, head, :], combined by _combine_kernel.
+            row = (segment * num_tokens + q_token) * num_heads + head
+            tl.store(partial_max_ptr + row, m_i, mask=q_valid)
+            tl.store(partial_sum_ptr + row, l_i, mask=q_valid)
+            tl.store(
+                partial_out_ptr + row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :],
+                acc,
+                mask=q_valid[:, None],
+            )
+        else:
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            result = acc / l_safe[:, None]
+            tl.store(
+                out_ptr
+                + q_token[:, None] * stride_o_t
+                + head[:, None] * stride_o_h
+                + offs_d[None, :],
+                result.to(out_ptr.dtype.element_ty),
+                mask=q_valid[:, None] & d_valid[None, :],
+            )
+
+    @triton.jit
+    def _combine_kernel(
+        out_ptr,
+        partial_out_ptr,
+        partial_max_ptr,
+        partial_sum_ptr,
+        num_tokens,
+        num_heads,
+        stride_o_t,
+        stride_o_h,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_SIZE_PADDED: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr,
+    ):
+        """out[t, h] = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s over the segments."""
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        segments = tl.arange(0, NUM_SEGMENTS)
+        offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+        rows = (segments * num_tokens + token) * num_heads + head
+        seg_max = tl.load(partial_max_ptr + rows)
+        seg_sum = tl.load(partial_sum_ptr + rows)
+        total_max = tl.max(seg_max, axis=0)
+        safe_max = tl.where(total_max == float("-inf"), 0.0, total_max)
+        weight = tl.exp(seg_max - safe_max)
+        total = tl.sum(seg_sum * weight, axis=0)
+        acc = tl.load(partial_out_ptr + rows[:, None] * HEAD_SIZE_PADDED + offs_d[None, :])
+        result = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
         tl.store(
-            out_ptr + q_token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :],
+            out_ptr + token * stride_o_t + head * stride_o_h + offs_d,
             result.to(out_ptr.dtype.element_ty),
-            mask=q_valid[:, None] & d_valid[None, :],
+            mask=offs_d < HEAD_SIZE,
         )
 
 
@@ -301,6 +366,28 @@ def choose_block_m(num_queries_per_kv: int, max_query_len: int) -> int:
     if max_query_len * num_queries_per_kv >= 64:
         rows = max(rows, 64)
     return rows
+
+
+_SM_COUNT: dict[int, int] = {}
+MAX_SEGMENTS = 16
+
+
+def choose_num_segments(num_programs: int, device: torch.device) -> int:
+    """KV splits so that about two programs run per multiprocessor (1 when the batch fills it).
+
+    Depends only on launch-shape quantities, so a CUDA graph captured for a batch shape stays
+    valid for any sequence lengths (each program sizes its slice from its request's length).
+    """
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    wanted = -(-2 * _SM_COUNT[index] // max(num_programs, 1))
+    segments = 1
+    while segments < min(wanted, MAX_SEGMENTS):
+        segments *= 2
+    return segments
 
 
 def tree_attention(
@@ -318,12 +405,16 @@ def tree_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int = 32,
+    num_segments: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel (launch shape independent of tree contents).
 
     ``q`` ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``; see the module docstring
     for the rest. ``max_query_len`` (a host int) only sizes the launch: it must bound every
     request's query length. ``tree_mask``/``is_tree`` None means every request is causal.
+    ``num_segments`` splits each request's keys over that many programs (a power of 2; None:
+    enough to fill the GPU when the batch alone does not), combined by a second kernel.
     Returns ``out`` ``[T, Hq, D]`` (allocated when not given).
     """
     num_tokens, num_heads, head_size = q.shape
@@ -346,12 +437,31 @@ def tree_attention(
     group = num_heads // num_kv_heads
     block_m = choose_block_m(group, max_query_len)
     block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_segments is None:
+        num_segments = choose_num_segments(num_q_blocks * num_kv_heads, q.device)
+    head_size_padded = max(16, triton.next_power_of_2(head_size))
+    if num_segments > 1:
+        partial_out = torch.empty(
+            (num_segments, num_tokens, num_heads, head_size_padded),
+            dtype=torch.float32,
+            device=q.device,
+        )
+        partial_max = torch.empty(
+            (num_segments, num_tokens, num_heads), dtype=torch.float32, device=q.device
+        )
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_out = partial_max = partial_sum = out  # unused
+    grid = (num_q_blocks, num_kv_heads, num_segments)
     _tree_attention_kernel[grid](
         q,
         key_cache,
         value_cache,
         out,
+        partial_out,
+        partial_max,
+        partial_sum,
         query_start_loc,
         seq_lens,
         block_table,
@@ -360,6 +470,8 @@ def tree_attention(
         is_tree,
         scale,
         num_seqs,
+        num_tokens,
+        num_heads,
         sliding_window if use_window else 0,
         q.stride(0),
         q.stride(1),
@@ -378,11 +490,27 @@ def tree_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+        HEAD_SIZE_PADDED=head_size_padded,
         KV_BLOCK_SIZE=kv_block_size,
         USE_SLIDING_WINDOW=use_window,
         HAS_POSITIONS=has_positions,
+        NUM_SEGMENTS=num_segments,
+        **({"num_warps": num_warps} if num_warps else {}),
     )
+    if num_segments > 1:
+        _combine_kernel[(num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_max,
+            partial_sum,
+            num_tokens,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_size_padded,
+            NUM_SEGMENTS=num_segments,
+        )
     return out
 
 
