@@ -2,7 +2,8 @@
 # Runs the GPU checks and benchmarks on an air-gapped GPU host that has torch/triton but no
 # package registry; vLLM 0.26.0 arrives as the slim bundle in .vllm-device/ (see CONTRIBUTING.md).
 #   bash benchmarks/gpu_host.sh STEP [OUT_DIR]
-# STEP: kernels  - tree algorithms + tree-attention kernel tests on CUDA (no vLLM needed)
+# STEP: kernels  - tree algorithms + tree-attention kernel tests on CUDA, launch-variant timings
+#                  (no vLLM needed)
 #       bench    - benchmarks/bench_tree_attn.py (needs vLLM for the TRITON_ATTN baseline)
 #       engines  - benchmarks/tree_attn_vllm_gpu.py (vLLM engines with TREE_ATTN)
 set -uo pipefail
@@ -27,7 +28,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 case "$STEP" in
   kernels)
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py \
-      tests/test_tree_attention_kernel.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -25 ;;
+      tests/test_tree_attention_kernel.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -5
+    timeout 300 python3 benchmarks/bench_tree_attn.py --tune --skip-checks --skip-speed \
+      --out "$OUT/tune" 2>&1 | grep '"ms"' | tee "$OUT/tune.log" ;;
   bench)
     timeout 560 python3 benchmarks/bench_tree_attn.py --out "$OUT" 2>&1 | tee "$OUT/bench_tree_attn.log" | tail -60 ;;
   engines)
