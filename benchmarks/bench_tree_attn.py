@@ -275,6 +275,10 @@ def speed_grid(quick: bool, bandwidth_gbs: float) -> list[dict]:
     return rows
 
 
+# (block_m, block_n, num_warps); split-KV segments stay automatic.
+TUNE_VARIANTS = [(64, 32, 4), (64, 64, 4), (32, 32, 4), (16, 32, 4), (16, 64, 4), (16, 32, 2)]
+
+
 def tune(quick: bool) -> list[dict]:
     """Kernel launch variants on a few shapes (the speed grid uses the launcher's defaults)."""
     rows = []
@@ -291,38 +295,20 @@ def tune(quick: bool) -> list[dict]:
             vocab=256,
         )
         out = torch.empty_like(case.q)
-        for block_n in (32, 64):
-            for num_warps in (4, 8):
-                for segments in (None, 1):
-
-                    def run(
-                        block_n=block_n, num_warps=num_warps, segments=segments, case=case, out=out
-                    ):
-                        return tree_attention(
-                            **case.kwargs(),
-                            max_query_len=case.max_query_len,
-                            out=out,
-                            block_n=block_n,
-                            num_warps=num_warps,
-                            num_segments=segments,
-                        )
-
-                    try:
-                        ms = median_ms(run)
-                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                        ms = None
-                        print(f"variant failed: {type(exc).__name__}: {exc}"[:200])
-                    row = dict(
-                        nodes=nodes,
-                        context=context,
-                        batch=batch,
-                        block_n=block_n,
-                        num_warps=num_warps,
-                        segments=segments or "auto",
-                        ms=ms,
+        for block_m, block_n, num_warps in TUNE_VARIANTS:
+            launch = dict(block_m=block_m, block_n=block_n, num_warps=num_warps)
+            try:
+                ms = median_ms(
+                    lambda case=case, out=out, launch=launch: tree_attention(
+                        **case.kwargs(), max_query_len=case.max_query_len, out=out, **launch
                     )
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                )
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                ms = None
+                print(f"variant failed: {type(exc).__name__}: {exc}"[:200])
+            row = dict(nodes=nodes, context=context, batch=batch, **launch, ms=ms)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 

@@ -33,6 +33,10 @@ case "$STEP" in
       --out "$OUT/tune" 2>&1 | grep '"ms"' | tee "$OUT/tune.log" ;;
   bench)
     timeout 560 python3 benchmarks/bench_tree_attn.py --out "$OUT" 2>&1 | tee "$OUT/bench_tree_attn.log" | tail -60 ;;
+  tune-engines)
+    timeout 150 python3 benchmarks/bench_tree_attn.py --tune --skip-checks --skip-speed \
+      --out "$OUT/tune" 2>&1 | grep '"ms"' | tee "$OUT/tune.log"
+    timeout 400 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tree_attn_vllm_gpu.log" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -40 ;;
   engines)
     timeout 560 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tree_attn_vllm_gpu.log" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -60 ;;
   *) echo "unknown step $STEP"; exit 2 ;;

@@ -407,6 +407,7 @@ def tree_attention(
     block_n: int = 32,
     num_segments: int | None = None,
     num_warps: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel (launch shape independent of tree contents).
 
@@ -435,7 +436,8 @@ def tree_attention(
     if positions is None:
         positions = torch.zeros(1, dtype=torch.int32, device=q.device)
     group = num_heads // num_kv_heads
-    block_m = choose_block_m(group, max_query_len)
+    if block_m is None:
+        block_m = choose_block_m(group, max_query_len)
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_segments is None:
