@@ -43,6 +43,9 @@ BF16_TOLERANCE = 1e-2  # relative error for bf16/fp16 operands (float32 accumula
 
 
 def git_commit() -> str:
+    """The commit measured: $VLLM_DDTREE_COMMIT (hosts without the git metadata), else HEAD."""
+    if os.environ.get("VLLM_DDTREE_COMMIT"):
+        return os.environ["VLLM_DDTREE_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.check_output(["git", "-C", root, "rev-parse", "HEAD"], text=True).strip()

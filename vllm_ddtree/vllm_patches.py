@@ -101,7 +101,10 @@ def _choose_attention_backends(engine_args, speculative: dict) -> None:
             "['attention_backend'] chooses the drafter's backend)."
         )
     if speculative.get("attention_backend") is None:
-        speculative["attention_backend"] = "CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"
+        # TRITON_ATTN: non-causal, every dtype (FLASH_ATTN refuses float32).
+        speculative["attention_backend"] = (
+            "CPU_ATTN" if current_platform.is_cpu() else "TRITON_ATTN"
+        )
 
 
 def _wrap_create_speculative_config(original):
