@@ -37,6 +37,11 @@ case "$STEP" in
     timeout 150 python3 benchmarks/bench_tree_attn.py --tune --skip-checks --skip-speed \
       --out "$OUT/tune" 2>&1 | grep '"ms"' | tee "$OUT/tune.log"
     timeout 400 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tree_attn_vllm_gpu.log" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -40 ;;
+  bench-engines)
+    timeout 330 python3 benchmarks/bench_tree_attn.py --out "$OUT" > "$OUT/bench_tree_attn.log" 2>&1
+    grep -E "^- |^checks" "$OUT/bench_tree_attn.log"
+    timeout 230 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" > "$OUT/tree_attn_vllm_gpu.log" 2>&1
+    grep -E "^\{\"candidate|_eager |_graphs " "$OUT/tree_attn_vllm_gpu.log" ;;
   engines)
     timeout 560 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tree_attn_vllm_gpu.log" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -60 ;;
   *) echo "unknown step $STEP"; exit 2 ;;

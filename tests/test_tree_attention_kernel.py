@@ -55,16 +55,19 @@ def kernel_cases():
         ("mixed-mha", mixed, 2, 2, 64, 16, None),
         ("gqa4-blocks32", [("tree", 70, 33), ("causal", 0, 12)], 8, 2, 32, 32, None),
         ("window", [("tree", 50, 15), ("causal", 30, 6)], 4, 2, 32, 16, 24),
+        ("window-deep-trees", [("tree", 300, 40), ("tree", 77, 25)], 4, 2, 32, 16, 37),
+        ("gqa3-not-power-of-2", [("tree", 40, 20), ("causal", 9, 11)], 6, 2, 32, 16, None),
+        ("gqa7", [("tree", 33, 9), ("causal", 0, 4)], 7, 1, 32, 16, None),
         ("empty-trees", [("tree", 9, 0), ("tree", 64, 0)], 4, 1, 64, 16, None),
     ]
 
 
-def run_kernel(case, window=None):
+def run_kernel(case, window=None, **launch):
     from tree_attn_backend.ops.tree_attention import tree_attention
 
     out = torch.full_like(case.q, float("nan"))  # poisoned: every element must be written
     return tree_attention(
-        **case.kwargs(), max_query_len=case.max_query_len, sliding_window=window, out=out
+        **case.kwargs(), max_query_len=case.max_query_len, sliding_window=window, out=out, **launch
     )
 
 
@@ -77,9 +80,10 @@ def test_kernel_matches_reference(name, requests, hq, hkv, d, bs, window):
     for seed in range(2):
         case = random_case(requests, hq, hkv, d, bs, torch.float32, device, seed=seed)
         ref = tree_attention_ref(**case.kwargs(), sliding_window=window)
-        out = run_kernel(case, window)
-        tolerance = 1e-5 if INTERPRETED else 5e-3  # tf32 dots on a GPU
-        assert relative_error(out, ref) < tolerance, name
+        tolerance = 1e-5  # float32 inputs: IEEE dots, interpreted or native
+        for block_n in (16, 64):  # narrow tiles expose window and tail edges
+            out = run_kernel(case, window, block_n=block_n)
+            assert relative_error(out, ref) < tolerance, (name, block_n)
 
 
 @pytest.mark.interpreter
@@ -107,7 +111,7 @@ def test_kernels_under_interpreter():
             "no:cacheprovider",
             __file__,
             "-k",
-            "kernel_matches or half_precision or window_without or split_kv",
+            "kernel_matches or half_precision or window_without or split_kv or lower_edge",
         ],
         capture_output=True,
         text=True,
@@ -148,3 +152,17 @@ def test_split_kv_segments_match_reference(segments):
     )
     ref = tree_attention_ref(**case.kwargs())
     assert relative_error(out, ref) < (1e-5 if INTERPRETED else 5e-3)
+
+
+@pytest.mark.interpreter
+def test_window_lower_edge_uses_the_lowest_tree_position_in_a_block():
+    """Tree positions are not monotonic in node order; every window offset is tried so that the
+    lower edge falls inside a key tile for some of them."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    device = "cuda" if ON_GPU else "cpu"
+    case = random_case([("tree", 200, 30)], 8, 1, 16, 16, torch.float32, device, seed=11)
+    for window in range(20, 52):
+        ref = tree_attention_ref(**case.kwargs(), sliding_window=window)
+        out = run_kernel(case, window, block_n=16, num_segments=1)
+        assert relative_error(out, ref) < 1e-5, window

@@ -199,7 +199,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, HEAD_SIZE_PADDED)
         q_local = q_block_local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV  # query index in request
         head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
-        q_valid = q_local < q_len
+        # With a non-power-of-2 head group, rows past BLOCK_Q * group belong to no query.
+        q_valid = (q_local < q_len) & (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV)
         d_valid = offs_d < HEAD_SIZE
         q_token = q_start + q_local
         q_tile = tl.load(
@@ -219,12 +220,12 @@ if HAS_TRITON:
         if USE_SLIDING_WINDOW:
             if HAS_POSITIONS:
                 q_pos = tl.load(positions_ptr + q_token, mask=q_valid, other=0).to(tl.int32)
-                first_pos = tl.load(positions_ptr + q_start + q_block_local * BLOCK_Q).to(tl.int32)
             else:  # positions are KV indices (no tree in this launch)
                 q_pos = context_len + q_local
-                first_pos = context_len + q_block_local * BLOCK_Q
-            # Context keys sit at their own position; none below first_pos - window + 1 is seen.
-            key_begin = tl.maximum(first_pos - sliding_window + 1, 0)
+            # Tree positions are not monotonic in node order: bound by the block's lowest one.
+            lowest_pos = tl.min(tl.where(q_valid, q_pos, 2147483647), axis=0)
+            # Context keys sit at their own position; none below lowest_pos - window + 1 is seen.
+            key_begin = tl.maximum(lowest_pos - sliding_window + 1, 0)
             key_begin = tl.minimum(key_begin, context_len)
             key_begin = (key_begin // BLOCK_N) * BLOCK_N
 
