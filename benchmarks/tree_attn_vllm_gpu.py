@@ -1,13 +1,13 @@
 """TREE_ATTN inside vLLM on a GPU: same tokens as vLLM's own backends, eager and CUDA graphs.
 
 Engines (one after another in this process, tiny random Qwen3 with sharp logits, greedy):
-  * TRITON_ATTN float32 (reference) vs TREE_ATTN float32, eager and with CUDA graphs:
-    must be token-identical;
-  * FLASH_ATTN bf16 vs TREE_ATTN bf16 with CUDA graphs: compared, first divergence reported
-    with the target's top-2 logit gap there (bf16 near-ties can flip between two correct kernels);
-  * "method": "ddtree" (TREE_ATTN chosen automatically for the target) with CUDA graphs, float32,
-    against the float32 reference.
-Writes JSON; exits non-zero when a float32 comparison differs.
+TRITON_ATTN float32 eager; TREE_ATTN float32 eager and with CUDA graphs; "method": "ddtree"
+(TREE_ATTN chosen automatically for the target) float32 with CUDA graphs; FLASH_ATTN and
+TREE_ATTN bf16 with CUDA graphs. References: HF transformers float32 greedy decoding on the
+GPU (IEEE float32 matmuls) and the other engines. The TREE_ATTN float32 engines must agree with
+each other and with the HF reference; other pairs are reported with the first divergence and
+the target's top-2 logit gap there (TRITON_ATTN's float32 dots run in tf32, and bf16 near-ties
+flip between two correct kernels). Writes JSON; exits non-zero when a must-match pair differs.
 
     python benchmarks/tree_attn_vllm_gpu.py --out benchmarks/results
 """
@@ -59,6 +59,27 @@ def run_engine(target: str, prompts, max_tokens: int, **kwargs) -> dict:
         "tok_per_s": sum(map(len, tokens)) / elapsed,
         "engine_s": time.time() - start,
     }
+
+
+def hf_greedy(target: str, prompts, max_tokens: int) -> list[list[int]]:
+    """Greedy continuations from HF transformers in IEEE float32 on the GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).cuda().eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device="cuda")
+            generated = model.generate(
+                ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+            )
+            out.append(generated[0, len(prompt) :].tolist())
+    del model
+    torch.cuda.empty_cache()
+    return out
 
 
 def first_divergence(a, b):
@@ -120,11 +141,14 @@ def main() -> int:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         print(name, {k: v for k, v in results[name].items() if k != "tokens"}, flush=True)
 
+    results["hf_f32"] = {"tokens": hf_greedy(target, prompts, args.max_tokens)}
     comparisons = []
     for candidate, reference, exact in [
-        ("tree_f32_eager", "triton_f32_eager", True),
-        ("tree_f32_graphs", "triton_f32_eager", True),
-        ("ddtree_f32_graphs", "triton_f32_eager", True),
+        ("tree_f32_eager", "hf_f32", True),
+        ("tree_f32_graphs", "tree_f32_eager", True),
+        ("ddtree_f32_graphs", "tree_f32_eager", True),
+        ("triton_f32_eager", "hf_f32", False),
+        ("tree_f32_eager", "triton_f32_eager", False),
         ("tree_bf16_graphs", "flash_bf16_graphs", False),
     ]:
         a, b = results.get(candidate, {}), results.get(reference, {})
