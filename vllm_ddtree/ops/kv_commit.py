@@ -1,0 +1,153 @@
+"""KV commit after a tree walk: Triton kernel, launcher and PyTorch reference.
+
+A verify step wrote the K/V of tree index ``i`` (root = 0) of request ``r`` to slot
+``verify_slots[r, i]`` (the slot of KV position ``context_len + i``). After the walk accepts the
+path ``accepted[r, 0..num_accepted[r]]`` (tree indices, root first, increasing), the next step
+expects the accepted tokens at contiguous positions, so the K/V at the slot of tree index
+``accepted[r, j]`` moves to the slot of tree index ``j`` for ``j = 1..num_accepted[r]``.
+
+Moves run in increasing ``j`` inside one program per (request, KV head): a destination ``j`` is
+smaller than every later source (``accepted[r, j'] >= j' > j``), so nothing is overwritten before
+it is read. A request whose path is already ``0, 1, 2, ...`` (a chain-shaped acceptance) costs one
+comparison and no copy. Everything stays on the device: no host round trip per request.
+
+Shapes: ``key_cache``/``value_cache`` ``[num_blocks, block_size, Hkv, D]`` (any strides, last dim
+contiguous); ``verify_slots`` int ``[R, N + 1]`` (``-1`` where unused); ``accepted`` long
+``[R, L + 1]`` (``-1`` padded); ``num_accepted`` long ``[R]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+
+def commit_accepted_kv_ref(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    verify_slots: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """PyTorch reference of ``commit_accepted_kv`` (in place, host loop over requests)."""
+    block_size = key_cache.shape[1]
+    for r in range(verify_slots.shape[0]):
+        for j in range(1, int(num_accepted[r]) + 1):
+            src = int(verify_slots[r, int(accepted[r, j])])
+            dst = int(verify_slots[r, j])
+            if src == dst:
+                continue
+            for cache in (key_cache, value_cache):
+                cache[dst // block_size, dst % block_size] = cache[
+                    src // block_size, src % block_size
+                ]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _commit_accepted_kv_kernel(
+        key_cache_ptr,
+        value_cache_ptr,
+        verify_slots_ptr,
+        accepted_ptr,
+        num_accepted_ptr,
+        stride_k_blk,
+        stride_k_pos,
+        stride_k_h,
+        stride_v_blk,
+        stride_v_pos,
+        stride_v_h,
+        stride_slots,
+        stride_accepted,
+        MAX_DEPTH: tl.constexpr,
+        KV_BLOCK_SIZE: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_SIZE_PADDED: tl.constexpr,
+    ):
+        req = tl.program_id(0)
+        head = tl.program_id(1)
+        count = tl.load(num_accepted_ptr + req)
+        offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+        d_valid = offs_d < HEAD_SIZE
+        for j in range(1, MAX_DEPTH + 1):
+            node = tl.load(accepted_ptr + req * stride_accepted + j, mask=j <= count, other=j)
+            if (j <= count) & (node != j):
+                src = tl.load(verify_slots_ptr + req * stride_slots + node).to(tl.int64)
+                dst = tl.load(verify_slots_ptr + req * stride_slots + j).to(tl.int64)
+                src_k = (
+                    key_cache_ptr
+                    + (src // KV_BLOCK_SIZE) * stride_k_blk
+                    + (src % KV_BLOCK_SIZE) * stride_k_pos
+                    + head * stride_k_h
+                )
+                dst_k = (
+                    key_cache_ptr
+                    + (dst // KV_BLOCK_SIZE) * stride_k_blk
+                    + (dst % KV_BLOCK_SIZE) * stride_k_pos
+                    + head * stride_k_h
+                )
+                tl.store(dst_k + offs_d, tl.load(src_k + offs_d, mask=d_valid), mask=d_valid)
+                src_v = (
+                    value_cache_ptr
+                    + (src // KV_BLOCK_SIZE) * stride_v_blk
+                    + (src % KV_BLOCK_SIZE) * stride_v_pos
+                    + head * stride_v_h
+                )
+                dst_v = (
+                    value_cache_ptr
+                    + (dst // KV_BLOCK_SIZE) * stride_v_blk
+                    + (dst % KV_BLOCK_SIZE) * stride_v_pos
+                    + head * stride_v_h
+                )
+                tl.store(dst_v + offs_d, tl.load(src_v + offs_d, mask=d_valid), mask=d_valid)
+            # Later moves may read a slot this one wrote: keep them in order.
+            tl.debug_barrier()
+
+
+def commit_accepted_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    verify_slots: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Move accepted nodes' K/V to contiguous slots, in place, for one attention layer.
+
+    ``key_cache``/``value_cache`` ``[num_blocks, block_size, Hkv, D]``; ``verify_slots`` int
+    ``[R, N + 1]``; ``accepted`` long ``[R, L + 1]``; ``num_accepted`` long ``[R]``. One launch
+    of ``R x Hkv`` programs; chain-shaped paths copy nothing.
+    """
+    num_blocks, kv_block_size, num_kv_heads, head_size = key_cache.shape
+    assert value_cache.shape == key_cache.shape, "key and value caches differ in shape"
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    num_reqs, path_len = accepted.shape
+    assert verify_slots.shape[0] == num_reqs and num_accepted.shape == (num_reqs,)
+    if num_reqs == 0 or path_len <= 1:
+        return
+    _commit_accepted_kv_kernel[(num_reqs, num_kv_heads)](
+        key_cache,
+        value_cache,
+        verify_slots,
+        accepted,
+        num_accepted,
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        verify_slots.stride(0),
+        accepted.stride(0),
+        MAX_DEPTH=path_len - 1,
+        KV_BLOCK_SIZE=kv_block_size,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+    )
