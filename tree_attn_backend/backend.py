@@ -87,6 +87,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         is_tree = self._is_tree[:num_reqs]
         tree_mask = self._tree_mask[:num_tokens]
         published = tree_verify.current()
+        tree_verify.record_step(cad.slot_mapping)
         if published is not None:
             words = published.tree_mask.shape[1]
             is_tree.copy_(published.is_tree[:num_reqs], non_blocking=True)

@@ -39,3 +39,23 @@ def publish(batch: TreeVerifyBatch | None) -> None:
 def current() -> TreeVerifyBatch | None:
     """The tree structure published for this step, if any."""
     return _current
+
+
+@dataclass
+class RecordedStep:
+    """What the TREE_ATTN builder saw for the target in the current step."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: KV slot of every query token
+
+
+_recorded: RecordedStep | None = None
+
+
+def record_step(slot_mapping: torch.Tensor) -> None:
+    """Called by the builder each step: remember the target's slot mapping (for KV commit)."""
+    global _recorded
+    _recorded = RecordedStep(slot_mapping=slot_mapping)
+
+
+def last_step() -> RecordedStep | None:
+    return _recorded

@@ -130,8 +130,10 @@ def split_speculative_config(
         drafter_config: the drafter's ``config.json`` when known (else read from ``model``).
 
     Returns:
-        ``(vllm_dict, ddtree)``: for ``method == "ddtree"``, ``vllm_dict`` is the same request
-        as ``method == "dflash"`` without the DDTree keys, and ``ddtree`` the validated settings;
+        ``(vllm_dict, ddtree)``: for ``method == "ddtree"``, ``vllm_dict`` is the request vLLM's
+        DFlash path gets (``method`` ``"dflash"``, ``num_speculative_tokens`` = the tree budget,
+        no DDTree keys), and ``ddtree`` the validated settings (``depth`` = the user's
+        ``num_speculative_tokens``);
         for any other method, ``(raw, None)`` after checking no DDTree key was given.
     """
     config = {str(k).replace("-", "_"): v for k, v in raw.items()}
@@ -187,7 +189,9 @@ def split_speculative_config(
     top_k = _check_int("tree_top_k", top_k, 1, budget)
 
     config["method"] = DFLASH_METHOD
-    config["num_speculative_tokens"] = depth
+    # vLLM's draft width is the tree budget (scheduler slots and verify tokens per request);
+    # the drafter keeps its own `depth` mask queries (DDTreeConfig.depth).
+    config["num_speculative_tokens"] = budget
     ddtree = DDTreeConfig(
         tree_budget=budget, tree_top_k=top_k, depth=depth, drafter_block_size=block_size
     )

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.abc
+import importlib.util
 import inspect
 import logging
+import os
+import sys
 
 from vllm_ddtree.config import (
     DDTREE_METHOD,
@@ -100,6 +104,14 @@ def _choose_attention_backends(engine_args, speculative: dict) -> None:
             "--attention-backend TREE_ATTN or leave it unset (speculative_config"
             "['attention_backend'] chooses the drafter's backend)."
         )
+    runner_choice = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if runner_choice not in (None, "", "0", "false", "False"):
+        raise DDTreeConfigError(
+            "method 'ddtree' runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
+            f"(it is {runner_choice!r})"
+        )
+    # Inherited by the engine-core and worker processes started after this.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if speculative.get("attention_backend") is None:
         # TRITON_ATTN: non-causal, every dtype (FLASH_ATTN refuses float32).
         speculative["attention_backend"] = (
@@ -148,14 +160,11 @@ def _wrap_create_speculative_config(original):
                     spec.model,
                 )
             setattr(spec, DDTREE_ATTR, ddtree)
-            logger.warning(
-                "vllm-ddtree: method 'ddtree' accepted (tree_budget=%d, tree_top_k=%d, depth=%d). "
-                "This release validates and carries the DDTree settings; the engine still drafts "
-                "and verifies as a DFlash chain of %d tokens (tree verification in vLLM is on "
-                "the roadmap, see CONTRIBUTING.md). Output is exactly the target's.",
+            logger.info(
+                "vllm-ddtree: method 'ddtree' (tree_budget=%d, tree_top_k=%d, depth=%d) on the "
+                "V1 model runner with TREE_ATTN",
                 ddtree.tree_budget,
                 ddtree.tree_top_k,
-                ddtree.depth,
                 ddtree.depth,
             )
         return spec
@@ -214,12 +223,59 @@ def _patch_cpu_platform() -> None:
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
 
 
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def _patch_model_runner(module) -> None:
+    """DDTree's proposer in place of DFlash's, and the verification hooks (V1 runner)."""
+    from vllm_ddtree import runner_hooks
+    from vllm_ddtree.proposer import DDTreeProposer
+
+    if getattr(module, "DFlashProposer", None) is not DDTreeProposer:
+        module.DFlashProposer = DDTreeProposer
+    runner_hooks.install()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback once a module has been imported (worker processes import the model
+    runner late; importing it eagerly would slow every API-server start)."""
+
+    def __init__(self, name: str, callback):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module
+        callback = self.callback
+
+        def exec_module(module):
+            original_exec(module)
+            callback(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _patch_model_runner_when_imported() -> None:
+    if RUNNER_MODULE in sys.modules:
+        _patch_model_runner(sys.modules[RUNNER_MODULE])
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(RUNNER_MODULE, _patch_model_runner))
+
+
 def apply() -> None:
     """Install every patch once per process (idempotent)."""
     from vllm.engine.arg_utils import EngineArgs
 
     register_tree_attention()
     _patch_cpu_platform()
+    _patch_model_runner_when_imported()
     if getattr(EngineArgs.create_speculative_config, _PATCHED_FLAG, False):
         return
     _check_vllm_shape()

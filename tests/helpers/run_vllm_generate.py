@@ -6,7 +6,9 @@ state, so tests start this script as a subprocess):
     python run_vllm_generate.py TARGET RUNS_JSON PROMPTS_JSON MAX_TOKENS
 
 RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` arguments
-(e.g. ``speculative_config``, ``attention_backend``, ``dtype``). Prints one line
+(e.g. ``speculative_config``, ``attention_backend``, ``dtype``). A run may add
+``"oracle": {"from": RUN_NAME, "p_top": P}``: the DDTree test drafter then proposes the
+continuations an earlier run produced (see ``vllm_ddtree.proposer``). Prints one line
 ``RESULT {name: {"tokens": [...], "metrics": {...}, "ddtree": {...}, "backend": ...}}``.
 """
 
@@ -59,5 +61,18 @@ if __name__ == "__main__":
     prompts = json.loads(prompts_json)
     results = {}
     for run in json.loads(runs_json):
+        oracle = run.get("oracle")
+        if oracle:
+            import tempfile
+
+            sequences = [
+                p + t for p, t in zip(prompts, results[oracle["from"]]["tokens"], strict=True)
+            ]
+            path = os.path.join(tempfile.mkdtemp(), "oracle.json")
+            with open(path, "w") as f:
+                json.dump({"p_top": oracle["p_top"], "seed": 0, "sequences": sequences}, f)
+            os.environ["VLLM_DDTREE_TEST_ORACLE"] = path
+        else:
+            os.environ.pop("VLLM_DDTREE_TEST_ORACLE", None)
         results[run["name"]] = generate(target, run["kwargs"], prompts, int(max_tokens))
     print("RESULT " + json.dumps(results))

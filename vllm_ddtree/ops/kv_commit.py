@@ -50,6 +50,32 @@ def commit_accepted_kv_ref(
                 ]
 
 
+def commit_accepted_kv_torch(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    verify_slots: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Vectorised PyTorch commit (the CPU path): gather every source, then scatter.
+
+    Reading all sources before writing any destination makes the order of moves irrelevant.
+    """
+    depth = accepted.shape[1]
+    j = torch.arange(depth, device=accepted.device).unsqueeze(0)
+    keep = (j >= 1) & (j <= num_accepted.unsqueeze(1)) & (accepted > j)
+    if not bool(keep.any()):
+        return
+    src = verify_slots.gather(1, accepted.clamp(min=0))[keep].long()
+    dst = verify_slots.gather(1, j.expand_as(accepted).clamp(max=verify_slots.shape[1] - 1))[
+        keep
+    ].long()
+    block_size = key_cache.shape[1]
+    for cache in (key_cache, value_cache):
+        moved = cache[src // block_size, src % block_size].clone()
+        cache[dst // block_size, dst % block_size] = moved
+
+
 if HAS_TRITON:
 
     @triton.jit

@@ -1,0 +1,130 @@
+"""The DDTree proposer: vLLM's DFlash drafter pass, then a draft tree per request.
+
+``DDTreeProposer`` subclasses vLLM 0.26.0's V1 ``DFlashProposer``. vLLM's
+``num_speculative_tokens`` is the tree budget (scheduler slots, verify width); the drafter still
+runs its ``depth`` mask queries. After the one drafter forward, the mask rows' full-vocabulary
+logits ``[R, depth, V]`` go through ``build_trees`` on the device, and the ``budget`` node tokens
+(node order, padding as token 0) are what vLLM schedules for verification. The trees are kept,
+keyed by request id, for the runner hooks (``runner_hooks.py``) of the next step.
+
+Test-only mode (never on by default): ``VLLM_DDTREE_TEST_ORACLE`` names a JSON file
+``{"p_top": float, "seed": int, "sequences": [[token, ...], ...]}`` of target-only greedy
+sequences (prompt + continuation). For a request whose prompt starts one of them, the drafter's
+logits are replaced by noise in which the target's own future token is ranked first with
+probability ``p_top`` and second otherwise, so the tree paths are exercised deeply even with
+random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.tree import DDTreeBatch, build_trees
+
+TEST_ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"
+
+
+@dataclass
+class ProposedTrees:
+    """The trees proposed at the end of a step, for the requests of that step's batch."""
+
+    req_ids: list[str]
+    trees: DDTreeBatch  # width = budget
+
+    def row_of(self) -> dict[str, int]:
+        return {req_id: row for row, req_id in enumerate(self.req_ids)}
+
+
+class _Oracle:
+    """Target-future drafter logits for tests (see the module docstring)."""
+
+    def __init__(self, path: str, vocab_size: int):
+        with open(path) as f:
+            spec = json.load(f)
+        self.sequences = [list(s) for s in spec["sequences"]]
+        self.p_top = float(spec.get("p_top", 1.0))
+        self.gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
+        self.vocab_size = vocab_size
+
+    def logits(self, prompts: list[list[int]], bonus_positions: list[int], depth: int):
+        out = torch.randn(len(prompts), depth, self.vocab_size, generator=self.gen)
+        for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
+            sequence = next((s for s in self.sequences if s[: len(prompt)] == list(prompt)), None)
+            if sequence is None:
+                continue
+            for d in range(depth):
+                index = position + 1 + d
+                if index >= len(sequence):
+                    break
+                row = out[r, d]
+                top = float(row.max())
+                truth = sequence[index]
+                if torch.rand(1, generator=self.gen).item() < self.p_top:
+                    row[truth] = top + 8.0
+                else:
+                    rival = int(row.argmax()) if int(row.argmax()) != truth else (truth + 1)
+                    row[rival % self.vocab_size] = top + 8.0
+                    row[truth] = top + 7.0
+        return out
+
+
+class DDTreeProposer(DFlashProposer):
+    """vLLM's DFlash proposer that drafts a DDTree per request when DDTree is configured."""
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner  # vLLM's base proposer does not keep it
+        from vllm_ddtree.vllm_patches import get_ddtree_config
+
+        self.ddtree: DDTreeConfig | None = get_ddtree_config(vllm_config.speculative_config)
+        self.proposed: ProposedTrees | None = None
+        self._oracle: _Oracle | None = None
+        oracle_path = os.environ.get(TEST_ORACLE_ENV)
+        if self.ddtree is not None and oracle_path:
+            self._oracle = _Oracle(oracle_path, vllm_config.model_config.get_vocab_size())
+
+    def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
+        """Returns long ``[R, budget]`` node tokens (DDTree) or vLLM's ``[R, k]`` chain."""
+        if self.ddtree is None:
+            return super().propose(num_speculative_tokens, *args, **kwargs)
+        self._tree_tokens: torch.Tensor | None = None
+        super().propose(self.ddtree.depth, *args, **kwargs)
+        tokens = self._tree_tokens
+        self._tree_tokens = None
+        # Keep vLLM's own view of the draft width equal to the budget (scheduler slots).
+        self.num_speculative_tokens = self.ddtree.tree_budget
+        width = min(num_speculative_tokens, tokens.shape[1])
+        return tokens[:, :width]
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        """``hidden_states`` ``[R * depth, H]`` of the mask rows -> one tree per request."""
+        if self.ddtree is None:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        depth = self.ddtree.depth
+        num_reqs = hidden_states.shape[0] // depth
+        if self._oracle is not None:
+            logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
+        else:
+            logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
+        trees = build_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
+        req_ids = list(self.runner.input_batch.req_ids[:num_reqs]) if self.runner else []
+        self.proposed = ProposedTrees(req_ids=req_ids, trees=trees)
+        self._tree_tokens = trees.token_ids.clamp(min=0)
+        # vLLM reshapes what this returns to [R, depth]; the real drafts are the tree tokens.
+        placeholder = torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
+        return placeholder, None
+
+    def _oracle_logits(self, num_reqs: int, depth: int) -> torch.Tensor:
+        runner = self.runner
+        prompts = []
+        for req_id in runner.input_batch.req_ids[:num_reqs]:
+            prompts.append(list(runner.requests[req_id].prompt_token_ids or []))
+        query_len = 1 + depth
+        bonus_positions = self.positions[: num_reqs * query_len : query_len].tolist()
+        return self._oracle.logits(prompts, bonus_positions, depth)

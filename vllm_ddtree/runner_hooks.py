@@ -1,0 +1,309 @@
+"""DDTree verification inside vLLM 0.26.0's V1 model runner (``GPUModelRunner``; the CPU
+runner inherits it). Installed by ``vllm_patches.apply``; inert unless the runner's drafter is
+a ``DDTreeProposer`` with DDTree configured.
+
+Per step, for requests that carry a tree (their scheduled draft tokens are the tree's nodes):
+
+1. ``_prepare_inputs`` (wrapped): RoPE positions of node tokens become ``root + depth`` (the
+   slot mapping keeps one KV slot per node), and the batch's bit-packed ancestor masks are
+   published for TREE_ATTN.
+2. ``_sample`` (wrapped): the target's token at every node (argmax, or one sample per node at
+   T > 0: sample-and-walk), ``follow_tree``, and the accepted path + bonus written as vLLM's
+   ``[R, budget + 1]`` sampled-token rows (``-1`` padded), so the scheduler's accounting holds;
+   then the accepted nodes' K/V move to contiguous slots in every TREE_ATTN layer.
+3. ``propose_draft_token_ids`` (wrapped): the accepted path's rows (token, position, target
+   hidden states) move to the front of each request's rows, so the DFlash drafter's context is
+   exactly the committed tokens in order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tree_attn_backend import tree_verify
+from tree_attn_backend.ops.tree_attention import pack_tree_mask
+from vllm_ddtree.ops.kv_commit import commit_accepted_kv, commit_accepted_kv_torch
+from vllm_ddtree.tree import DDTreeBatch, ancestor_mask, follow_tree
+
+_PATCHED = "__vllm_ddtree_runner_hook__"
+
+
+@dataclass
+class StepTrees:
+    """The trees being verified this step, aligned with the runner's batch rows."""
+
+    trees: DDTreeBatch  # [R, budget] (empty rows for requests without drafts)
+    query_start: torch.Tensor  # long [R]: first token of each request in the batch
+    num_draft: torch.Tensor  # long [R]: scheduled draft tokens (tree nodes) per request
+    accepted: torch.Tensor | None = None  # long [R, L + 1] after the walk
+    num_accepted: torch.Tensor | None = None
+
+
+def _ddtree_proposer(runner):
+    from vllm_ddtree.proposer import DDTreeProposer
+
+    drafter = getattr(runner, "drafter", None)
+    if isinstance(drafter, DDTreeProposer) and drafter.ddtree is not None:
+        return drafter
+    return None
+
+
+def _align_trees(runner, drafter, num_reqs: int, num_draft: np.ndarray) -> DDTreeBatch:
+    """Trees of the previous proposal reordered to this step's rows, cut to the scheduled nodes."""
+    budget = drafter.ddtree.tree_budget
+    device = runner.positions.device
+    proposed = drafter.proposed
+    rows = proposed.row_of() if proposed is not None else {}
+    source = torch.tensor(
+        [rows.get(req_id, -1) for req_id in runner.input_batch.req_ids[:num_reqs]],
+        dtype=torch.long,
+    )
+    has_tree = torch.from_numpy(num_draft.astype(np.int64)) > 0
+    if proposed is None or not bool((has_tree & (source >= 0)).any()):
+        source = source.clamp(min=0)
+        empty = DDTreeBatch(
+            token_ids=torch.full((num_reqs, budget), -1, dtype=torch.long, device=device),
+            parents=torch.zeros((num_reqs, budget), dtype=torch.long, device=device),
+            depths=torch.zeros((num_reqs, budget), dtype=torch.long, device=device),
+            scores=torch.full((num_reqs, budget), float("-inf"), device=device),
+            num_nodes=torch.zeros(num_reqs, dtype=torch.long, device=device),
+            max_depth=drafter.ddtree.depth,
+        )
+        return empty
+    if bool((has_tree & (source < 0)).any()):
+        raise RuntimeError("vllm-ddtree: a request was scheduled with drafts but has no tree")
+    index = source.clamp(min=0).to(device)
+    trees = proposed.trees
+    num_nodes = torch.minimum(
+        trees.num_nodes.index_select(0, index), torch.from_numpy(num_draft).to(device).long()
+    )
+    slots = torch.arange(budget, device=device).unsqueeze(0)
+    keep = slots < num_nodes.unsqueeze(1)
+    return DDTreeBatch(
+        token_ids=torch.where(keep, trees.token_ids.index_select(0, index), -1),
+        parents=torch.where(keep, trees.parents.index_select(0, index), 0),
+        depths=torch.where(keep, trees.depths.index_select(0, index), 0),
+        scores=torch.where(keep, trees.scores.index_select(0, index), float("-inf")),
+        num_nodes=num_nodes,
+        max_depth=trees.max_depth,
+    )
+
+
+def _wrap_prepare_inputs(original):
+    @functools.wraps(original)
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        drafter = _ddtree_proposer(self)
+        self._ddtree_step = None
+        if drafter is None:
+            tree_verify.publish(None)
+            return result
+        logits_indices, spec_decode_metadata = result
+        if spec_decode_metadata is None:
+            tree_verify.publish(None)
+            return result
+        num_reqs = len(num_scheduled_tokens)
+        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+        device = self.positions.device
+        trees = _align_trees(self, drafter, num_reqs, num_draft)
+        starts = np.zeros(num_reqs, dtype=np.int64)
+        starts[1:] = np.cumsum(num_scheduled_tokens)[:-1]
+        # The tree occupies the last 1 + num_draft tokens of each request's rows.
+        query_start = torch.from_numpy(starts + num_scheduled_tokens - 1 - num_draft).to(device)
+        step = StepTrees(
+            trees=trees,
+            query_start=query_start,
+            num_draft=torch.from_numpy(num_draft).to(device),
+        )
+        self._ddtree_step = step
+
+        # Depth-based RoPE positions for node tokens (slots stay one per node).
+        width = trees.width
+        node_rows = query_start.unsqueeze(1) + 1 + torch.arange(width, device=device)
+        valid = trees.valid_mask()
+        root_positions = self.positions[query_start]
+        new_positions = root_positions.unsqueeze(1) + trees.depths
+        flat_rows = node_rows[valid]
+        self.positions[flat_rows] = new_positions[valid].to(self.positions.dtype)
+
+        # Ancestor masks for TREE_ATTN, one packed row per query token.
+        total_tokens = int(num_scheduled_tokens.sum())
+        visible = ancestor_mask(trees)  # [R, N + 1, N + 1]
+        packed = pack_tree_mask(visible)  # [R, N + 1, W]
+        tree_mask = torch.zeros((total_tokens, packed.shape[-1]), dtype=torch.int32, device=device)
+        rows = query_start.unsqueeze(1) + torch.arange(width + 1, device=device)
+        in_tree = torch.arange(width + 1, device=device).unsqueeze(0) <= trees.num_nodes.unsqueeze(
+            1
+        )
+        has_tree = step.num_draft > 0
+        in_tree &= has_tree.unsqueeze(1)
+        tree_mask[rows[in_tree]] = packed[in_tree]
+        tree_verify.publish(
+            tree_verify.TreeVerifyBatch(is_tree=has_tree.to(torch.int32), tree_mask=tree_mask)
+        )
+        return result
+
+    return _prepare_inputs
+
+
+def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row: torch.Tensor):
+    """long ``[rows]``: argmax, or one independent sample per row at each request's temperature."""
+    if sampling_metadata.all_greedy:
+        return logits.argmax(dim=-1)
+    if sampling_metadata.top_k is not None or sampling_metadata.top_p is not None:
+        raise NotImplementedError(
+            "vllm-ddtree: top_k / top_p sampling is not supported yet with method 'ddtree'"
+        )
+    temperature = sampling_metadata.temperature.index_select(0, request_of_row)
+    greedy = temperature <= 0
+    scaled = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    probs = torch.softmax(scaled, dim=-1)
+    sampled = torch.multinomial(probs, 1).squeeze(1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _wrap_sample(original):
+    @functools.wraps(original)
+    def _sample(self, logits, spec_decode_metadata):
+        step = getattr(self, "_ddtree_step", None)
+        if step is None or spec_decode_metadata is None or _ddtree_proposer(self) is None:
+            return original(self, logits, spec_decode_metadata)
+        from vllm.v1.outputs import SamplerOutput
+
+        self.input_batch.update_async_output_token_ids()
+        sampling_metadata = self.input_batch.sampling_metadata
+        trees = step.trees
+        num_reqs, width = trees.token_ids.shape
+        device = logits.device
+        # Logit rows: request r's rows are cu_sampled[r] - (1 + num_draft[r]) .. cu_sampled[r].
+        cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(device).long()
+        first_row = cu_sampled - 1 - step.num_draft
+        offsets = torch.arange(width + 1, device=device)
+        row_index = first_row.unsqueeze(1) + offsets
+        in_range = offsets.unsqueeze(0) <= step.num_draft.unsqueeze(1)
+        request_of_row = torch.repeat_interleave(
+            torch.arange(num_reqs, device=device), (1 + step.num_draft)
+        )
+        chosen = _target_tokens(logits, sampling_metadata, request_of_row)
+        target_tokens = torch.where(in_range, chosen[row_index.clamp(max=logits.shape[0] - 1)], -1)
+        accepted, num_accepted, bonus = follow_tree(trees, target_tokens)
+        step.accepted, step.num_accepted = accepted, num_accepted
+
+        # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
+        out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1
+        node_of_path = (accepted[:, 1:] - 1).clamp(min=0, max=max(width - 1, 0))  # [R, L]
+        path_tokens = trees.token_ids.gather(1, node_of_path) if width else node_of_path
+        columns = min(path_tokens.shape[1], out_width - 1)
+        sampled = torch.full((num_reqs, out_width), -1, dtype=torch.int32, device=device)
+        is_path = torch.arange(columns, device=device).unsqueeze(0) < num_accepted.unsqueeze(1)
+        sampled[:, :columns] = torch.where(is_path, path_tokens[:, :columns], -1).to(torch.int32)
+        sampled.scatter_(1, num_accepted.unsqueeze(1), bonus.unsqueeze(1).to(torch.int32))
+        _commit_kv(self, step)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+
+    return _sample
+
+
+def _tree_attention_kv_caches(runner) -> list[torch.Tensor]:
+    """KV cache tensors ``[2, num_blocks, block_size, Hkv, D]`` of the target's TREE_ATTN layers."""
+    from tree_attn_backend.backend import TreeAttentionImpl
+
+    caches = []
+    for layer in runner.compilation_config.static_forward_context.values():
+        if isinstance(getattr(layer, "impl", None), TreeAttentionImpl):
+            kv_cache = layer.kv_cache
+            if isinstance(kv_cache, (list, tuple)):
+                kv_cache = kv_cache[0]
+            if kv_cache is not None and kv_cache.numel():
+                caches.append(kv_cache)
+    return caches
+
+
+def _commit_kv(runner, step: StepTrees) -> None:
+    """Move accepted nodes' K/V to contiguous slots in every TREE_ATTN layer."""
+    recorded = tree_verify.last_step()
+    if recorded is None:
+        return
+    slot_mapping = recorded.slot_mapping
+    width = step.trees.width
+    rows = step.query_start.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
+    rows = rows.clamp(max=slot_mapping.shape[0] - 1)
+    verify_slots = slot_mapping[rows].long()
+    commit = commit_accepted_kv if slot_mapping.is_cuda else commit_accepted_kv_torch
+    for kv_cache in _tree_attention_kv_caches(runner):
+        key_cache, value_cache = kv_cache.unbind(0)
+        commit(key_cache, value_cache, verify_slots, step.accepted, step.num_accepted)
+
+
+def _wrap_propose(original):
+    @functools.wraps(original)
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ):
+        step = getattr(self, "_ddtree_step", None)
+        if step is not None and step.accepted is not None and _ddtree_proposer(self):
+            _move_path_rows_first(self, step, aux_hidden_states)
+        return original(
+            self,
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            hidden_states,
+            sample_hidden_states,
+            aux_hidden_states,
+            spec_decode_metadata,
+            common_attn_metadata,
+            slot_mappings,
+        )
+
+    return propose_draft_token_ids
+
+
+def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
+    """Rows root + accepted[j] of each request move to rows root + j (j = 0..num_accepted)."""
+    accepted, num_accepted = step.accepted, step.num_accepted
+    device = accepted.device
+    depth = accepted.shape[1]
+    j = torch.arange(depth, device=device).unsqueeze(0)
+    keep = (j <= num_accepted.unsqueeze(1)) & (accepted >= 0)
+    src = (step.query_start.unsqueeze(1) + accepted.clamp(min=0))[keep]
+    dst = (step.query_start.unsqueeze(1) + j)[keep]
+    moved = src != dst
+    if not bool(moved.any()):
+        return
+    src, dst = src[moved], dst[moved]
+    input_ids = runner.input_ids.gpu
+    input_ids[dst] = input_ids[src]
+    runner.positions[dst] = runner.positions[src]
+    for hidden in aux_hidden_states or []:
+        hidden[dst] = hidden[src]
+
+
+def install() -> None:
+    """Wrap the V1 runner methods once per process."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for name, wrap in (
+        ("_prepare_inputs", _wrap_prepare_inputs),
+        ("_sample", _wrap_sample),
+        ("propose_draft_token_ids", _wrap_propose),
+    ):
+        original = getattr(GPUModelRunner, name)
+        if getattr(original, _PATCHED, False):
+            continue
+        wrapped = wrap(original)
+        setattr(wrapped, _PATCHED, True)
+        setattr(GPUModelRunner, name, wrapped)
