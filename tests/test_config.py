@@ -20,7 +20,8 @@ def test_ddtree_becomes_dflash_with_tree_settings_beside_it():
     vllm_part, ddtree = split(
         {"method": "ddtree", "model": "d", "num_speculative_tokens": 15, "tree_budget": 64}
     )
-    assert vllm_part == {"method": "dflash", "model": "d", "num_speculative_tokens": 15}
+    # vLLM's draft width is the budget; the drafter keeps the depth.
+    assert vllm_part == {"method": "dflash", "model": "d", "num_speculative_tokens": 64}
     assert (ddtree.tree_budget, ddtree.tree_top_k, ddtree.depth) == (64, 16, 15)
     assert ddtree.drafter_block_size == 16
 
@@ -29,7 +30,7 @@ def test_defaults_budget_top_k_and_depth_from_the_drafter():
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"})
     assert ddtree.tree_budget == DEFAULT_TREE_BUDGET
     assert ddtree.tree_top_k == min(DEFAULT_TREE_BUDGET, 16)
-    assert ddtree.depth == 15 and vllm_part["num_speculative_tokens"] == 15
+    assert ddtree.depth == 15 and vllm_part["num_speculative_tokens"] == DEFAULT_TREE_BUDGET
 
 
 def test_small_budget_caps_top_k_at_the_budget():

@@ -59,7 +59,7 @@ def test_llm_style_config_keeps_vllm_on_dflash_and_carries_the_tree(
     }
     config = engine_config(tiny_target_path, spec)
     sc = config.speculative_config
-    assert sc.method == "dflash" and sc.num_speculative_tokens == 15
+    assert sc.method == "dflash" and sc.num_speculative_tokens == 64  # vLLM's width = budget
     ddtree = get_ddtree_config(sc)
     assert (ddtree.tree_budget, ddtree.tree_top_k, ddtree.depth) == (64, 16, 15)
     # Engine-core and worker processes receive the config pickled.

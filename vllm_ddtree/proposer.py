@@ -83,11 +83,25 @@ class DDTreeProposer(DFlashProposer):
         from vllm_ddtree.vllm_patches import get_ddtree_config
 
         self.ddtree: DDTreeConfig | None = get_ddtree_config(vllm_config.speculative_config)
+        if self.ddtree is not None and self.ddtree.depth > self.num_speculative_tokens:
+            self._size_query_buffers(1 + self.ddtree.depth)
         self.proposed: ProposedTrees | None = None
         self._oracle: _Oracle | None = None
         oracle_path = os.environ.get(TEST_ORACLE_ENV)
         if self.ddtree is not None and oracle_path:
             self._oracle = _Oracle(oracle_path, vllm_config.model_config.get_vocab_size())
+
+    def _size_query_buffers(self, queries_per_request: int) -> None:
+        """DFlash sizes its query buffers for 1 + num_speculative_tokens (= the budget) queries
+        per request; a tree narrower than the drafter's depth needs 1 + depth."""
+        device = self.positions.device
+        self.max_query_tokens = self.max_batch_size * queries_per_request
+        self.max_positions = self.max_num_tokens + self.max_query_tokens
+        self._slot_mapping_buffer = torch.zeros(
+            self.max_query_tokens, dtype=torch.int64, device=device
+        )
+        self.positions = torch.zeros(self.max_query_tokens, dtype=torch.int64, device=device)
+        self.arange = torch.arange(self.max_positions + 1, device=device, dtype=torch.int32)
 
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
         """Returns long ``[R, budget]`` node tokens (DDTree) or vLLM's ``[R, k]`` chain."""

@@ -9,6 +9,11 @@ Patches:
   ``AttentionBackendEnum`` (``register_backend``), and ``TREE_ATTN`` is added as an alias name of
   that member, so ``--attention-backend TREE_ATTN`` parses and the member pickles as the static
   ``CUSTOM`` (a new enum member would not unpickle in a spawned worker before the plugin ran).
+* ``vllm.config.speculative.SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter
+  runs ``depth`` mask queries, not ``num_speculative_tokens`` (= the tree budget) of them.
+* ``vllm.v1.worker.gpu_model_runner``: ``DFlashProposer`` is replaced by ``DDTreeProposer`` and
+  ``runner_hooks.install`` wraps the V1 runner's ``_prepare_inputs``, ``_sample`` and
+  ``propose_draft_token_ids`` (inert unless DDTree is configured), when that module is imported.
 * ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
   CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
 
@@ -204,6 +209,31 @@ def is_tree_attention(backend) -> bool:
     )
 
 
+def _patch_drafting_slots() -> None:
+    from vllm.config import SpeculativeConfig
+
+    prop = SpeculativeConfig.__dict__.get("max_num_new_slots_for_drafting")
+    if not isinstance(prop, property) or getattr(prop.fget, _PATCHED_FLAG, False):
+        if not isinstance(prop, property):
+            raise VLLMIncompatibleError(
+                "vllm-ddtree: SpeculativeConfig.max_num_new_slots_for_drafting is no longer a "
+                f"property; written for vLLM {WRITTEN_FOR_VLLM}"
+            )
+        return
+    original = prop.fget
+
+    @functools.wraps(original)
+    def max_num_new_slots_for_drafting(self) -> int:
+        ddtree = getattr(self, DDTREE_ATTR, None)
+        if ddtree is None:
+            return original(self)
+        # One new slot per mask query but the first, as for DFlash, at the drafter's depth.
+        return ddtree.depth - 1 + (1 if self.uses_draft_model() else 0)
+
+    setattr(max_num_new_slots_for_drafting, _PATCHED_FLAG, True)
+    SpeculativeConfig.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting)
+
+
 def _patch_cpu_platform() -> None:
     try:
         from vllm.platforms.cpu import CpuPlatform
@@ -275,6 +305,7 @@ def apply() -> None:
 
     register_tree_attention()
     _patch_cpu_platform()
+    _patch_drafting_slots()
     _patch_model_runner_when_imported()
     if getattr(EngineArgs.create_speculative_config, _PATCHED_FLAG, False):
         return

@@ -22,7 +22,7 @@ def generate(target: str, kwargs: dict, prompts: list[list[int]], max_tokens: in
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
+    args = dict(
         model=target,
         enforce_eager=True,
         skip_tokenizer_init=True,
@@ -30,8 +30,8 @@ def generate(target: str, kwargs: dict, prompts: list[list[int]], max_tokens: in
         max_num_seqs=4,
         seed=0,
         disable_log_stats=False,
-        **kwargs,
     )
+    llm = LLM(**{**args, **kwargs})
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
     )
