@@ -42,6 +42,12 @@ case "$STEP" in
     grep -E "^- |^checks" "$OUT/bench_tree_attn.log"
     timeout 230 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" > "$OUT/tree_attn_vllm_gpu.log" 2>&1
     grep -E "^\{\"candidate|_eager |_graphs " "$OUT/tree_attn_vllm_gpu.log" ;;
+  lossless-quick)
+    timeout 400 python3 benchmarks/lossless_gpu.py --quick --out "$OUT" > "$OUT/lossless_gpu_quick.log" 2>&1
+    echo "rc=$?"; grep -E "^\{\"budget|Error|error" "$OUT/lossless_gpu_quick.log" | tail -20 ;;
+  lossless)
+    timeout 580 python3 benchmarks/lossless_gpu.py --out "$OUT" > "$OUT/lossless_gpu.log" 2>&1
+    echo "rc=$?"; grep -E "^\{\"budget" "$OUT/lossless_gpu.log" ;;
   engines)
     timeout 560 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tree_attn_vllm_gpu.log" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -60 ;;
   *) echo "unknown step $STEP"; exit 2 ;;

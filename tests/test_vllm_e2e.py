@@ -74,3 +74,43 @@ def test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply(ddtree_resu
     assert mean_acceptance_length > (2.0 if budget == 4 else 3.0), mean_acceptance_length
     assert results[run]["ddtree"]["tree_budget"] == budget
     assert results[run]["ddtree"]["depth"] == 15
+
+
+def chi_square_p_value(counts_a, counts_b) -> float:
+    """Two-sample chi-square homogeneity test on category counts (p-value)."""
+    import torch
+
+    a, b = torch.tensor(counts_a, dtype=torch.float64), torch.tensor(counts_b, dtype=torch.float64)
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    total, n_a, n_b = a + b, a.sum(), b.sum()
+    expected_a, expected_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)
+    stat = (((a - expected_a) ** 2) / expected_a + ((b - expected_b) ** 2) / expected_b).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_sampling_is_distributed_like_the_target_alone(tiny_target_path, tiny_drafter_path):
+    """T = 1.5: histograms of the 2nd and 3rd generated tokens over 300 seeded requests, DDTree
+    (sample-and-walk, oracle drafter following the greedy path) vs the target alone; chi-square
+    homogeneity test, p > 0.001 each."""
+    sampling = {"temperature": 1.5, "repeats": 300}
+    greedy = {"name": "greedy", "kwargs": {"dtype": "float32"}}
+    target = {"name": "target", "kwargs": {"dtype": "float32"}, "sampling": sampling}
+    tree = ddtree_run("ddtree", tiny_drafter_path, 8, oracle={"from": "greedy", "p_top": 0.8})
+    tree["sampling"] = sampling
+    results, _ = run_engines(tiny_target_path, [greedy, target, tree], PROMPTS[:1], max_tokens=3)
+    vocab = 1024
+    for position in (1, 2):
+        counts = {}
+        for name in ("target", "ddtree"):
+            histogram = [0] * vocab
+            for tokens in results[name]["tokens"]:
+                histogram[tokens[position]] += 1
+            counts[name] = histogram
+        p_value = chi_square_p_value(counts["target"], counts["ddtree"])
+        assert p_value > 1e-3, (position, p_value)
+    # The drafter was right often enough for trees to be walked past the root.
+    metrics = results["ddtree"]["metrics"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0

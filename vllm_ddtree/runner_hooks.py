@@ -150,8 +150,27 @@ def _wrap_prepare_inputs(original):
     return _prepare_inputs
 
 
+def _refuse_unsupported(sampling_metadata) -> None:
+    """Sampling features the tree path does not apply yet fail loudly instead of silently."""
+    unsupported = []
+    if not sampling_metadata.no_penalties:
+        unsupported.append("presence/frequency/repetition penalties")
+    if sampling_metadata.allowed_token_ids_mask is not None:
+        unsupported.append("allowed_token_ids")
+    if sampling_metadata.bad_words_token_ids:
+        unsupported.append("bad_words")
+    if sampling_metadata.max_num_logprobs is not None:
+        unsupported.append("logprobs")
+    if unsupported:
+        raise NotImplementedError(
+            "vllm-ddtree: " + ", ".join(unsupported) + " are not supported yet with method "
+            "'ddtree' (see README, 'Sampling with trees')"
+        )
+
+
 def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row: torch.Tensor):
     """long ``[rows]``: argmax, or one independent sample per row at each request's temperature."""
+    _refuse_unsupported(sampling_metadata)
     if sampling_metadata.all_greedy:
         return logits.argmax(dim=-1)
     if sampling_metadata.top_k is not None or sampling_metadata.top_p is not None:

@@ -8,7 +8,9 @@ state, so tests start this script as a subprocess):
 RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` arguments
 (e.g. ``speculative_config``, ``attention_backend``, ``dtype``). A run may add
 ``"oracle": {"from": RUN_NAME, "p_top": P}``: the DDTree test drafter then proposes the
-continuations an earlier run produced (see ``vllm_ddtree.proposer``). Prints one line
+continuations an earlier run produced (see ``vllm_ddtree.proposer``), and
+``"sampling": {"temperature": T, "repeats": K}``: the first prompt K times, seeds 0..K-1.
+Prints one line
 ``RESULT {name: {"tokens": [...], "metrics": {...}, "ddtree": {...}, "backend": ...}}``.
 """
 
@@ -18,7 +20,9 @@ import os
 import sys
 
 
-def generate(target: str, kwargs: dict, prompts: list[list[int]], max_tokens: int) -> dict:
+def generate(
+    target: str, kwargs: dict, prompts: list[list[int]], max_tokens: int, sampling=None
+) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -32,9 +36,23 @@ def generate(target: str, kwargs: dict, prompts: list[list[int]], max_tokens: in
         disable_log_stats=False,
     )
     llm = LLM(**{**args, **kwargs})
-    params = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
-    )
+    if sampling:
+        # The first prompt, `repeats` times, each request with its own seed.
+        params = [
+            SamplingParams(
+                temperature=sampling["temperature"],
+                seed=seed,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                detokenize=False,
+            )
+            for seed in range(sampling["repeats"])
+        ]
+        prompts = [prompts[0]] * sampling["repeats"]
+    else:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     metrics = {}
     for metric in llm.get_metrics():
@@ -74,5 +92,7 @@ if __name__ == "__main__":
             os.environ["VLLM_DDTREE_TEST_ORACLE"] = path
         else:
             os.environ.pop("VLLM_DDTREE_TEST_ORACLE", None)
-        results[run["name"]] = generate(target, run["kwargs"], prompts, int(max_tokens))
+        results[run["name"]] = generate(
+            target, run["kwargs"], prompts, int(max_tokens), run.get("sampling")
+        )
     print("RESULT " + json.dumps(results))
