@@ -120,7 +120,9 @@ def main() -> int:
                 for p, (got, want) in enumerate(
                     zip(result["tokens"], reference["tokens"], strict=True)
                 ):
-                    where = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+                    where = next(
+                        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None
+                    )
                     if where is not None:
                         gap = logit_gap(target, prompts[p], want[:where])
                         divergences.append({"prompt": p, "token": where, "logit_gap": gap})
