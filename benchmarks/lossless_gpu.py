@@ -50,11 +50,13 @@ def run_engine(target, prompts, max_tokens, max_num_seqs, **kwargs):
         for m in llm.get_metrics()
         if m.name.startswith("vllm:spec_decode")
     }
+    config = llm.llm_engine.vllm_config
+    runner = "V2" if config.use_v2_model_runner else "V1"
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    return {"tokens": tokens, "metrics": metrics, "seconds": elapsed}
+    return {"tokens": tokens, "metrics": metrics, "seconds": elapsed, "runner": runner}
 
 
 def main() -> int:
@@ -129,12 +131,24 @@ def main() -> int:
                 metrics = result["metrics"]
                 drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
                 accepted = metrics.get("vllm:spec_decode_num_accepted_tokens") or 0
+                mean_length = 1 + accepted / drafts if drafts else 0.0
                 row.update(
                     identical=not divergences,
                     divergences=divergences[:10],
                     tokens_checked=sum(map(len, result["tokens"])),
-                    mean_acceptance_length=1 + accepted / drafts if drafts else None,
+                    runner=result["runner"],
+                    draft_tokens_per_draft=(
+                        metrics.get("vllm:spec_decode_num_draft_tokens", 0) / drafts
+                        if drafts
+                        else None
+                    ),
+                    mean_acceptance_length=mean_length,
                     seconds=result["seconds"],
+                )
+                # Guard against measuring something else: the DDTree path runs on V1 and the
+                # oracle drafter must be accepted deeply (budget 1 is a chain of one).
+                row["ddtree_path_ran"] = result["runner"] == "V1" and (
+                    budget == 1 or mean_length > 1.5
                 )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -151,7 +165,7 @@ def main() -> int:
     name = "lossless_gpu_quick.json" if args.quick else "lossless_gpu.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(summary, f, indent=1)
-    return 0 if all(r["identical"] for r in rows) else 1
+    return 0 if all(r["identical"] and r.get("ddtree_path_ran") for r in rows) else 1
 
 
 if __name__ == "__main__":

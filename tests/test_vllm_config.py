@@ -149,3 +149,23 @@ def test_the_api_server_exits_with_the_error_before_starting_an_engine(
     assert proc.returncode != 0
     assert "speculative_config['tree_budget'] must be in 1..1024, got 0" in proc.stderr
     assert "EngineCore" not in proc.stderr  # nothing half-started
+
+
+def test_ddtree_runs_on_the_v1_model_runner_even_where_vllm_would_pick_v2(
+    tiny_target_path, tiny_drafter_path, monkeypatch
+):
+    from vllm.config import VllmConfig
+
+    # vLLM 0.26.0 picks V2 for dense targets on GPUs; simulate that choice here.
+    monkeypatch.setattr(VllmConfig, "_is_default_v2_model_runner_model", lambda self: True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    plain = engine_config(
+        tiny_target_path,
+        {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},
+    )
+    tree = engine_config(tiny_target_path, {"method": "ddtree", "model": tiny_drafter_path})
+    # Even once V2 is asked for through the environment (read at each access), DDTree stays on
+    # V1 while plain DFlash follows vLLM's choice.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert plain.use_v2_model_runner is True
+    assert tree.use_v2_model_runner is False

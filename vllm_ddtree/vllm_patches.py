@@ -14,6 +14,8 @@ Patches:
 * ``vllm.v1.worker.gpu_model_runner``: ``DFlashProposer`` is replaced by ``DDTreeProposer`` and
   ``runner_hooks.install`` wraps the V1 runner's ``_prepare_inputs``, ``_sample`` and
   ``propose_draft_token_ids`` (inert unless DDTree is configured), when that module is imported.
+* ``vllm.config.vllm.VllmConfig.use_v2_model_runner``: False when DDTree is configured (its
+  hooks live in the V1 runner; vLLM 0.26.0 would pick V2 for dense targets on GPUs).
 * ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
   CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
 
@@ -115,8 +117,6 @@ def _choose_attention_backends(engine_args, speculative: dict) -> None:
             "method 'ddtree' runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
             f"(it is {runner_choice!r})"
         )
-    # Inherited by the engine-core and worker processes started after this.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if speculative.get("attention_backend") is None:
         # TRITON_ATTN: non-causal, every dtype (FLASH_ATTN refuses float32).
         speculative["attention_backend"] = (
@@ -234,6 +234,29 @@ def _patch_drafting_slots() -> None:
     SpeculativeConfig.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting)
 
 
+def _patch_model_runner_choice() -> None:
+    from vllm.config import VllmConfig
+
+    prop = VllmConfig.__dict__.get("use_v2_model_runner")
+    if not isinstance(prop, property):
+        raise VLLMIncompatibleError(
+            "vllm-ddtree: VllmConfig.use_v2_model_runner is no longer a property; written for "
+            f"vLLM {WRITTEN_FOR_VLLM}"
+        )
+    if getattr(prop.fget, _PATCHED_FLAG, False):
+        return
+    original = prop.fget
+
+    @functools.wraps(original)
+    def use_v2_model_runner(self) -> bool:
+        if get_ddtree_config(self.speculative_config) is not None:
+            return False
+        return original(self)
+
+    setattr(use_v2_model_runner, _PATCHED_FLAG, True)
+    VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
+
+
 def _patch_cpu_platform() -> None:
     try:
         from vllm.platforms.cpu import CpuPlatform
@@ -306,6 +329,7 @@ def apply() -> None:
     register_tree_attention()
     _patch_cpu_platform()
     _patch_drafting_slots()
+    _patch_model_runner_choice()
     _patch_model_runner_when_imported()
     if getattr(EngineArgs.create_speculative_config, _PATCHED_FLAG, False):
         return
