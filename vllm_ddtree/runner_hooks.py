@@ -260,33 +260,14 @@ def _commit_kv(runner, step: StepTrees) -> None:
 
 def _wrap_propose(original):
     @functools.wraps(original)
-    def propose_draft_token_ids(
-        self,
-        scheduler_output,
-        sampled_token_ids,
-        sampling_metadata,
-        hidden_states,
-        sample_hidden_states,
-        aux_hidden_states,
-        spec_decode_metadata,
-        common_attn_metadata,
-        slot_mappings,
-    ):
+    def propose_draft_token_ids(self, *args, **kwargs):
+        # vLLM 0.26.0 signature: (scheduler_output, sampled_token_ids, sampling_metadata,
+        # hidden_states, sample_hidden_states, aux_hidden_states, ...): aux is the 6th.
         step = getattr(self, "_ddtree_step", None)
         if step is not None and step.accepted is not None and _ddtree_proposer(self):
+            aux_hidden_states = kwargs.get("aux_hidden_states", args[5] if len(args) > 5 else None)
             _move_path_rows_first(self, step, aux_hidden_states)
-        return original(
-            self,
-            scheduler_output,
-            sampled_token_ids,
-            sampling_metadata,
-            hidden_states,
-            sample_hidden_states,
-            aux_hidden_states,
-            spec_decode_metadata,
-            common_attn_metadata,
-            slot_mappings,
-        )
+        return original(self, *args, **kwargs)
 
     return propose_draft_token_ids
 
@@ -311,9 +292,35 @@ def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
         hidden[dst] = hidden[src]
 
 
+EXPECTED_SIGNATURES = {
+    "_prepare_inputs": ["self", "scheduler_output", "num_scheduled_tokens"],
+    "_sample": ["self", "logits", "spec_decode_metadata"],
+    "propose_draft_token_ids": [
+        "self",
+        "scheduler_output",
+        "sampled_token_ids",
+        "sampling_metadata",
+        "hidden_states",
+        "sample_hidden_states",
+        "aux_hidden_states",
+    ],
+}
+
+
 def install() -> None:
-    """Wrap the V1 runner methods once per process."""
+    """Wrap the V1 runner methods once per process (fails loudly if vLLM changed them)."""
+    import inspect
+
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for name, expected in EXPECTED_SIGNATURES.items():
+        method = getattr(GPUModelRunner, name, None)
+        params = list(inspect.signature(method).parameters) if method else []
+        if params[: len(expected)] != expected:
+            raise RuntimeError(
+                f"vllm-ddtree: GPUModelRunner.{name}{tuple(params)} is not the vLLM 0.26.0 "
+                f"method it wraps (expected parameters starting {tuple(expected)})"
+            )
 
     for name, wrap in (
         ("_prepare_inputs", _wrap_prepare_inputs),

@@ -79,6 +79,34 @@ def commit_accepted_kv_torch(
 if HAS_TRITON:
 
     @triton.jit
+    def _move_row(
+        cache_ptr,
+        src,
+        dst,
+        head,
+        stride_blk,
+        stride_pos,
+        stride_h,
+        offs_d,
+        d_valid,
+        KV_BLOCK_SIZE: tl.constexpr,
+    ):
+        """cache[dst slot, head, :] = cache[src slot, head, :] (paged slot -> block, offset)."""
+        src_ptr = (
+            cache_ptr
+            + (src // KV_BLOCK_SIZE) * stride_blk
+            + (src % KV_BLOCK_SIZE) * stride_pos
+            + head * stride_h
+        )
+        dst_ptr = (
+            cache_ptr
+            + (dst // KV_BLOCK_SIZE) * stride_blk
+            + (dst % KV_BLOCK_SIZE) * stride_pos
+            + head * stride_h
+        )
+        tl.store(dst_ptr + offs_d, tl.load(src_ptr + offs_d, mask=d_valid), mask=d_valid)
+
+    @triton.jit
     def _commit_accepted_kv_kernel(
         key_cache_ptr,
         value_cache_ptr,
@@ -108,32 +136,30 @@ if HAS_TRITON:
             if (j <= count) & (node != j):
                 src = tl.load(verify_slots_ptr + req * stride_slots + node).to(tl.int64)
                 dst = tl.load(verify_slots_ptr + req * stride_slots + j).to(tl.int64)
-                src_k = (
-                    key_cache_ptr
-                    + (src // KV_BLOCK_SIZE) * stride_k_blk
-                    + (src % KV_BLOCK_SIZE) * stride_k_pos
-                    + head * stride_k_h
+                _move_row(
+                    key_cache_ptr,
+                    src,
+                    dst,
+                    head,
+                    stride_k_blk,
+                    stride_k_pos,
+                    stride_k_h,
+                    offs_d,
+                    d_valid,
+                    KV_BLOCK_SIZE,
                 )
-                dst_k = (
-                    key_cache_ptr
-                    + (dst // KV_BLOCK_SIZE) * stride_k_blk
-                    + (dst % KV_BLOCK_SIZE) * stride_k_pos
-                    + head * stride_k_h
+                _move_row(
+                    value_cache_ptr,
+                    src,
+                    dst,
+                    head,
+                    stride_v_blk,
+                    stride_v_pos,
+                    stride_v_h,
+                    offs_d,
+                    d_valid,
+                    KV_BLOCK_SIZE,
                 )
-                tl.store(dst_k + offs_d, tl.load(src_k + offs_d, mask=d_valid), mask=d_valid)
-                src_v = (
-                    value_cache_ptr
-                    + (src // KV_BLOCK_SIZE) * stride_v_blk
-                    + (src % KV_BLOCK_SIZE) * stride_v_pos
-                    + head * stride_v_h
-                )
-                dst_v = (
-                    value_cache_ptr
-                    + (dst // KV_BLOCK_SIZE) * stride_v_blk
-                    + (dst % KV_BLOCK_SIZE) * stride_v_pos
-                    + head * stride_v_h
-                )
-                tl.store(dst_v + offs_d, tl.load(src_v + offs_d, mask=d_valid), mask=d_valid)
             # Later moves may read a slot this one wrote: keep them in order.
             tl.debug_barrier()
 
