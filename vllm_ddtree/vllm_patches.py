@@ -16,6 +16,10 @@ Patches:
   ``propose_draft_token_ids`` (inert unless DDTree is configured), when that module is imported.
 * ``vllm.config.vllm.VllmConfig.use_v2_model_runner``: False when DDTree is configured (its
   hooks live in the V1 runner; vLLM 0.26.0 would pick V2 for dense targets on GPUs).
+* ``vllm.renderers.hf.resolve_chat_template_kwargs``: chat-template switches sent as the
+  strings ``"true"``/``"false"`` (any case) become booleans, so a client's
+  ``{"enable_thinking": "false"}`` means false instead of a truthy string (DFlash drafters are
+  trained for one chat mode; the wrong mode silently collapses acceptance).
 * ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
   CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
 
@@ -257,6 +261,39 @@ def _patch_model_runner_choice() -> None:
     VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
 
 
+def coerce_template_switches(kwargs: dict) -> dict:
+    """``{"enable_thinking": "false"}`` -> ``{"enable_thinking": False}``; likewise "true".
+
+    Case and surrounding spaces are ignored; other values are left as they are."""
+    booleans = {"true": True, "false": False}
+    return {
+        key: booleans.get(value.strip().lower(), value) if isinstance(value, str) else value
+        for key, value in kwargs.items()
+    }
+
+
+def _patch_chat_template_kwargs() -> None:
+    try:
+        from vllm.renderers import hf
+    except Exception:  # noqa: BLE001 - no HF renderer in this vLLM build
+        return
+    original = getattr(hf, "resolve_chat_template_kwargs", None)
+    if original is None:
+        raise VLLMIncompatibleError(
+            "vllm-ddtree: vllm.renderers.hf.resolve_chat_template_kwargs is gone; written for "
+            f"vLLM {WRITTEN_FOR_VLLM}"
+        )
+    if getattr(original, _PATCHED_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def resolve_chat_template_kwargs(*args, **kwargs):
+        return coerce_template_switches(original(*args, **kwargs))
+
+    setattr(resolve_chat_template_kwargs, _PATCHED_FLAG, True)
+    hf.resolve_chat_template_kwargs = resolve_chat_template_kwargs
+
+
 def _patch_cpu_platform() -> None:
     try:
         from vllm.platforms.cpu import CpuPlatform
@@ -330,6 +367,7 @@ def apply() -> None:
     _patch_cpu_platform()
     _patch_drafting_slots()
     _patch_model_runner_choice()
+    _patch_chat_template_kwargs()
     _patch_model_runner_when_imported()
     if getattr(EngineArgs.create_speculative_config, _PATCHED_FLAG, False):
         return
