@@ -48,6 +48,9 @@ case "$STEP" in
   lossless)
     timeout 580 python3 benchmarks/lossless_gpu.py --out "$OUT" > "$OUT/lossless_gpu.log" 2>&1
     echo "rc=$?"; grep -E "^\{\"budget" "$OUT/lossless_gpu.log" ;;
+  serve)
+    timeout 560 python3 benchmarks/serve_check.py --dtype bfloat16 --out "$OUT" > "$OUT/serve_check.log" 2>&1
+    echo "rc=$?"; tail -3 "$OUT/serve_check.log" ;;
   engines)
     timeout 560 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tree_attn_vllm_gpu.log" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -60 ;;
   *) echo "unknown step $STEP"; exit 2 ;;

@@ -1,0 +1,174 @@
+"""`vllm serve` with "method": "ddtree" answers like the target alone (CPU or GPU).
+
+Builds a tiny random Qwen3 target with a word-level tokenizer and a chat template, a random
+DFlash drafter, then starts the OpenAI server twice (target alone, then DDTree) and sends the
+same greedy requests to /v1/completions and /v1/chat/completions, streamed and not. The texts
+must be identical; /metrics of the DDTree server must show the spec-decode counters. Writes
+JSON; exits non-zero on any difference.
+
+    python benchmarks/serve_check.py --out benchmarks/results [--port 8711] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} ; {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def make_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer over w0..w{V-1} (saved next to the target)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 8)}
+    for extra in ("[UNK]", "<eos>", "user", "assistant", ":", ";", "system", "<pad>"):
+        vocab[extra] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+
+def request(port: int, route: str, body: dict | None = None) -> bytes:
+    url = f"http://127.0.0.1:{port}{route}"
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=300) as r:
+        return r.read()
+
+
+def streamed_text(raw: bytes, chat: bool) -> str:
+    text = []
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        choice = json.loads(line[6:])["choices"][0]
+        text.append((choice.get("delta") or {}).get("content") or "" if chat else choice["text"])
+    return "".join(text)
+
+
+def ask_all(port: int, model: str, prompts: list[str]) -> dict:
+    answers = {}
+    for i, prompt in enumerate(prompts):
+        common = {"model": model, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+        completion = json.loads(request(port, "/v1/completions", {**common, "prompt": prompt}))
+        answers[f"completion_{i}"] = completion["choices"][0]["text"]
+        raw = request(port, "/v1/completions", {**common, "prompt": prompt, "stream": True})
+        answers[f"completion_stream_{i}"] = streamed_text(raw, chat=False)
+        messages = [{"role": "user", "content": prompt}]
+        chat = json.loads(request(port, "/v1/chat/completions", {**common, "messages": messages}))
+        answers[f"chat_{i}"] = chat["choices"][0]["message"]["content"]
+        raw = request(
+            port, "/v1/chat/completions", {**common, "messages": messages, "stream": True}
+        )
+        answers[f"chat_stream_{i}"] = streamed_text(raw, chat=True)
+    return answers
+
+
+def serve(model: str, port: int, extra: list[str], log_path: str):
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+        *extra,
+    ]
+    log = open(log_path, "w")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU platform: KV cache size in GiB
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            request(port, "/v1/models")
+            return proc
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(2)
+    stop(proc)
+    raise TimeoutError(f"server did not come up; see {log_path}")
+
+
+def stop(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except Exception:  # noqa: BLE001
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--work", default="/tmp/vllm-ddtree-serve")
+    parser.add_argument("--port", type=int, default=8711)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    from bench_tree_attn import git_commit
+
+    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
+
+    spec = TinyQwen3Spec()
+    target = make_tiny_qwen3(os.path.join(args.work, "target"), spec)
+    if not os.path.exists(os.path.join(target, "tokenizer.json")):
+        make_tokenizer(target, spec.vocab_size)
+    drafter = make_tiny_dflash(os.path.join(args.work, "drafter"), spec)
+    prompts = ["w1 w2 w3", "w10 w20 w30 w40", "w7"]
+    common = ["--dtype", args.dtype]
+    ddtree = json.dumps({"method": "ddtree", "model": drafter, "tree_budget": 16})
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    metrics_text = ""
+    for name, extra in (("target", common), ("ddtree", [*common, "--speculative-config", ddtree])):
+        proc = serve(target, args.port, extra, os.path.join(args.out, f"serve_{name}.log"))
+        try:
+            results[name] = ask_all(args.port, target, prompts)
+            if name == "ddtree":
+                metrics_text = request(args.port, "/metrics").decode()
+        finally:
+            stop(proc)
+    differences = [k for k in results["target"] if results["target"][k] != results["ddtree"][k]]
+    spec_lines = [line for line in metrics_text.splitlines() if line.startswith("vllm:spec_decode")]
+    summary = {
+        "commit": git_commit(),
+        "identical": not differences,
+        "differences": differences,
+        "answers_checked": len(results["target"]),
+        "metrics": spec_lines[:20],
+        "example": {k: results["ddtree"][k] for k in ("completion_0", "chat_stream_0")},
+    }
+    with open(os.path.join(args.out, "serve_check.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps({k: v for k, v in summary.items() if k != "metrics"}))
+    return 0 if (not differences and spec_lines) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
