@@ -1,12 +1,11 @@
 """KV commit after the tree walk: the Triton kernel against its PyTorch reference."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.interpreter import run_under_interpreter
 from vllm_ddtree.ops.kv_commit import commit_accepted_kv_ref
 from vllm_ddtree.tree import build_trees, follow_tree
 
@@ -107,13 +106,5 @@ def test_kernel_chain_paths_copy_nothing_and_aliasing_is_ordered():
 @pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "kernel_"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "4 passed" in proc.stdout
+    """This module's kernel tests, again, under Triton's interpreter."""
+    run_under_interpreter(__file__, "kernel_", expected=4)

@@ -6,12 +6,11 @@ the same tests run natively, plus a larger grid.
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.interpreter import run_under_interpreter
 from tree_attn_backend.ops.tree_attention import (
     pack_tree_mask,
     tree_attention_ref,
@@ -99,27 +98,12 @@ def test_kernel_half_precision_matches_reference():
 @pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
-    """Re-run this module's kernel tests with TRITON_INTERPRET=1 (set before Triton JITs)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "kernel_matches or half_precision or window_without or split_kv or lower_edge",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=env,
+    """This module's kernel tests, again, under Triton's interpreter."""
+    run_under_interpreter(
+        __file__,
+        "kernel_matches or half_precision or window_without or split_kv or lower_edge",
+        expected=13,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1]
 
 
 @pytest.mark.interpreter

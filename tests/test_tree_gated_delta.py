@@ -1,12 +1,11 @@
 """GatedDeltaNet recurrence over draft trees: Triton kernel vs the path-replay reference."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.interpreter import run_under_interpreter
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta_ref
 from vllm_ddtree.tree import build_trees
 
@@ -109,13 +108,5 @@ def test_kernel_matches_reference(seed):
 @pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "kernel_"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "2 passed" in proc.stdout
+    """This module's kernel tests, again, under Triton's interpreter."""
+    run_under_interpreter(__file__, "kernel_", expected=2)
