@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from tests.stats import chi_square_p_value
 from vllm_ddtree.dflash_drafter import DFlashDrafter
 from vllm_ddtree.reference import (
     DDTreeReference,
@@ -110,18 +111,6 @@ def test_eos_stops_generation(tiny_target, tiny_spec):
     oracle = OracleDraftSource(list(prompt) + expected, tiny_spec.vocab_size, 15, p_top=1.0)
     out = DDTreeReference(tiny_target, oracle, budget=16).generate(prompt, 40, eos_token_id=eos)
     assert out.token_ids == expected[: expected.index(eos) + 1]
-
-
-def chi_square_p_value(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
-    """Two-sample chi-square homogeneity test on category counts (p-value)."""
-    keep = (counts_a + counts_b) > 0
-    a, b = counts_a[keep].double(), counts_b[keep].double()
-    total = a + b
-    n_a, n_b = a.sum(), b.sum()
-    expected_a, expected_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)
-    stat = (((a - expected_a) ** 2) / expected_a + ((b - expected_b) ** 2) / expected_b).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
 
 
 def test_sampling_is_distributed_like_the_target_alone(tiny_target, tiny_spec):

@@ -9,6 +9,7 @@ attention kernels out of the picture.
 
 import pytest
 
+from tests.stats import chi_square_p_value
 from tests.vllm_runs import TREE_ATTN_ACTIVE, run_engines
 
 pytest.importorskip("vllm")
@@ -74,20 +75,6 @@ def test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply(ddtree_resu
     assert mean_acceptance_length > (2.0 if budget == 4 else 3.0), mean_acceptance_length
     assert results[run]["ddtree"]["tree_budget"] == budget
     assert results[run]["ddtree"]["depth"] == 15
-
-
-def chi_square_p_value(counts_a, counts_b) -> float:
-    """Two-sample chi-square homogeneity test on category counts (p-value)."""
-    import torch
-
-    a, b = torch.tensor(counts_a, dtype=torch.float64), torch.tensor(counts_b, dtype=torch.float64)
-    keep = (a + b) > 0
-    a, b = a[keep], b[keep]
-    total, n_a, n_b = a + b, a.sum(), b.sum()
-    expected_a, expected_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)
-    stat = (((a - expected_a) ** 2) / expected_a + ((b - expected_b) ** 2) / expected_b).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
 
 
 @pytest.mark.vllm_engine

@@ -27,7 +27,7 @@ import torch
 from tree_attn_backend import tree_verify
 from tree_attn_backend.ops.tree_attention import pack_tree_mask
 from vllm_ddtree.ops.kv_commit import commit_accepted_kv, commit_accepted_kv_torch
-from vllm_ddtree.tree import DDTreeBatch, ancestor_mask, follow_tree
+from vllm_ddtree.tree import DDTreeBatch, ancestor_mask, empty_batch, follow_tree
 
 _PATCHED = "__vllm_ddtree_runner_hook__"
 
@@ -64,16 +64,7 @@ def _align_trees(runner, drafter, num_reqs: int, num_draft: np.ndarray) -> DDTre
     )
     has_tree = torch.from_numpy(num_draft.astype(np.int64)) > 0
     if proposed is None or not bool((has_tree & (source >= 0)).any()):
-        source = source.clamp(min=0)
-        empty = DDTreeBatch(
-            token_ids=torch.full((num_reqs, budget), -1, dtype=torch.long, device=device),
-            parents=torch.zeros((num_reqs, budget), dtype=torch.long, device=device),
-            depths=torch.zeros((num_reqs, budget), dtype=torch.long, device=device),
-            scores=torch.full((num_reqs, budget), float("-inf"), device=device),
-            num_nodes=torch.zeros(num_reqs, dtype=torch.long, device=device),
-            max_depth=drafter.ddtree.depth,
-        )
-        return empty
+        return empty_batch(num_reqs, budget, drafter.ddtree.depth, device)
     if bool((has_tree & (source < 0)).any()):
         raise RuntimeError("vllm-ddtree: a request was scheduled with drafts but has no tree")
     index = source.clamp(min=0).to(device)

@@ -118,7 +118,7 @@ def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = Non
     num_reqs, depth_limit, vocab = draft_logits.shape
     device = draft_logits.device
     if num_reqs == 0 or depth_limit == 0:
-        return _empty_batch(num_reqs, budget, depth_limit, device)
+        return empty_batch(num_reqs, budget, depth_limit, device)
 
     cap = min(budget, vocab) if top_k is None else min(top_k, budget, vocab)
     log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
@@ -188,7 +188,8 @@ def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = Non
     )
 
 
-def _empty_batch(num_reqs: int, width: int, depth_limit: int, device) -> DDTreeBatch:
+def empty_batch(num_reqs: int, width: int, depth_limit: int, device) -> DDTreeBatch:
+    """A batch of ``num_reqs`` trees with no nodes (all ``width`` slots padding)."""
     return DDTreeBatch(
         token_ids=torch.full((num_reqs, width), PAD_TOKEN, dtype=torch.long, device=device),
         parents=torch.zeros((num_reqs, width), dtype=torch.long, device=device),
