@@ -6,6 +6,7 @@
 #                  (no vLLM needed)
 #       bench    - benchmarks/bench_tree_attn.py (needs vLLM for the TRITON_ATTN baseline)
 #       engines  - benchmarks/tree_attn_vllm_gpu.py (vLLM engines with TREE_ATTN)
+#       dense    - benchmarks/lossless_gpu.py (full grid) and serve_check.py side by side
 set -uo pipefail
 STEP=$1
 OUT=${2:-benchmarks/results}
@@ -42,6 +43,17 @@ case "$STEP" in
     grep -E "^- |^checks" "$OUT/bench_tree_attn.log"
     timeout 230 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" > "$OUT/tree_attn_vllm_gpu.log" 2>&1
     grep -E "^\{\"candidate|_eager |_graphs " "$OUT/tree_attn_vllm_gpu.log" ;;
+  dense)
+    # The lossless grid and the server check side by side (both fit on one GPU).
+    timeout 420 python3 benchmarks/serve_check.py --dtype bfloat16 --out "$OUT/serve" \
+      --server-args "--gpu-memory-utilization 0.05 --kv-cache-memory-bytes 1073741824" \
+      > "$OUT/serve_check.log" 2>&1 &
+    SERVE=$!
+    timeout 540 python3 benchmarks/lossless_gpu.py --out "$OUT" > "$OUT/lossless_gpu.log" 2>&1
+    echo "lossless rc=$?"
+    wait $SERVE; echo "serve rc=$?"
+    tar czf "$OUT/lossless_logs.tgz" -C /tmp/vllm-ddtree-lossless --wildcards '*.log' 2>/dev/null
+    grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log"; tail -2 "$OUT/serve_check.log" ;;
   lossless-quick)
     timeout 400 python3 benchmarks/lossless_gpu.py --quick --out "$OUT" > "$OUT/lossless_gpu_quick.log" 2>&1
     echo "rc=$?"; grep -E "^\{\"budget|Error|error" "$OUT/lossless_gpu_quick.log" | tail -20 ;;

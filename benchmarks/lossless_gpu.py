@@ -1,21 +1,31 @@
-"""DDTree in vLLM on a GPU is lossless: greedy output token-identical to the target alone.
+"""DDTree in vLLM on a GPU is lossless: greedy output token-identical to the target alone, and
+sampled output distributed like the target alone.
 
 Tiny random Qwen3 target (sharp logits), float32, the test oracle drafter (the target's own
 greedy future ranked first with probability p_top, second otherwise: deep, branching
 acceptance). The target-alone reference runs through the same TREE_ATTN kernel (plain causal),
-so both sides share kernels and differ only by the tree. For every (budget, batch, mode) the
-outputs are compared prompt by prompt; a divergence is reported with its position and the
-target's top-2 logit gap there. Writes JSON; exits non-zero on any divergence.
+so both sides share kernels and differ only by the tree.
 
-    python benchmarks/lossless_gpu.py --out benchmarks/results [--quick]
+Greedy grid: budgets x modes (eager, CUDA graphs) x batch (16 requests at once, then every
+prompt alone), optionally tensor parallel. Each engine runs in its own process, several at once
+on the one GPU (vLLM engines keep process-global state; KV cache size fixed so that the
+engines' memory profiling does not see each other). A divergence is reported with its position
+and the target's top-2 logit gap there.
+
+Sampling: T = 1, one prompt, N requests with seeds 0..N-1, target alone vs DDTree; chi-square
+homogeneity test on the histograms of generated tokens 2..4 (p-values recorded; pass: > 1e-3).
+
+Writes JSON; exits non-zero on any divergence, failed engine or failed sampling test.
+
+    python benchmarks/lossless_gpu.py --out benchmarks/results [--quick] [--tp 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,40 +33,113 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+MAX_MODEL_LEN = 2048
 
-def run_engine(target, prompts, max_tokens, max_num_seqs, **kwargs):
+
+def run_engine(job: dict) -> dict:
+    """One engine (in this process): greedy batch, greedy one prompt at a time, or sampling."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if job.get("oracle"):
+        os.environ["VLLM_DDTREE_TEST_ORACLE"] = job["oracle"]
+    kwargs = dict(job["kwargs"])
+    budget = (kwargs.get("speculative_config") or {}).get("tree_budget", 0)
     llm = LLM(
-        model=target,
+        model=job["target"],
         skip_tokenizer_init=True,
         dtype="float32",
-        max_model_len=2048,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=4096,
-        gpu_memory_utilization=0.2,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=max(4096, (budget + 1) * job["max_num_seqs"]),
+        gpu_memory_utilization=0.04,
+        kv_cache_memory_bytes=2 << 30,
         seed=0,
         disable_log_stats=False,
         **kwargs,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    result: dict = {}
     start = time.time()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    elapsed = time.time() - start
-    metrics = {
+    if job.get("sampling"):
+        sampling = job["sampling"]
+        params = [
+            SamplingParams(
+                temperature=sampling["temperature"],
+                seed=seed,
+                max_tokens=sampling["max_tokens"],
+                ignore_eos=True,
+            )
+            for seed in range(sampling["repeats"])
+        ]
+        outputs = llm.generate(prompts[:1] * sampling["repeats"], params, use_tqdm=False)
+        result["sampled"] = [list(o.outputs[0].token_ids) for o in outputs]
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        result["batched"] = [list(o.outputs[0].token_ids) for o in outputs]
+        result["batched_seconds"] = time.time() - start
+        if job.get("one_at_a_time"):
+            start = time.time()
+            result["single"] = [
+                list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+                for p in prompts
+            ]
+            result["single_seconds"] = time.time() - start
+    result["metrics"] = {
         m.name: getattr(m, "value", None)
         for m in llm.get_metrics()
         if m.name.startswith("vllm:spec_decode")
     }
     config = llm.llm_engine.vllm_config
-    runner = "V2" if config.use_v2_model_runner else "V1"
+    result["runner"] = "V2" if config.use_v2_model_runner else "V1"
+    result["cudagraph_mode"] = str(config.compilation_config.cudagraph_mode)
     del llm
-    gc.collect()
     torch.cuda.empty_cache()
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    return {"tokens": tokens, "metrics": metrics, "seconds": elapsed, "runner": runner}
+    return result
+
+
+def run_jobs(jobs: dict[str, dict], work: str, parallel: int, timeout: int) -> dict[str, dict]:
+    """Run each job in its own process, ``parallel`` at a time; name -> result or error."""
+    pending = list(jobs.items())
+    running: dict[str, tuple[subprocess.Popen, str, float]] = {}
+    results: dict[str, dict] = {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, job = pending.pop(0)
+            job_path = os.path.join(work, f"{name}.job.json")
+            with open(job_path, "w") as f:
+                json.dump(job, f)
+            log = open(os.path.join(work, f"{name}.log"), "w")  # noqa: SIM115 - child's log
+            child = subprocess.Popen(
+                [sys.executable, __file__, "--child", job_path], stdout=log, stderr=log
+            )
+            running[name] = (child, job_path, time.time())
+        time.sleep(1)
+        for name, (child, job_path, started) in list(running.items()):
+            if child.poll() is None and time.time() - started < timeout:
+                continue
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            del running[name]
+            try:
+                with open(job_path + ".result") as f:
+                    results[name] = json.load(f)
+            except OSError:
+                with open(os.path.join(work, f"{name}.log")) as f:
+                    tail = f.read()[-1500:]
+                results[name] = {"error": f"exit {child.returncode}: {tail}"}
+            print(f"[{time.strftime('%H:%M:%S')}] {name}: done", flush=True)
+    return results
+
+
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    where = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if where is None and len(got) != len(want):
+        where = min(len(got), len(want))
+    return where
 
 
 def main() -> int:
@@ -64,108 +147,189 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--work", default="/tmp/vllm-ddtree-lossless")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the grid")
+    parser.add_argument("--parallel", type=int, default=6, help="engines at once")
+    parser.add_argument("--prompts", type=int, help="override the number of prompts")
+    parser.add_argument("--max-tokens", type=int, help="override the tokens per prompt")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.child:
+        with open(args.child) as f:
+            result = run_engine(json.load(f))
+        with open(args.child + ".result", "w") as f:
+            json.dump(result, f)
+        return 0
+
+    import torch
     from bench_tree_attn import git_commit
     from tree_attn_vllm_gpu import logit_gap
 
+    from tests.stats import chi_square_p_value
     from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
+    started = time.time()
+    os.makedirs(args.work, exist_ok=True)
     spec = TinyQwen3Spec(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     target = make_tiny_qwen3(os.path.join(args.work, "target"), spec)
     drafter = make_tiny_dflash(os.path.join(args.work, "drafter"), spec)
     num_prompts, max_tokens = (16, 64) if args.quick else (64, 256)
+    num_prompts, max_tokens = args.prompts or num_prompts, args.max_tokens or max_tokens
     prompts = [
         [(7 * p + 3 * i) % 1000 + 1 for i in range(8 + 3 * p % 40)] for p in range(num_prompts)
     ]
     budgets = [8, 64] if args.quick else [1, 8, 64, 256]
-    batches = [16] if args.quick else [1, 16]
-    modes = (
-        {"graphs": {"enforce_eager": False}}
-        if args.quick
-        else {
-            "eager": {"enforce_eager": True},
-            "graphs": {"enforce_eager": False},
-        }
-    )
+    modes = {"graphs": {"enforce_eager": False}}
+    if not args.quick:
+        modes = {"eager": {"enforce_eager": True}, **modes}
+    sampling = {"temperature": 1.0, "repeats": 400 if args.quick else 2000, "max_tokens": 4}
+    base = {"target": target, "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": 16}
+    tp = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
 
-    reference = run_engine(
-        target, prompts, max_tokens, 16, attention_backend="TREE_ATTN", enforce_eager=False
-    )
+    reference_kwargs = {"attention_backend": "TREE_ATTN", "enforce_eager": False, **tp}
+    jobs = {
+        "reference": {**base, "kwargs": reference_kwargs},
+        "sampling_target": {**base, "kwargs": reference_kwargs, "sampling": sampling},
+    }
+    reference = run_jobs(jobs, args.work, 2, 400)
+    if "error" in reference["reference"]:
+        print(reference["reference"]["error"])
+        return 1
+    reference_tokens = reference["reference"]["batched"]
     oracle_path = os.path.join(tempfile.mkdtemp(), "oracle.json")
-    sequences = [p + t for p, t in zip(prompts, reference["tokens"], strict=True)]
+    sequences = [p + t for p, t in zip(prompts, reference_tokens, strict=True)]
     with open(oracle_path, "w") as f:
         json.dump({"p_top": 0.7, "seed": 0, "sequences": sequences}, f)
-    os.environ["VLLM_DDTREE_TEST_ORACLE"] = oracle_path
+
+    jobs = {}
+    for budget in budgets:
+        for mode, mode_kwargs in modes.items():
+            speculative = {"method": "ddtree", "model": drafter, "tree_budget": budget}
+            kwargs = {"speculative_config": speculative, **mode_kwargs, **tp}
+            jobs[f"b{budget}_{mode}"] = {
+                **base,
+                "kwargs": kwargs,
+                "oracle": oracle_path,
+                "one_at_a_time": True,
+            }
+    sampling_kwargs = {
+        "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": 64},
+        "enforce_eager": False,
+        **tp,
+    }
+    jobs["sampling_ddtree"] = {
+        **base,
+        "kwargs": sampling_kwargs,
+        "oracle": oracle_path,
+        "sampling": sampling,
+    }
+    results = run_jobs(jobs, args.work, max(1, args.parallel // args.tp), 480)
 
     rows = []
-    for budget in budgets:
-        for batch in batches:
-            for mode, mode_kwargs in modes.items():
-                speculative = {"method": "ddtree", "model": drafter, "tree_budget": budget}
-                row = {"budget": budget, "batch": batch, "mode": mode}
-                try:
-                    result = run_engine(
-                        target,
-                        prompts,
-                        max_tokens,
-                        batch,
-                        speculative_config=speculative,
-                        **mode_kwargs,
-                    )
-                except Exception as exc:  # noqa: BLE001 - record, go on
-                    row.update(identical=False, error=f"{type(exc).__name__}: {exc}"[:1000])
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    continue
-                divergences = []
-                for p, (got, want) in enumerate(
-                    zip(result["tokens"], reference["tokens"], strict=True)
-                ):
-                    where = next(
-                        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None
-                    )
-                    if where is not None:
-                        gap = logit_gap(target, prompts[p], want[:where])
-                        divergences.append({"prompt": p, "token": where, "logit_gap": gap})
-                metrics = result["metrics"]
-                drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
-                accepted = metrics.get("vllm:spec_decode_num_accepted_tokens") or 0
-                mean_length = 1 + accepted / drafts if drafts else 0.0
-                row.update(
-                    identical=not divergences,
-                    divergences=divergences[:10],
-                    tokens_checked=sum(map(len, result["tokens"])),
-                    runner=result["runner"],
-                    draft_tokens_per_draft=(
+    for name, result in results.items():
+        if name == "sampling_ddtree":
+            continue
+        budget, mode = int(name.split("_")[0][1:]), name.split("_")[1]
+        if "error" in result:
+            for batch in (16, 1):
+                row = {"budget": budget, "batch": batch, "mode": mode, "identical": False}
+                rows.append({**row, "error": result["error"]})
+            continue
+        metrics = result["metrics"]
+        drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
+        accepted = metrics.get("vllm:spec_decode_num_accepted_tokens") or 0
+        mean_length = 1 + accepted / drafts if drafts else 0.0
+        for batch, key in ((16, "batched"), (1, "single")):
+            divergences = []
+            for p, (got, want) in enumerate(zip(result[key], reference_tokens, strict=True)):
+                where = first_divergence(got, want)
+                if where is not None:
+                    gap = logit_gap(target, prompts[p], want[:where])
+                    divergences.append({"prompt": p, "token": where, "logit_gap": gap})
+            rows.append(
+                {
+                    "budget": budget,
+                    "batch": batch,
+                    "mode": mode,
+                    "tensor_parallel_size": args.tp,
+                    "identical": not divergences,
+                    "divergences": divergences[:10],
+                    "tokens_checked": sum(map(len, result[key])),
+                    "seconds": result[f"{key}_seconds"],
+                    "runner": result["runner"],
+                    "cudagraph_mode": result["cudagraph_mode"],
+                    # Over both batch sizes of this engine.
+                    "draft_tokens_per_draft": (
                         metrics.get("vllm:spec_decode_num_draft_tokens", 0) / drafts
                         if drafts
                         else None
                     ),
-                    mean_acceptance_length=mean_length,
-                    seconds=result["seconds"],
-                )
-                # Guard against measuring something else: the DDTree path runs on V1 and the
-                # oracle drafter must be accepted deeply (budget 1 is a chain of one).
-                row["ddtree_path_ran"] = result["runner"] == "V1" and (
-                    budget == 1 or mean_length > 1.5
-                )
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    "mean_acceptance_length": mean_length,
+                    # Guard against measuring something else: the DDTree path runs on V1 and
+                    # the oracle drafter is accepted deeply (budget 1 is a chain of one).
+                    "ddtree_path_ran": result["runner"] == "V1"
+                    and (budget == 1 or mean_length > 1.5),
+                }
+            )
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "divergences"}))
+
+    sampling_rows = []
+    sampled = {
+        "target": reference["sampling_target"].get("sampled"),
+        "ddtree": results["sampling_ddtree"].get("sampled"),
+    }
+    if sampled["target"] and sampled["ddtree"]:
+        for position in (1, 2, 3):
+            counts = {}
+            for name, runs in sampled.items():
+                histogram = [0] * spec.vocab_size
+                for tokens in runs:
+                    histogram[tokens[position]] += 1
+                counts[name] = histogram
+            p_value = chi_square_p_value(counts["target"], counts["ddtree"])
+            distinct = sum(1 for a, b in zip(*counts.values(), strict=True) if a + b)
+            sampling_rows.append(
+                {"token": position, "p_value": p_value, "distinct_tokens": distinct}
+            )
+        metrics = results["sampling_ddtree"]["metrics"]
+        sampling_accepted = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+    else:
+        sampling_accepted = 0
+        errors = [
+            reference["sampling_target"].get("error"),
+            results["sampling_ddtree"].get("error"),
+        ]
+        sampling_rows.append({"error": [e for e in errors if e]})
+    sampling_ok = all(r.get("p_value", 0) > 1e-3 for r in sampling_rows) and sampling_accepted > 0
+    print(json.dumps({"sampling": sampling_rows, "accepted_tokens": sampling_accepted}))
 
     os.makedirs(args.out, exist_ok=True)
     summary = {
         "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "prompts": num_prompts,
         "max_tokens": max_tokens,
+        "tensor_parallel_size": args.tp,
         "target": spec.__dict__,
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",
-        "runs": rows,
+        "reference": "target alone, TREE_ATTN, CUDA graphs, 16 requests at once",
+        "runs": sorted(rows, key=lambda r: (r["budget"], r["mode"], r["batch"])),
+        "sampling": {
+            "test": "chi-square homogeneity of generated-token histograms, target alone vs "
+            "DDTree (budget 64, CUDA graphs, oracle drafter), one prompt, seeds 0..N-1",
+            **sampling,
+            "positions": sampling_rows,
+            "ddtree_accepted_tokens": sampling_accepted,
+            "passed": sampling_ok,
+        },
+        "wall_seconds": time.time() - started,
     }
-    name = "lossless_gpu_quick.json" if args.quick else "lossless_gpu.json"
-    with open(os.path.join(args.out, name), "w") as f:
+    suffix = ("_quick" if args.quick else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
+    with open(os.path.join(args.out, f"lossless_gpu{suffix}.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    return 0 if all(r["identical"] and r.get("ddtree_path_ran") for r in rows) else 1
+    greedy_ok = all(r["identical"] and r.get("ddtree_path_ran") for r in rows)
+    print(f"greedy lossless: {greedy_ok}; sampling: {sampling_ok}")
+    return 0 if greedy_ok and sampling_ok and rows else 1
 
 
 if __name__ == "__main__":

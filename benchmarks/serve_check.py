@@ -129,6 +129,9 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/vllm-ddtree-serve")
     parser.add_argument("--port", type=int, default=8711)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--server-args", default="", help="more `vllm serve` arguments, e.g. memory limits"
+    )
     args = parser.parse_args()
     from bench_tree_attn import git_commit
 
@@ -140,7 +143,7 @@ def main() -> int:
         make_tokenizer(target, spec.vocab_size)
     drafter = make_tiny_dflash(os.path.join(args.work, "drafter"), spec)
     prompts = ["w1 w2 w3", "w10 w20 w30 w40", "w7"]
-    common = ["--dtype", args.dtype]
+    common = ["--dtype", args.dtype, *args.server_args.split()]
     ddtree = json.dumps({"method": "ddtree", "model": drafter, "tree_budget": 16})
     os.makedirs(args.out, exist_ok=True)
     results = {}

@@ -94,9 +94,10 @@ def logit_gap(target: str, prompt: list[int], prefix: list[int]) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).cuda()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + prefix], device="cuda")).logits[0, -1]
+        logits = model(torch.tensor([prompt + prefix], device=device)).logits[0, -1]
     top = logits.topk(2).values
     return float(top[0] - top[1])
 
