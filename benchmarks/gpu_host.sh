@@ -52,7 +52,7 @@ case "$STEP" in
     timeout 540 python3 benchmarks/lossless_gpu.py --out "$OUT" > "$OUT/lossless_gpu.log" 2>&1
     echo "lossless rc=$?"
     wait $SERVE; echo "serve rc=$?"
-    tar czf "$OUT/lossless_logs.tgz" -C /tmp/vllm-ddtree-lossless --wildcards '*.log' 2>/dev/null
+    (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log"; tail -2 "$OUT/serve_check.log" ;;
   lossless-quick)
     timeout 400 python3 benchmarks/lossless_gpu.py --quick --out "$OUT" > "$OUT/lossless_gpu_quick.log" 2>&1

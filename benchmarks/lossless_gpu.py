@@ -129,8 +129,11 @@ def run_jobs(jobs: dict[str, dict], work: str, parallel: int, timeout: int) -> d
                     results[name] = json.load(f)
             except OSError:
                 with open(os.path.join(work, f"{name}.log")) as f:
-                    tail = f.read()[-1500:]
-                results[name] = {"error": f"exit {child.returncode}: {tail}"}
+                    log = f.read()
+                # The first error line (the cause) and the end of the log.
+                first = next((ln for ln in log.splitlines() if "Error" in ln), "")
+                error = f"exit {child.returncode}: {first[:500]} ... {log[-1200:]}"
+                results[name] = {"error": error}
             print(f"[{time.strftime('%H:%M:%S')}] {name}: done", flush=True)
     return results
 

@@ -100,3 +100,39 @@ def test_ddtree_refuses_a_target_backend_without_tree_attention(
             {"method": "ddtree", "model": tiny_drafter_path},
             attention_backend="CPU_ATTN",
         )
+
+
+def test_builder_treats_cuda_graph_padding_requests_as_causal():
+    """A FULL CUDA-graph batch is padded past the requests the proposer published trees for:
+    the padding requests must read as causal, the published ones keep their masks."""
+    from types import SimpleNamespace
+
+    from tree_attn_backend import tree_verify
+    from tree_attn_backend.backend import TreeAttentionMetadataBuilder
+
+    builder = object.__new__(TreeAttentionMetadataBuilder)
+    builder._is_tree = torch.full((8,), 7, dtype=torch.int32)  # stale values from earlier steps
+    builder._tree_mask = torch.full((32, 2), -1, dtype=torch.int32)
+    published = tree_verify.TreeVerifyBatch(
+        is_tree=torch.tensor([1, 1, 0], dtype=torch.int32),
+        tree_mask=torch.arange(9, dtype=torch.int32).view(9, 1),
+    )
+    padded = SimpleNamespace(  # 3 requests of 3 tokens, padded to 4 requests / 12 tokens
+        num_reqs=4,
+        num_actual_tokens=12,
+        max_query_len=3,
+        max_seq_len=10,
+        query_start_loc=torch.tensor([0, 3, 6, 9, 12], dtype=torch.int32),
+        seq_lens=torch.tensor([10, 10, 10, 0], dtype=torch.int32),
+        block_table_tensor=torch.zeros((4, 1), dtype=torch.int32),
+        slot_mapping=torch.arange(12),
+        positions=None,
+    )
+    tree_verify.publish(published)
+    try:
+        metadata = builder.build(0, padded)
+    finally:
+        tree_verify.publish(None)
+    assert metadata.is_tree.tolist() == [1, 1, 0, 0]
+    assert metadata.tree_mask[:9, 0].tolist() == list(range(9))
+    assert metadata.has_trees

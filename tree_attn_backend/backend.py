@@ -89,9 +89,14 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         published = tree_verify.current()
         tree_verify.record_step(cad.slot_mapping)
         if published is not None:
+            # CUDA-graph batches are padded past the published requests/tokens: the padding
+            # requests are plain causal, their mask rows unused.
+            reqs = min(num_reqs, published.is_tree.shape[0])
+            rows = min(num_tokens, published.tree_mask.shape[0])
             words = published.tree_mask.shape[1]
-            is_tree.copy_(published.is_tree[:num_reqs], non_blocking=True)
-            tree_mask[:, :words].copy_(published.tree_mask[:num_tokens], non_blocking=True)
+            is_tree[:reqs].copy_(published.is_tree[:reqs], non_blocking=True)
+            is_tree[reqs:].zero_()
+            tree_mask[:rows, :words].copy_(published.tree_mask[:rows], non_blocking=True)
         else:
             is_tree.zero_()
         return TreeAttentionMetadata(

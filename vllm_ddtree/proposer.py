@@ -97,10 +97,12 @@ class DDTreeProposer(DFlashProposer):
         device = self.positions.device
         self.max_query_tokens = self.max_batch_size * queries_per_request
         self.max_positions = self.max_num_tokens + self.max_query_tokens
-        self._slot_mapping_buffer = torch.zeros(
-            self.max_query_tokens, dtype=torch.int64, device=device
-        )
-        self.positions = torch.zeros(self.max_query_tokens, dtype=torch.int64, device=device)
+        # vLLM pads a drafter batch up to the next CUDA-graph size, which may lie past
+        # max_query_tokens (capture sizes are multiples of 1 + budget, not of 1 + depth).
+        capture = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
+        length = max(self.max_query_tokens, capture)
+        self._slot_mapping_buffer = torch.zeros(length, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(length, dtype=torch.int64, device=device)
         self.arange = torch.arange(self.max_positions + 1, device=device, dtype=torch.int32)
 
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
