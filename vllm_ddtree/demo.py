@@ -38,18 +38,20 @@ def package_file(package: str, *parts: str) -> str:
     return os.path.join(os.path.dirname(spec.origin), *parts)
 
 
-def prepare_smollm2(cache_dir: str) -> str:
-    """HF checkpoint of SmolLM2-135M-Instruct, converted once from the packaged GGUF."""
+def prepare_smollm2(cache_dir: str, gguf_path: str | None = None) -> str:
+    """HF checkpoint of SmolLM2-135M-Instruct, converted once from the packaged GGUF (or from
+    ``gguf_path``, a copy of that file)."""
     path = os.path.join(cache_dir, "SmolLM2-135M-Instruct")
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_dir = os.path.dirname(package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF))
-    print(f"converting {SMOLLM2_GGUF} to an HF checkpoint in {path} (once, ~40 s)", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    gguf_path = gguf_path or package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
+    gguf_dir, gguf_name = os.path.split(os.path.abspath(gguf_path))
+    print(f"converting {gguf_name} to an HF checkpoint in {path} (once, ~40 s)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16
+        gguf_dir, gguf_file=gguf_name, dtype=torch.bfloat16
     )
     # transformers keeps a GGUF "quantizer" attached that refuses to serialise; the weights are
     # already dequantised.
