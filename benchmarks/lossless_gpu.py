@@ -154,6 +154,10 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=6, help="engines at once")
     parser.add_argument("--prompts", type=int, help="override the number of prompts")
     parser.add_argument("--max-tokens", type=int, help="override the tokens per prompt")
+    parser.add_argument("--budgets", help="comma-separated budgets (default: the grid)")
+    parser.add_argument("--modes", help="comma-separated: eager, graphs (default: both)")
+    parser.add_argument("--no-sampling", action="store_true", help="greedy grid only")
+    parser.add_argument("--tag", default="", help="suffix of the result file's name")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -185,15 +189,19 @@ def main() -> int:
     modes = {"graphs": {"enforce_eager": False}}
     if not args.quick:
         modes = {"eager": {"enforce_eager": True}, **modes}
+    if args.budgets:
+        budgets = [int(b) for b in args.budgets.split(",")]
+    if args.modes:
+        all_modes = {"eager": {"enforce_eager": True}, "graphs": {"enforce_eager": False}}
+        modes = {m: all_modes[m] for m in args.modes.split(",")}
     sampling = {"temperature": 1.0, "repeats": 400 if args.quick else 2000, "max_tokens": 4}
     base = {"target": target, "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": 16}
     tp = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
 
     reference_kwargs = {"attention_backend": "TREE_ATTN", "enforce_eager": False, **tp}
-    jobs = {
-        "reference": {**base, "kwargs": reference_kwargs},
-        "sampling_target": {**base, "kwargs": reference_kwargs, "sampling": sampling},
-    }
+    jobs = {"reference": {**base, "kwargs": reference_kwargs}}
+    if not args.no_sampling:
+        jobs["sampling_target"] = {**base, "kwargs": reference_kwargs, "sampling": sampling}
     reference = run_jobs(jobs, args.work, 2, 400)
     if "error" in reference["reference"]:
         print(reference["reference"]["error"])
@@ -220,12 +228,13 @@ def main() -> int:
         "enforce_eager": False,
         **tp,
     }
-    jobs["sampling_ddtree"] = {
-        **base,
-        "kwargs": sampling_kwargs,
-        "oracle": oracle_path,
-        "sampling": sampling,
-    }
+    if not args.no_sampling:
+        jobs["sampling_ddtree"] = {
+            **base,
+            "kwargs": sampling_kwargs,
+            "oracle": oracle_path,
+            "sampling": sampling,
+        }
     results = run_jobs(jobs, args.work, max(1, args.parallel // args.tp), 480)
 
     rows = []
@@ -278,10 +287,12 @@ def main() -> int:
 
     sampling_rows = []
     sampled = {
-        "target": reference["sampling_target"].get("sampled"),
-        "ddtree": results["sampling_ddtree"].get("sampled"),
+        "target": reference.get("sampling_target", {}).get("sampled"),
+        "ddtree": results.get("sampling_ddtree", {}).get("sampled"),
     }
-    if sampled["target"] and sampled["ddtree"]:
+    if args.no_sampling:
+        sampling_accepted = 0
+    elif sampled["target"] and sampled["ddtree"]:
         for position in (1, 2, 3):
             counts = {}
             for name, runs in sampled.items():
@@ -303,7 +314,9 @@ def main() -> int:
             results["sampling_ddtree"].get("error"),
         ]
         sampling_rows.append({"error": [e for e in errors if e]})
-    sampling_ok = all(r.get("p_value", 0) > 1e-3 for r in sampling_rows) and sampling_accepted > 0
+    sampling_ok = args.no_sampling or (
+        all(r.get("p_value", 0) > 1e-3 for r in sampling_rows) and sampling_accepted > 0
+    )
     print(json.dumps({"sampling": sampling_rows, "accepted_tokens": sampling_accepted}))
 
     os.makedirs(args.out, exist_ok=True)
@@ -328,6 +341,7 @@ def main() -> int:
         "wall_seconds": time.time() - started,
     }
     suffix = ("_quick" if args.quick else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
+    suffix += f"_{args.tag}" if args.tag else ""
     with open(os.path.join(args.out, f"lossless_gpu{suffix}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     greedy_ok = all(r["identical"] and r.get("ddtree_path_ran") for r in rows)

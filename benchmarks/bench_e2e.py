@@ -1,0 +1,436 @@
+"""End-to-end speed on a GPU: the target alone (AR) vs DFlash chain vs DDTree, same drafter.
+
+vLLM engines with CUDA graphs (full graphs of the decode/verify batches; no torch.compile, so
+that many engines start in one run), bf16, one engine at a time in its own process. Each engine
+runs the same measurements on held-out prompts (``benchmarks/prompts.py``'s eval sets, chat
+template applied):
+- batch 1: ``--batch1-prompts`` prompts of each set, one request at a time;
+- batch b > 1: b prompts (round-robin over the sets) submitted together, ``max_num_seqs`` = b;
+- T = 0 and T = 1 (per-request seeds), ``--max-tokens`` new tokens at most (EOS ends early).
+Each measurement is repeated ``--repeats`` times; the median output tokens/s is reported, with
+time per output token, mean acceptance length (tokens per target forward) and the
+accepted-depth histogram (vLLM's per-position acceptance counters, differenced). At T = 0 the
+outputs of every engine are compared token by token with AR's (lossless on a real pair).
+
+Writes bench_e2e.json, bench_e2e.md and two plots (speedup over AR and acceptance length vs
+budget) into --out.
+
+    python benchmarks/bench_e2e.py --target DIR --drafter DIR --prompts prompts.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DATASETS = ("humaneval", "mtbench", "sharegpt")
+
+
+def metric_values(llm) -> dict:
+    values = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            values[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", 0)
+    return values
+
+
+def measure_engine(job: dict) -> dict:
+    """Child process: one engine, every measurement of the job."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from benchmarks.train_dflash import chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(job["target"])
+    prompt_sets = {
+        name: [chat_ids(tokenizer, p)[-1024:] for p in texts]
+        for name, texts in job["prompts"].items()
+    }
+    width = job["tokens_per_request"]
+    max_seqs = max(job["batches"])
+    # Full graphs for every running-batch size up to the largest (finished requests shrink a
+    # batch; padding 15 requests up to 64 would distort the timing).
+    ladder = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 96, 128]
+    sizes = sorted({width * b for b in ladder if b <= max_seqs} | {width * max_seqs})
+    llm = LLM(
+        model=job["target"],
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max(8192, width * max_seqs),
+        gpu_memory_utilization=0.5,
+        seed=0,
+        disable_log_stats=False,
+        compilation_config={
+            "mode": 0,
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": sizes,
+        },
+        **job["kwargs"],
+    )
+    rows = []
+    outputs_t0: dict[str, list[list[int]]] = {}
+
+    def run(prompts: list[list[int]], temperature: float, one_at_a_time: bool):
+        params = [
+            SamplingParams(temperature=temperature, seed=i, max_tokens=job["max_tokens"])
+            for i in range(len(prompts))
+        ]
+        before = metric_values(llm)
+        start = time.perf_counter()
+        if one_at_a_time:
+            outs = [
+                llm.generate([TokensPrompt(prompt_token_ids=p)], [sp], use_tqdm=False)[0]
+                for p, sp in zip(prompts, params, strict=True)
+            ]
+        else:
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            )
+        seconds = time.perf_counter() - start
+        after = metric_values(llm)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        return tokens, seconds, before, after
+
+    run([prompt_sets[DATASETS[0]][0]], 0.0, True)  # warm-up
+    for temperature in job["temperatures"]:
+        for batch in job["batches"]:
+            if temperature > 0 and batch > 16:
+                continue
+            if batch == 1:
+                groups = {name: ps[: job["batch1_prompts"]] for name, ps in prompt_sets.items()}
+            else:
+                mixed = [ps[i] for i in range(batch) for ps in prompt_sets.values()][:batch]
+                groups = {"mixed": mixed}
+            for name, prompts in groups.items():
+                samples = []
+                for repeat in range(job["repeats"]):
+                    tokens, seconds, before, after = run(prompts, temperature, batch == 1)
+                    if temperature == 0 and repeat == 0:
+                        outputs_t0[f"{name}_b{batch}"] = tokens
+                    drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
+                        "vllm:spec_decode_num_drafts", 0
+                    )
+                    accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
+                        "vllm:spec_decode_num_accepted_tokens", 0
+                    )
+                    per_pos_after = after.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+                    per_pos_before = before.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [
+                        0
+                    ] * len(per_pos_after)
+                    produced = sum(map(len, tokens))
+                    samples.append(
+                        {
+                            "tokens": produced,
+                            "seconds": seconds,
+                            "tok_per_s": produced / seconds,
+                            "drafts": drafts,
+                            "accepted": accepted,
+                            "accepted_per_depth": [
+                                a - b for a, b in zip(per_pos_after, per_pos_before, strict=False)
+                            ],
+                        }
+                    )
+                median = statistics.median(s["tok_per_s"] for s in samples)
+                drafts = sum(s["drafts"] for s in samples)
+                accepted = sum(s["accepted"] for s in samples)
+                per_depth = [s["accepted_per_depth"] for s in samples]
+                depth = [sum(col) for col in zip(*per_depth, strict=False)]
+                rows.append(
+                    {
+                        "dataset": name,
+                        "batch": batch,
+                        "temperature": temperature,
+                        "tok_per_s": median,
+                        "ms_per_token_per_request": 1000.0 * batch / median,
+                        "runs_tok_per_s": [round(s["tok_per_s"], 1) for s in samples],
+                        "output_tokens": samples[0]["tokens"],
+                        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+                        "accepted_depth_histogram": depth,
+                    }
+                )
+                print(json.dumps({"engine": job["name"], **rows[-1]}), flush=True)
+    config = llm.llm_engine.vllm_config
+    return {
+        "rows": rows,
+        "outputs_t0": outputs_t0,
+        "runner": "V2" if config.use_v2_model_runner else "V1",
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+    }
+
+
+def run_child(job: dict, work: str, timeout: int) -> dict:
+    path = os.path.join(work, f"{job['name']}.job.json")
+    with open(path, "w") as f:
+        json.dump(job, f)
+    log_path = os.path.join(work, f"{job['name']}.log")
+    start = time.time()
+    with open(log_path, "w") as log:
+        try:
+            subprocess.run(
+                [sys.executable, __file__, "--child", path],
+                env={**os.environ, **job.get("env", {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        with open(path + ".result") as f:
+            result = json.load(f)
+    except OSError:
+        with open(log_path) as f:
+            log_text = f.read()
+        first = next((ln for ln in log_text.splitlines() if "Error" in ln), "")
+        result = {"error": f"{first[:400]} ... {log_text[-800:]}", "rows": []}
+    result["wall_seconds"] = time.time() - start
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {job['name']}: {result['wall_seconds']:.0f} s", flush=True
+    )
+    return result
+
+
+def write_report(summary: dict, out: str) -> None:
+    """Markdown tables and PNG plots from the JSON summary."""
+    engines = summary["engines"]
+    ar = {(r["dataset"], r["batch"], r["temperature"]): r for r in engines["ar"]["rows"]}
+    lines = [
+        "# End-to-end speed: AR vs DFlash chain vs DDTree",
+        "",
+        f"Commit {summary['commit']}, {summary['gpu']}, target {summary['target_name']}, drafter "
+        f"{summary['drafter_name']}; bf16, CUDA graphs (full, decode/verify batches), "
+        f"median of {summary['repeats']} runs, up to {summary['max_tokens']} new tokens.",
+        "",
+        "| engine | dataset | batch | T | tok/s | speedup vs AR | acceptance length |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, result in engines.items():
+        for r in result["rows"]:
+            base = ar.get((r["dataset"], r["batch"], r["temperature"]))
+            speedup = r["tok_per_s"] / base["tok_per_s"] if base else float("nan")
+            lines.append(
+                f"| {name} | {r['dataset']} | {r['batch']} | {r['temperature']:g} | "
+                f"{r['tok_per_s']:.0f} | {speedup:.2f} | {r['mean_acceptance_length']:.2f} |"
+            )
+        if result.get("error"):
+            lines.append(f"| {name} | error: {result['error'][:200]!r} | | | | | |")
+    lines += ["", "## T = 0 outputs vs AR", ""]
+    for name, verdict in summary["identical_to_ar"].items():
+        lines.append(f"- {name}: {verdict}")
+    with open(os.path.join(out, "bench_e2e.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    budgets = sorted(summary["budgets"])
+    for metric, file_name, label in (
+        ("speedup", "bench_e2e_speedup.png", "speedup over AR (tok/s ratio)"),
+        ("mean_acceptance_length", "bench_e2e_acceptance.png", "mean acceptance length"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        keys = sorted(
+            {(r["dataset"], r["batch"]) for r in engines["ar"]["rows"] if r["temperature"] == 0}
+        )
+        for dataset, batch in keys:
+            ys = []
+            for b in budgets:
+                rows = engines.get(f"ddtree_b{b}", {}).get("rows", [])
+                row = next(
+                    (
+                        r
+                        for r in rows
+                        if (r["dataset"], r["batch"], r["temperature"]) == (dataset, batch, 0)
+                    ),
+                    None,
+                )
+                if row is None:
+                    ys.append(float("nan"))
+                elif metric == "speedup":
+                    ys.append(row["tok_per_s"] / ar[(dataset, batch, 0)]["tok_per_s"])
+                else:
+                    ys.append(row[metric])
+            line = ax.plot(budgets, ys, marker="o", label=f"DDTree {dataset} b{batch}")[0]
+            chain = next(
+                (
+                    r
+                    for r in engines.get("dflash", {}).get("rows", [])
+                    if (r["dataset"], r["batch"], r["temperature"]) == (dataset, batch, 0)
+                ),
+                None,
+            )
+            if chain:
+                value = (
+                    chain["tok_per_s"] / ar[(dataset, batch, 0)]["tok_per_s"]
+                    if metric == "speedup"
+                    else chain[metric]
+                )
+                ax.axhline(value, color=line.get_color(), linestyle="--", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree budget (nodes); dashed: DFlash chain")
+        ax.set_ylabel(label)
+        ax.set_title(f"T = 0, {summary['gpu']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, file_name), dpi=110)
+        plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target")
+    parser.add_argument("--drafter")
+    parser.add_argument("--prompts")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--work", default="/tmp/vllm-ddtree-bench")
+    parser.add_argument("--budgets", default="64,16,256")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batch1-prompts", type=int, default=3)
+    parser.add_argument("--engine-timeout", type=int, default=110)
+    parser.add_argument("--deadline", type=int, default=540, help="seconds for all engines")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.child:
+        with open(args.child) as f:
+            result = measure_engine(json.load(f))
+        with open(args.child + ".result", "w") as f:
+            json.dump(result, f)
+        return 0
+
+    if not (args.target and args.drafter and args.prompts):
+        parser.error("--target, --drafter and --prompts are required")
+
+    os.makedirs(args.work, exist_ok=True)
+    with open(args.prompts) as f:
+        eval_sets = json.load(f)["eval"]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = {name: eval_sets[name][: max(batches)] for name in DATASETS}
+    with open(os.path.join(args.drafter, "config.json")) as f:
+        depth = json.load(f).get("block_size", 16) - 1
+    common = {
+        "target": args.target,
+        "prompts": prompts,
+        "batches": batches,
+        "temperatures": [float(t) for t in args.temperatures.split(",")],
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "batch1_prompts": args.batch1_prompts,
+    }
+    jobs = [
+        {"name": "ar", "kwargs": {}, "tokens_per_request": 1},
+        {
+            "name": "dflash",
+            "kwargs": {
+                "speculative_config": {
+                    "method": "dflash",
+                    "model": args.drafter,
+                    "num_speculative_tokens": depth,
+                }
+            },
+            "tokens_per_request": 1 + depth,
+        },
+    ]
+    ddtree = [
+        {
+            "name": f"ddtree_b{b}",
+            "kwargs": {
+                "speculative_config": {"method": "ddtree", "model": args.drafter, "tree_budget": b}
+            },
+            "tokens_per_request": 1 + b,
+        }
+        for b in budgets
+    ]
+    # DDTree runs on vLLM's V1 model runner; the chain also on V1, for a same-runner ratio.
+    chain_v1 = {**jobs[1], "name": "dflash_v1", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+    jobs = jobs + ddtree + [chain_v1]
+    engines: dict[str, dict] = {}
+    started = time.time()
+    for job in jobs:
+        left = args.deadline - (time.time() - started)
+        if left < 60:
+            engines[job["name"]] = {"error": "skipped: the run's deadline", "rows": []}
+            continue
+        timeout = int(min(args.engine_timeout, left - 15))
+        engines[job["name"]] = run_child({**common, **job}, args.work, timeout)
+        # Written after every engine, so that a run cut short still leaves its results.
+        failed = summarize(engines, args, budgets, batches, started)
+    return 1 if failed else 0
+
+
+def compare_with_ar(engines: dict[str, dict]) -> dict[str, str]:
+    """T = 0 outputs of every engine vs AR's, prompt by prompt."""
+    reference = engines.get("ar", {}).get("outputs_t0", {})
+    verdicts = {}
+    for name, result in engines.items():
+        if name == "ar":
+            continue
+        outputs = result.get("outputs_t0", {})
+        mismatches = []
+        for key, want in reference.items():
+            for p, (got, ref) in enumerate(zip(outputs.get(key, []), want, strict=False)):
+                where = next(
+                    (i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None
+                )
+                if where is None and len(got) != len(ref):
+                    where = min(len(got), len(ref))
+                if where is not None:
+                    mismatches.append(f"{key}[{p}]@{where}")
+        compared = sum(len(v) for k, v in outputs.items() if k in reference)
+        if not compared:
+            verdicts[name] = "not compared (no output)"
+        elif mismatches:
+            verdicts[name] = f"differs: {mismatches[:8]} ({len(mismatches)} of {compared})"
+        else:
+            verdicts[name] = f"identical ({compared} sequences)"
+    return verdicts
+
+
+def summarize(engines, args, budgets, batches, started) -> list[str]:
+    """Write bench_e2e.json/.md/.png; return the engines that failed or differ from AR."""
+    import torch
+
+    identical = compare_with_ar(engines)
+    summary = {
+        "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "target_name": os.path.basename(os.path.normpath(args.target)),
+        "drafter_name": os.path.basename(os.path.normpath(args.drafter)),
+        "budgets": budgets,
+        "batches": batches,
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "engines": {
+            k: {kk: vv for kk, vv in v.items() if kk != "outputs_t0"} for k, v in engines.items()
+        },
+        "identical_to_ar": identical,
+        "wall_seconds": time.time() - started,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    write_report(summary, args.out)
+    failed = [n for n, r in engines.items() if r.get("error")]
+    failed += [n for n, v in identical.items() if not v.startswith("identical")]
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
