@@ -101,6 +101,7 @@ def measure_engine(job: dict) -> dict:
         return tokens, seconds, before, after
 
     run([prompt_sets[DATASETS[0]][0]], 0.0, True)  # warm-up
+    measuring_since = time.time()
     for temperature in job["temperatures"]:
         for batch in job["batches"]:
             if temperature > 0 and batch > 16:
@@ -108,9 +109,16 @@ def measure_engine(job: dict) -> dict:
             if batch == 1:
                 groups = {name: ps[: job["batch1_prompts"]] for name, ps in prompt_sets.items()}
             else:
-                mixed = [ps[i] for i in range(batch) for ps in prompt_sets.values()][:batch]
+                sets = list(prompt_sets.values())
+                mixed = [
+                    sets[i % len(sets)][(i // len(sets)) % len(sets[i % len(sets)])]
+                    for i in range(batch)
+                ]
                 groups = {"mixed": mixed}
             for name, prompts in groups.items():
+                if time.time() - measuring_since > job["time_limit"]:
+                    print(f"time limit: skipped {name} batch {batch} T={temperature}", flush=True)
+                    continue
                 samples = []
                 for repeat in range(job["repeats"]):
                     tokens, seconds, before, after = run(prompts, temperature, batch == 1)
@@ -211,8 +219,12 @@ def write_report(summary: dict, out: str) -> None:
         f"{summary['drafter_name']}; bf16, CUDA graphs (full, decode/verify batches), "
         f"median of {summary['repeats']} runs, up to {summary['max_tokens']} new tokens.",
         "",
-        "| engine | dataset | batch | T | tok/s | speedup vs AR | acceptance length |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        summary.get("note", ""),
+        "",
+        "ms/step: wall time per target forward (batch x acceptance length / tok/s).",
+        "",
+        "| engine | dataset | batch | T | tok/s | speedup vs AR | acceptance length | ms/step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, result in engines.items():
         for r in result["rows"]:
@@ -220,10 +232,11 @@ def write_report(summary: dict, out: str) -> None:
             speedup = r["tok_per_s"] / base["tok_per_s"] if base else float("nan")
             lines.append(
                 f"| {name} | {r['dataset']} | {r['batch']} | {r['temperature']:g} | "
-                f"{r['tok_per_s']:.0f} | {speedup:.2f} | {r['mean_acceptance_length']:.2f} |"
+                f"{r['tok_per_s']:.0f} | {speedup:.2f} | {r['mean_acceptance_length']:.2f} | "
+                f"{1000 * r['batch'] * r['mean_acceptance_length'] / r['tok_per_s']:.1f} |"
             )
         if result.get("error"):
-            lines.append(f"| {name} | error: {result['error'][:200]!r} | | | | | |")
+            lines.append(f"| {name} | error: {result['error'][:200]!r} | | | | | | |")
     lines += ["", "## T = 0 outputs vs AR", ""]
     for name, verdict in summary["identical_to_ar"].items():
         lines.append(f"- {name}: {verdict}")
@@ -301,9 +314,14 @@ def main() -> int:
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--batch1-prompts", type=int, default=3)
+    parser.add_argument("--batch1-prompts", type=int, default=2)
     parser.add_argument("--engine-timeout", type=int, default=110)
     parser.add_argument("--deadline", type=int, default=540, help="seconds for all engines")
+    parser.add_argument(
+        "--collect",
+        help="rebuild the results from the engines' logs in this folder (a run cut short)",
+    )
+    parser.add_argument("--device-name", default="unknown", help="with --collect")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -314,6 +332,8 @@ def main() -> int:
             json.dump(result, f)
         return 0
 
+    if args.collect:
+        return collect(args)
     if not (args.target and args.drafter and args.prompts):
         parser.error("--target, --drafter and --prompts are required")
 
@@ -333,6 +353,8 @@ def main() -> int:
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "batch1_prompts": args.batch1_prompts,
+        # Measurements stop starting after this; the engine's process still reports.
+        "time_limit": max(10, args.engine_timeout - 45),
     }
     jobs = [
         {"name": "ar", "kwargs": {}, "tokens_per_request": 1},
@@ -375,6 +397,45 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def collect(args) -> int:
+    """Results of a run whose parent was cut short, from the rows each engine printed.
+
+    An engine's log holds one JSON row per finished measurement; an engine that stopped early
+    keeps the rows it finished and the first error line of its log. T = 0 outputs are not in
+    the logs, so nothing is compared with AR.
+    """
+    engines: dict[str, dict] = {}
+    for name in sorted(os.listdir(args.collect)):
+        if not name.endswith(".log"):
+            continue
+        with open(os.path.join(args.collect, name)) as f:
+            lines = f.read().splitlines()
+        rows = []
+        for line in lines:
+            if line.startswith('{"engine"'):
+                row = json.loads(line)
+                row.pop("engine")
+                rows.append(row)
+        error = next((ln for ln in lines if "Error" in ln and "[rank0]" in ln), None)
+        engine = name[: -len(".log")]
+        engines[engine] = {"rows": rows}
+        if error:
+            engines[engine]["error"] = error[:400]
+        elif not any("Graph capturing finished" in ln for ln in lines) or len(rows) < 8:
+            engines[engine]["error"] = "stopped by the per-engine time limit"
+    ordered = {k: engines[k] for k in ("ar", "dflash", "dflash_v1") if k in engines}
+    ordered.update({k: v for k, v in engines.items() if k not in ordered})
+    budgets = sorted(int(k.split("_b")[1]) for k in ordered if k.startswith("ddtree_b"))
+    args.target = args.target or "SmolLM2-135M-Instruct"
+    args.drafter = args.drafter or "unknown"
+    note = (
+        f"Collected from the engines' logs after the run was cut short (device: "
+        f"{args.device_name}); rows missing from an engine were not measured."
+    )
+    summarize(ordered, args, budgets, [int(b) for b in args.batches.split(",")], time.time(), note)
+    return 0
+
+
 def compare_with_ar(engines: dict[str, dict]) -> dict[str, str]:
     """T = 0 outputs of every engine vs AR's, prompt by prompt."""
     reference = engines.get("ar", {}).get("outputs_t0", {})
@@ -403,14 +464,21 @@ def compare_with_ar(engines: dict[str, dict]) -> dict[str, str]:
     return verdicts
 
 
-def summarize(engines, args, budgets, batches, started) -> list[str]:
+def summarize(engines, args, budgets, batches, started, note: str = "") -> list[str]:
     """Write bench_e2e.json/.md/.png; return the engines that failed or differ from AR."""
     import torch
 
     identical = compare_with_ar(engines)
     summary = {
         "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpu": (
+            args.device_name
+            if args.collect
+            else torch.cuda.get_device_name()
+            if torch.cuda.is_available()
+            else "cpu"
+        ),
+        "note": note,
         "target_name": os.path.basename(os.path.normpath(args.target)),
         "drafter_name": os.path.basename(os.path.normpath(args.drafter)),
         "budgets": budgets,

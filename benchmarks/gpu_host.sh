@@ -9,6 +9,7 @@
 #       dense    - benchmarks/lossless_gpu.py (full grid) and serve_check.py side by side
 #       train    - benchmarks/train_dflash.py (SmolLM2 drafter) and the lossless grid
 #       bench-e2e - benchmarks/bench_e2e.py with the drafter just trained
+#       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
 STEP=$1
 OUT=${2:-benchmarks/results}
@@ -59,6 +60,12 @@ case "$STEP" in
     (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200
     grep -E "generated|trained" "$OUT/train.log"; tail -2 "$OUT/train.log" ;;
+  profile)
+    # Per-step time split of AR, the DFlash chain (V2 and V1 runners) and DDTree (SmolLM2 shapes,
+    # random weights: step costs, not acceptance).
+    timeout 560 python3 benchmarks/profile_step.py --target synthetic --out "$OUT" \
+      --methods "${METHODS:-ar,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
+    echo "profile rc=$?"; grep '^{' "$OUT/profile_step.log" | cut -c1-400 ;;
   bench-e2e)
     timeout 570 python3 benchmarks/bench_e2e.py --target /tmp/train/SmolLM2-135M-Instruct \
       --drafter "${DRAFTER:-/tmp/drafter}" --prompts /tmp/prompts.json --out "$OUT" \

@@ -128,7 +128,8 @@ class DDTreeProposer(DFlashProposer):
             logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
         else:
             logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
-        trees = build_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
+        with torch.profiler.record_function("ddtree::build_trees"):
+            trees = build_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
         req_ids = list(self.runner.input_batch.req_ids[:num_reqs]) if self.runner else []
         self.proposed = ProposedTrees(req_ids=req_ids, trees=trees)
         self._tree_tokens = trees.token_ids.clamp(min=0)

@@ -97,48 +97,52 @@ def _wrap_prepare_inputs(original):
         if spec_decode_metadata is None:
             tree_verify.publish(None)
             return result
-        num_reqs = len(num_scheduled_tokens)
-        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
-        device = self.positions.device
-        trees = _align_trees(self, drafter, num_reqs, num_draft)
-        starts = np.zeros(num_reqs, dtype=np.int64)
-        starts[1:] = np.cumsum(num_scheduled_tokens)[:-1]
-        # The tree occupies the last 1 + num_draft tokens of each request's rows.
-        query_start = torch.from_numpy(starts + num_scheduled_tokens - 1 - num_draft).to(device)
-        step = StepTrees(
-            trees=trees,
-            query_start=query_start,
-            num_draft=torch.from_numpy(num_draft).to(device),
-        )
-        self._ddtree_step = step
-
-        # Depth-based RoPE positions for node tokens (slots stay one per node).
-        width = trees.width
-        node_rows = query_start.unsqueeze(1) + 1 + torch.arange(width, device=device)
-        valid = trees.valid_mask()
-        root_positions = self.positions[query_start]
-        new_positions = root_positions.unsqueeze(1) + trees.depths
-        flat_rows = node_rows[valid]
-        self.positions[flat_rows] = new_positions[valid].to(self.positions.dtype)
-
-        # Ancestor masks for TREE_ATTN, one packed row per query token.
-        total_tokens = int(num_scheduled_tokens.sum())
-        visible = ancestor_mask(trees)  # [R, N + 1, N + 1]
-        packed = pack_tree_mask(visible)  # [R, N + 1, W]
-        tree_mask = torch.zeros((total_tokens, packed.shape[-1]), dtype=torch.int32, device=device)
-        rows = query_start.unsqueeze(1) + torch.arange(width + 1, device=device)
-        in_tree = torch.arange(width + 1, device=device).unsqueeze(0) <= trees.num_nodes.unsqueeze(
-            1
-        )
-        has_tree = step.num_draft > 0
-        in_tree &= has_tree.unsqueeze(1)
-        tree_mask[rows[in_tree]] = packed[in_tree]
-        tree_verify.publish(
-            tree_verify.TreeVerifyBatch(is_tree=has_tree.to(torch.int32), tree_mask=tree_mask)
-        )
+        with torch.profiler.record_function("ddtree::prepare_tree_inputs"):
+            _prepare_tree_inputs(self, drafter, spec_decode_metadata, num_scheduled_tokens)
         return result
 
     return _prepare_inputs
+
+
+def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_tokens) -> None:
+    """Align the proposed trees with this step's rows, set node positions, publish masks."""
+    num_reqs = len(num_scheduled_tokens)
+    num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+    device = runner.positions.device
+    trees = _align_trees(runner, drafter, num_reqs, num_draft)
+    starts = np.zeros(num_reqs, dtype=np.int64)
+    starts[1:] = np.cumsum(num_scheduled_tokens)[:-1]
+    # The tree occupies the last 1 + num_draft tokens of each request's rows.
+    query_start = torch.from_numpy(starts + num_scheduled_tokens - 1 - num_draft).to(device)
+    step = StepTrees(
+        trees=trees,
+        query_start=query_start,
+        num_draft=torch.from_numpy(num_draft).to(device),
+    )
+    runner._ddtree_step = step
+
+    # Depth-based RoPE positions for node tokens (slots stay one per node).
+    width = trees.width
+    node_rows = query_start.unsqueeze(1) + 1 + torch.arange(width, device=device)
+    valid = trees.valid_mask()
+    root_positions = runner.positions[query_start]
+    new_positions = root_positions.unsqueeze(1) + trees.depths
+    flat_rows = node_rows[valid]
+    runner.positions[flat_rows] = new_positions[valid].to(runner.positions.dtype)
+
+    # Ancestor masks for TREE_ATTN, one packed row per query token.
+    total_tokens = int(num_scheduled_tokens.sum())
+    visible = ancestor_mask(trees)  # [R, N + 1, N + 1]
+    packed = pack_tree_mask(visible)  # [R, N + 1, W]
+    tree_mask = torch.zeros((total_tokens, packed.shape[-1]), dtype=torch.int32, device=device)
+    rows = query_start.unsqueeze(1) + torch.arange(width + 1, device=device)
+    in_tree = torch.arange(width + 1, device=device).unsqueeze(0) <= trees.num_nodes.unsqueeze(1)
+    has_tree = step.num_draft > 0
+    in_tree &= has_tree.unsqueeze(1)
+    tree_mask[rows[in_tree]] = packed[in_tree]
+    tree_verify.publish(
+        tree_verify.TreeVerifyBatch(is_tree=has_tree.to(torch.int32), tree_mask=tree_mask)
+    )
 
 
 def _refuse_unsupported(sampling_metadata) -> None:
@@ -198,9 +202,11 @@ def _wrap_sample(original):
         request_of_row = torch.repeat_interleave(
             torch.arange(num_reqs, device=device), (1 + step.num_draft)
         )
-        chosen = _target_tokens(logits, sampling_metadata, request_of_row)
+        with torch.profiler.record_function("ddtree::target_tokens"):
+            chosen = _target_tokens(logits, sampling_metadata, request_of_row)
         target_tokens = torch.where(in_range, chosen[row_index.clamp(max=logits.shape[0] - 1)], -1)
-        accepted, num_accepted, bonus = follow_tree(trees, target_tokens)
+        with torch.profiler.record_function("ddtree::follow_tree"):
+            accepted, num_accepted, bonus = follow_tree(trees, target_tokens)
         step.accepted, step.num_accepted = accepted, num_accepted
 
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
@@ -212,7 +218,8 @@ def _wrap_sample(original):
         is_path = torch.arange(columns, device=device).unsqueeze(0) < num_accepted.unsqueeze(1)
         sampled[:, :columns] = torch.where(is_path, path_tokens[:, :columns], -1).to(torch.int32)
         sampled.scatter_(1, num_accepted.unsqueeze(1), bonus.unsqueeze(1).to(torch.int32))
-        _commit_kv(self, step)
+        with torch.profiler.record_function("ddtree::commit_kv"):
+            _commit_kv(self, step)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
 
     return _sample
@@ -257,7 +264,8 @@ def _wrap_propose(original):
         step = getattr(self, "_ddtree_step", None)
         if step is not None and step.accepted is not None and _ddtree_proposer(self):
             aux_hidden_states = kwargs.get("aux_hidden_states", args[5] if len(args) > 5 else None)
-            _move_path_rows_first(self, step, aux_hidden_states)
+            with torch.profiler.record_function("ddtree::move_path_rows_first"):
+                _move_path_rows_first(self, step, aux_hidden_states)
         return original(self, *args, **kwargs)
 
     return propose_draft_token_ids

@@ -1,0 +1,197 @@
+"""Where a decode step's time goes: torch.profiler over one engine at batch 1 (GPU or CPU).
+
+Runs one vLLM engine (in this process) per method given, generates ``--tokens`` tokens for one
+prompt under ``torch.profiler`` and writes, per method: wall time per target forward, the
+``ddtree::*`` ranges (tree inputs, tree building, target tokens, walk, KV commit, drafter
+context rows), the operators with the most CPU and device time, and the number of host
+synchronisations (device-to-host copies, stream/device synchronise calls).
+
+    python benchmarks/profile_step.py --target DIR --drafter DIR --out DIR \\
+        [--methods ar,dflash_v1,ddtree_b64] [--tokens 128]
+    python benchmarks/profile_step.py --target synthetic --out DIR   # SmolLM2 shapes, random
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item")
+
+
+def synthetic_pair(work: str) -> tuple[str, str]:
+    """Random-weight target with SmolLM2-135M's shapes (Llama, 30 layers, hidden 576) and a
+    3-layer DFlash drafter for it: per-step costs without shipping real weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_ddtree.demo import untrained_drafter_config
+    from vllm_ddtree.dflash_drafter import random_drafter
+
+    target = os.path.join(work, "synthetic-smollm2")
+    drafter = os.path.join(work, "synthetic-smollm2-dflash")
+    if not os.path.exists(os.path.join(target, "config.json")):
+        config = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(target)
+        drafter_config = untrained_drafter_config(config)
+        drafter_config.num_hidden_layers = 3
+        random_drafter(drafter_config, seed=0).save_pretrained(drafter)
+    return target, drafter
+
+
+def engine_kwargs(method: str, drafter: str) -> tuple[dict, dict]:
+    """``LLM`` arguments and environment for ``ar``, ``dflash``, ``dflash_v1``, ``ddtree_bN``."""
+    if method == "ar":
+        return {}, {}
+    if method.startswith("dflash"):
+        env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if method.endswith("_v1") else {}
+        spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
+        return {"speculative_config": spec}, env
+    if method.startswith("ddtree_b"):
+        budget = int(method.removeprefix("ddtree_b"))
+        return {
+            "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": budget}
+        }, {}
+    raise SystemExit(f"unknown method {method!r}: ar, dflash, dflash_v1 or ddtree_bN")
+
+
+def profile_method(args, method: str) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs, env = engine_kwargs(method, args.drafter)
+    os.environ.update(env)
+    cuda = torch.cuda.is_available()
+    llm = LLM(
+        model=args.target,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=4,
+        seed=0,
+        disable_log_stats=False,
+        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"} if cuda else None,
+        **kwargs,
+    )
+    prompt = [TokensPrompt(prompt_token_ids=list(range(100, 164)))]
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate(prompt, params, use_tqdm=False)  # warm-up
+    before = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        llm.generate(prompt, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
+        "vllm:spec_decode_num_drafts", 0
+    )
+    steps = drafts or args.tokens
+    events = prof.key_averages()
+    device_key = "device_time_total" if cuda else "cpu_time_total"
+
+    def row(e) -> dict:
+        return {
+            "name": e.key,
+            "count": e.count,
+            "cpu_ms": e.cpu_time_total / 1000,
+            "device_ms": getattr(e, device_key, 0) / 1000,
+        }
+
+    ranges = [row(e) for e in events if e.key.startswith("ddtree::")]
+    top_cpu = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[: args.top]
+    top_device = sorted(events, key=lambda e: getattr(e, device_key, 0), reverse=True)[: args.top]
+    syncs = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
+    if args.trace:
+        prof.export_chrome_trace(os.path.join(args.out, f"profile_{method}.trace.json"))
+    del llm
+    return {
+        "method": method,
+        "target_forwards": steps,
+        "seconds": seconds,
+        "ms_per_target_forward": 1000 * seconds / steps,
+        "ddtree_ranges_per_forward": [
+            {**r, "cpu_ms": r["cpu_ms"] / steps, "device_ms": r["device_ms"] / steps}
+            for r in ranges
+        ],
+        "host_syncs_per_forward": {k: v / steps for k, v in syncs.items()},
+        "top_cpu": [row(e) for e in top_cpu],
+        "top_device": [row(e) for e in top_device],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", required=True, help="a checkpoint, or 'synthetic'")
+    parser.add_argument("--drafter", default="", help="(not with --target synthetic)")
+    parser.add_argument("--work", default="/tmp/vllm-ddtree-profile")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--methods", default="ar,dflash_v1,ddtree_b64")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--trace", action="store_true", help="also write Chrome traces")
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.makedirs(args.out, exist_ok=True)
+    if args.target == "synthetic":
+        args.target, args.drafter = synthetic_pair(args.work)
+    if args.method:  # child: one engine per process
+        result = profile_method(args, args.method)
+        with open(os.path.join(args.out, f"profile_{args.method}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return 0
+    import subprocess
+
+    summary = []
+    for method in args.methods.split(","):
+        command = [sys.executable, __file__, "--method", method, "--target", args.target]
+        command += ["--drafter", args.drafter, "--out", args.out, "--tokens", str(args.tokens)]
+        command += ["--trace"] if args.trace else []
+        subprocess.run(command, check=False)
+        path = os.path.join(args.out, f"profile_{method}.json")
+        if not os.path.exists(path):
+            summary.append({"method": method, "error": "no result (see the log)"})
+            continue
+        with open(path) as f:
+            result = json.load(f)
+        summary.append(
+            {
+                "method": method,
+                "ms_per_target_forward": result["ms_per_target_forward"],
+                "ddtree_ranges_per_forward": result["ddtree_ranges_per_forward"],
+                "host_syncs_per_forward": result["host_syncs_per_forward"],
+            }
+        )
+        print(json.dumps(summary[-1]), flush=True)
+    with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+        json.dump(
+            {"commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"), "methods": summary},
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
