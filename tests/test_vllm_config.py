@@ -169,3 +169,36 @@ def test_ddtree_runs_on_the_v1_model_runner_even_where_vllm_would_pick_v2(
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert plain.use_v2_model_runner is True
     assert tree.use_v2_model_runner is False
+
+
+def test_a_hybrid_target_is_refused_until_per_node_recurrent_state_lands(
+    tmp_path, tiny_drafter_path
+):
+    """Qwen3-Next (GatedDeltaNet + attention): a tree's branches would share recurrent state,
+    so "ddtree" is refused before any engine starts; plain "dflash" still builds."""
+    from transformers import Qwen3NextConfig
+
+    target = tmp_path / "tiny-qwen3-next"
+    Qwen3NextConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        tie_word_embeddings=False,
+        architectures=["Qwen3NextForCausalLM"],
+    ).save_pretrained(target)
+    with pytest.raises(DDTreeConfigError, match="recurrent layers"):
+        engine_config(str(target), {"method": "ddtree", "model": tiny_drafter_path})
+    chain = {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 15}
+    config = engine_config(str(target), chain)
+    assert config.speculative_config.method == "dflash"

@@ -117,6 +117,25 @@ def check_drafter_is_dflash(drafter_config: Mapping[str, Any], model: str) -> No
         )
 
 
+def check_target_is_supported(
+    architectures: Iterable[str] | None, has_recurrent_layers: bool
+) -> None:
+    """Raise for a target DDTree cannot verify losslessly yet.
+
+    A tree's branches share one forward pass: attention isolates them with the ancestor mask,
+    a recurrent layer (GatedDeltaNet, Mamba: vLLM's hybrid and state-space models) would carry
+    one branch's state into its siblings. Until per-node recurrent state lands, such targets
+    are refused before any engine process starts.
+    """
+    if has_recurrent_layers:
+        raise DDTreeConfigError(
+            f"method 'ddtree' does not support this target yet: {list(architectures or [])} has "
+            "recurrent layers (GatedDeltaNet/Mamba state), which a draft tree cannot share "
+            "across branches without per-node state. Use method 'dflash' (chain) for this "
+            "target, or a target whose layers are all attention."
+        )
+
+
 def split_speculative_config(
     raw: Mapping[str, Any],
     vllm_fields: Iterable[str],

@@ -46,6 +46,7 @@ from vllm_ddtree.config import (
     DDTreeConfig,
     DDTreeConfigError,
     check_drafter_is_dflash,
+    check_target_is_supported,
     split_speculative_config,
 )
 
@@ -150,6 +151,14 @@ def _wrap_create_speculative_config(original):
                 merged.setdefault("num_speculative_tokens", self.spec_tokens)
             vllm_dict, parsed = split_speculative_config(merged, _speculative_config_fields())
             if parsed is not None:
+                check_target_is_supported(
+                    getattr(target_model_config.hf_config, "architectures", None),
+                    bool(
+                        target_model_config.is_hybrid
+                        or target_model_config.has_inner_state
+                        or target_model_config.is_attention_free
+                    ),
+                )
                 ddtree = parsed
                 _choose_attention_backends(self, vllm_dict)
                 # Flags folded above must not be applied twice by vLLM.
