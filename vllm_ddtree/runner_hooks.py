@@ -105,7 +105,11 @@ def _wrap_prepare_inputs(original):
 
 
 def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_tokens) -> None:
-    """Align the proposed trees with this step's rows, set node positions, publish masks."""
+    """Align the proposed trees with this step's rows, set node positions, publish masks.
+
+    Per-token gathers over the step's ``T`` query tokens (no boolean indexing, no host
+    synchronisation): token ``t`` of request ``r`` is tree index ``t - query_start[r]``.
+    """
     num_reqs = len(num_scheduled_tokens)
     num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
     device = runner.positions.device
@@ -121,25 +125,33 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     )
     runner._ddtree_step = step
 
-    # Depth-based RoPE positions for node tokens (slots stay one per node).
+    total_tokens = int(num_scheduled_tokens.sum())
     width = trees.width
-    node_rows = query_start.unsqueeze(1) + 1 + torch.arange(width, device=device)
-    valid = trees.valid_mask()
-    root_positions = runner.positions[query_start]
-    new_positions = root_positions.unsqueeze(1) + trees.depths
-    flat_rows = node_rows[valid]
-    runner.positions[flat_rows] = new_positions[valid].to(runner.positions.dtype)
+    counts = torch.from_numpy(np.asarray(num_scheduled_tokens, dtype=np.int64)).to(device)
+    request_of_token = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device), counts, output_size=total_tokens
+    )
+    tree_index = torch.arange(total_tokens, device=device) - query_start[request_of_token]
+    has_tree = step.num_draft > 0
+    in_tree = (tree_index >= 0) & (tree_index <= trees.num_nodes[request_of_token])
+    in_tree &= has_tree[request_of_token]
+    # tree index i >= 1 is node i - 1 of the request's tree.
+    node = (tree_index - 1).clamp(min=0, max=max(width - 1, 0))
+    is_node = in_tree & (tree_index >= 1)
+
+    # Depth-based RoPE positions for node tokens (slots stay one per node).
+    positions = runner.positions[:total_tokens]
+    if width:
+        root_position = positions[query_start][request_of_token]
+        depth = trees.depths[request_of_token, node]
+        node_position = root_position + depth.to(positions.dtype)
+        positions.copy_(torch.where(is_node, node_position, positions))
 
     # Ancestor masks for TREE_ATTN, one packed row per query token.
-    total_tokens = int(num_scheduled_tokens.sum())
     visible = ancestor_mask(trees)  # [R, N + 1, N + 1]
     packed = pack_tree_mask(visible)  # [R, N + 1, W]
-    tree_mask = torch.zeros((total_tokens, packed.shape[-1]), dtype=torch.int32, device=device)
-    rows = query_start.unsqueeze(1) + torch.arange(width + 1, device=device)
-    in_tree = torch.arange(width + 1, device=device).unsqueeze(0) <= trees.num_nodes.unsqueeze(1)
-    has_tree = step.num_draft > 0
-    in_tree &= has_tree.unsqueeze(1)
-    tree_mask[rows[in_tree]] = packed[in_tree]
+    rows = packed[request_of_token, tree_index.clamp(min=0, max=width)]  # [T, W]
+    tree_mask = torch.where(in_tree.unsqueeze(1), rows, torch.zeros_like(rows))
     tree_verify.publish(
         tree_verify.TreeVerifyBatch(is_tree=has_tree.to(torch.int32), tree_mask=tree_mask)
     )
@@ -200,7 +212,7 @@ def _wrap_sample(original):
         row_index = first_row.unsqueeze(1) + offsets
         in_range = offsets.unsqueeze(0) <= step.num_draft.unsqueeze(1)
         request_of_row = torch.repeat_interleave(
-            torch.arange(num_reqs, device=device), (1 + step.num_draft)
+            torch.arange(num_reqs, device=device), 1 + step.num_draft, output_size=logits.shape[0]
         )
         with torch.profiler.record_function("ddtree::target_tokens"):
             chosen = _target_tokens(logits, sampling_metadata, request_of_row)
@@ -272,18 +284,19 @@ def _wrap_propose(original):
 
 
 def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
-    """Rows root + accepted[j] of each request move to rows root + j (j = 0..num_accepted)."""
+    """Rows root + accepted[j] of each request move to rows root + j (j = 0..num_accepted).
+
+    Entries past a request's path copy its root row onto itself (a no-op), so the moves are
+    one gather and one scatter with no host synchronisation.
+    """
     accepted, num_accepted = step.accepted, step.num_accepted
     device = accepted.device
     depth = accepted.shape[1]
     j = torch.arange(depth, device=device).unsqueeze(0)
     keep = (j <= num_accepted.unsqueeze(1)) & (accepted >= 0)
-    src = (step.query_start.unsqueeze(1) + accepted.clamp(min=0))[keep]
-    dst = (step.query_start.unsqueeze(1) + j)[keep]
-    moved = src != dst
-    if not bool(moved.any()):
-        return
-    src, dst = src[moved], dst[moved]
+    root = step.query_start.unsqueeze(1)
+    src = torch.where(keep, root + accepted.clamp(min=0), root).flatten()
+    dst = torch.where(keep, root + j, root).flatten()
     input_ids = runner.input_ids.gpu
     input_ids[dst] = input_ids[src]
     runner.positions[dst] = runner.positions[src]
