@@ -51,6 +51,7 @@ case "$STEP" in
     LOSSLESS=$!
     timeout 550 python3 benchmarks/train_dflash.py --gguf "$SMOLLM2_GGUF" \
       --prompts /tmp/prompts.json --out /tmp/drafter --work /tmp/train --minutes "${MINUTES:-3.5}" \
+      ${INIT_FROM:+--init-from "$INIT_FROM"} \
       > "$OUT/train.log" 2>&1
     echo "train rc=$?"
     cp /tmp/drafter/config.json /tmp/drafter/training.json "$OUT/"

@@ -240,9 +240,15 @@ def train(args) -> dict:
         if args.feature_layers
         else [round(1 + i * (layers - 3) / 3) for i in range(4)]
     )
-    cfg = drafter_config(target.config, args.layers, feature_layers)
-    drafter = DFlashDrafter(cfg)
-    init_from_target(drafter, target, args.seed)
+    if getattr(args, "init_from", None):
+        # Continue training a checkpoint (its own layer count and feature layers).
+        drafter = DFlashDrafter.from_pretrained(args.init_from)
+        cfg = drafter.config
+        feature_layers = list(cfg.target_layer_ids)
+    else:
+        cfg = drafter_config(target.config, args.layers, feature_layers)
+        drafter = DFlashDrafter(cfg)
+        init_from_target(drafter, target, args.seed)
     drafter = drafter.to(device).float().train()
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     hidden_index = [i + 1 for i in feature_layers]
@@ -321,7 +327,11 @@ def train(args) -> dict:
         "recipe": {
             "data": "target's greedy responses (vLLM, bf16) to benchmarks/prompts.py 'train'",
             "loss": f"cross-entropy per block position k, weight exp(-(k-1)/{LOSS_DECAY})",
-            "init": "draft layers copied from the target's last layers; fc random (std 0.02)",
+            "init": (
+                f"continued from {args.init_from}"
+                if getattr(args, "init_from", None)
+                else "draft layers copied from the target's last layers; fc random (std 0.02)"
+            ),
             "optimizer": "AdamW betas (0.9, 0.95), wd 0.01, warmup then cosine to 10%, clip 1",
         },
         "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
@@ -368,6 +378,7 @@ def main() -> int:
     parser.add_argument("--validation-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--init-from", help="continue training this DFlash checkpoint")
     parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
