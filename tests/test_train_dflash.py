@@ -11,7 +11,7 @@ import torch
 
 from vllm_ddtree.dflash_drafter import random_drafter
 from vllm_ddtree.reference import DFlashDraftSource
-from vllm_ddtree.testing import TinyQwen3Spec, tiny_drafter_config
+from vllm_ddtree.testing import TinyQwen3Spec, tiny_drafter_config, tiny_qwen3_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,18 +26,10 @@ def load_train_module():
 
 @pytest.fixture(scope="module")
 def pair():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     spec = TinyQwen3Spec(num_hidden_layers=3, hidden_size=128, intermediate_size=256)
-    config = Qwen3Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate_size,
-    )
+    config = tiny_qwen3_config(spec)
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(config).eval()
     cfg = tiny_drafter_config(spec, num_layers=2, target_layer_ids=[0, 2])

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tests.stats import chi_square_p_value
-from tests.vllm_runs import TREE_ATTN_ACTIVE, run_engines
+from tests.vllm_runs import TREE_ATTN_ACTIVE, run_engines, run_helper
 
 pytest.importorskip("vllm")
 
@@ -111,30 +111,17 @@ def test_ddtree_survives_preemption_and_aborts(tiny_target_path, tiny_drafter_pa
     resume from a prefill and still produce the target's tokens; aborting two requests
     mid-generation leaves the others exact, and new requests afterwards see no stale trees."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    helper = os.path.join(os.path.dirname(__file__), "helpers", "run_vllm_lifecycle.py")
     prompts = [list(range(1, 21)), list(range(5, 13)), list(range(30, 64)), [100, 200, 300]]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            helper,
-            tiny_target_path,
-            tiny_drafter_path,
-            json.dumps(prompts),
-            "200",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
+    result, _ = run_helper(
+        "run_vllm_lifecycle.py",
+        tiny_target_path,
+        tiny_drafter_path,
+        json.dumps(prompts),
+        "200",
+        "3",
         timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
     reference = result["reference"]
     assert result["num_preemptions"] > 0  # the scenario really preempted
     assert result["accepted_tokens"] > 0  # and trees were walked past the root

@@ -9,15 +9,24 @@ HELPER = os.path.join(os.path.dirname(__file__), "helpers", "run_vllm_generate.p
 TREE_ATTN_ACTIVE = "TREE_ATTN: tree attention backend active"
 
 
-def run_engines(target: str, runs: list[dict], prompts: list[list[int]], max_tokens: int = 32):
-    """Returns (results by run name, the subprocess's whole log)."""
+def run_helper(script: str, *args: str, timeout: int = 900) -> tuple[dict, str]:
+    """Run a helper script (``tests/helpers/``) that prints one ``RESULT {json}`` line.
+
+    Returns (the parsed result, the subprocess's whole log)."""
     proc = subprocess.run(
-        [sys.executable, HELPER, target, json.dumps(runs), json.dumps(prompts), str(max_tokens)],
+        [sys.executable, os.path.join(os.path.dirname(HELPER), script), *args],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1].removeprefix("RESULT ")), proc.stdout + proc.stderr
+
+
+def run_engines(target: str, runs: list[dict], prompts: list[list[int]], max_tokens: int = 32):
+    """Returns (results by run name, the subprocess's whole log)."""
+    return run_helper(
+        os.path.basename(HELPER), target, json.dumps(runs), json.dumps(prompts), str(max_tokens)
+    )

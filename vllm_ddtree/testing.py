@@ -34,13 +34,11 @@ class TinyQwen3Spec:
     max_position_embeddings: int = 4096
 
 
-def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
-    """Save a random-weight Qwen3ForCausalLM checkpoint (bf16 safetensors) under ``path``."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def tiny_qwen3_config(spec: TinyQwen3Spec = TinyQwen3Spec()):
+    """The transformers ``Qwen3Config`` of a tiny target (untied, no special tokens)."""
+    from transformers import Qwen3Config
 
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -55,8 +53,16 @@ def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int 
         eos_token_id=None,
         pad_token_id=None,
     )
+
+
+def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+    """Save a random-weight Qwen3ForCausalLM checkpoint (bf16 safetensors) under ``path``."""
+    from transformers import Qwen3ForCausalLM
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(spec)).to(torch.bfloat16)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     model.save_pretrained(path)
