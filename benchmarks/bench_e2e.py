@@ -438,6 +438,8 @@ def collect(args) -> int:
 
 def compare_with_ar(engines: dict[str, dict]) -> dict[str, str]:
     """T = 0 outputs of every engine vs AR's, prompt by prompt."""
+    from vllm_ddtree.demo import first_divergence
+
     reference = engines.get("ar", {}).get("outputs_t0", {})
     verdicts = {}
     for name, result in engines.items():
@@ -447,11 +449,7 @@ def compare_with_ar(engines: dict[str, dict]) -> dict[str, str]:
         mismatches = []
         for key, want in reference.items():
             for p, (got, ref) in enumerate(zip(outputs.get(key, []), want, strict=False)):
-                where = next(
-                    (i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None
-                )
-                if where is None and len(got) != len(ref):
-                    where = min(len(got), len(ref))
+                where = first_divergence(got, ref)
                 if where is not None:
                     mismatches.append(f"{key}[{p}]@{where}")
         compared = sum(len(v) for k, v in outputs.items() if k in reference)

@@ -138,13 +138,6 @@ def run_jobs(jobs: dict[str, dict], work: str, parallel: int, timeout: int) -> d
     return results
 
 
-def first_divergence(got: list[int], want: list[int]) -> int | None:
-    where = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
-    if where is None and len(got) != len(want):
-        where = min(len(got), len(want))
-    return where
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
@@ -173,6 +166,7 @@ def main() -> int:
     from tree_attn_vllm_gpu import logit_gap
 
     from tests.stats import chi_square_p_value
+    from vllm_ddtree.demo import first_divergence
     from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
     started = time.time()
