@@ -131,7 +131,8 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     request_of_token = torch.repeat_interleave(
         torch.arange(num_reqs, device=device), counts, output_size=total_tokens
     )
-    tree_index = torch.arange(total_tokens, device=device) - query_start[request_of_token]
+    root_of_token = query_start[request_of_token]
+    tree_index = torch.arange(total_tokens, device=device) - root_of_token
     has_tree = step.num_draft > 0
     in_tree = (tree_index >= 0) & (tree_index <= trees.num_nodes[request_of_token])
     in_tree &= has_tree[request_of_token]
@@ -142,9 +143,8 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     # Depth-based RoPE positions for node tokens (slots stay one per node).
     positions = runner.positions[:total_tokens]
     if width:
-        root_position = positions[query_start][request_of_token]
         depth = trees.depths[request_of_token, node]
-        node_position = root_position + depth.to(positions.dtype)
+        node_position = positions[root_of_token] + depth.to(positions.dtype)
         positions.copy_(torch.where(is_node, node_position, positions))
 
     # Ancestor masks for TREE_ATTN, one packed row per query token.
