@@ -65,7 +65,7 @@ case "$STEP" in
     # Per-step time split of AR, the DFlash chain (V2 and V1 runners) and DDTree (SmolLM2 shapes,
     # random weights: step costs, not acceptance).
     timeout 560 python3 benchmarks/profile_step.py --target synthetic --out "$OUT" \
-      --methods "${METHODS:-ar,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
+      --methods "${METHODS:-ar,ar_v1,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
     echo "profile rc=$?"; grep '^{' "$OUT/profile_step.log" | cut -c1-400 ;;
   bench-e2e)
     timeout 570 python3 benchmarks/bench_e2e.py --target /tmp/train/SmolLM2-135M-Instruct \

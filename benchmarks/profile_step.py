@@ -22,6 +22,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item")
+# Eager kernel launches (PyTorch, Triton) vs CUDA-graph replays: is the step graph-captured?
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 def synthetic_pair(work: str) -> tuple[str, str]:
@@ -57,11 +59,15 @@ def synthetic_pair(work: str) -> tuple[str, str]:
 
 
 def engine_kwargs(method: str, drafter: str) -> tuple[dict, dict]:
-    """``LLM`` arguments and environment for ``ar``, ``dflash``, ``dflash_v1``, ``ddtree_bN``."""
+    """``LLM`` arguments and environment for ``ar``, ``dflash``, ``ddtree_bN``; a ``_v1``
+    suffix (``ar_v1``, ``dflash_v1``) runs vLLM's V1 model runner instead of V2."""
+    env = {}
+    if method.endswith("_v1"):
+        env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        method = method.removesuffix("_v1")
     if method == "ar":
-        return {}, {}
-    if method.startswith("dflash"):
-        env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if method.endswith("_v1") else {}
+        return {}, env
+    if method == "dflash":
         spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
         return {"speculative_config": spec}, env
     if method.startswith("ddtree_b"):
@@ -69,7 +75,7 @@ def engine_kwargs(method: str, drafter: str) -> tuple[dict, dict]:
         return {
             "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": budget}
         }, {}
-    raise SystemExit(f"unknown method {method!r}: ar, dflash, dflash_v1 or ddtree_bN")
+    raise SystemExit(f"unknown method {method!r}: ar, dflash, ddtree_bN (+ _v1 for ar, dflash)")
 
 
 def profile_method(args, method: str) -> dict:
@@ -122,6 +128,7 @@ def profile_method(args, method: str) -> dict:
     top_cpu = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[: args.top]
     top_device = sorted(events, key=lambda e: getattr(e, device_key, 0), reverse=True)[: args.top]
     syncs = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
+    launches = {e.key: e.count for e in events if e.key in LAUNCH_EVENTS}
     if args.trace:
         prof.export_chrome_trace(os.path.join(args.out, f"profile_{method}.trace.json"))
     del llm
@@ -135,6 +142,7 @@ def profile_method(args, method: str) -> dict:
             for r in ranges
         ],
         "host_syncs_per_forward": {k: v / steps for k, v in syncs.items()},
+        "launches_per_forward": {k: v / steps for k, v in launches.items()},
         "top_cpu": [row(e) for e in top_cpu],
         "top_device": [row(e) for e in top_device],
     }
@@ -181,6 +189,7 @@ def main() -> int:
                 "ms_per_target_forward": result["ms_per_target_forward"],
                 "ddtree_ranges_per_forward": result["ddtree_ranges_per_forward"],
                 "host_syncs_per_forward": result["host_syncs_per_forward"],
+                "launches_per_forward": result.get("launches_per_forward", {}),
             }
         )
         print(json.dumps(summary[-1]), flush=True)
