@@ -1,7 +1,9 @@
 """End-to-end speed on a GPU: the target alone (AR) vs DFlash chain vs DDTree, same drafter.
 
-vLLM engines with CUDA graphs (full graphs of the decode/verify batches; no torch.compile, so
-that many engines start in one run), bf16, one engine at a time in its own process. Each engine
+vLLM engines with CUDA graphs, bf16, one engine at a time in its own process. ``--compile
+default`` keeps vLLM's defaults (torch.compile, FULL_AND_PIECEWISE graphs: what ``vllm serve``
+runs; the V1 runner's DFlash drafter gets piecewise graphs); ``--compile graphs`` (no
+torch.compile, full graphs of decode/verify batches only) starts engines faster. Each engine
 runs the same measurements on held-out prompts (``benchmarks/prompts.py``'s eval sets, chat
 template applied):
 - batch 1: ``--batch1-prompts`` prompts of each set, one request at a time;
@@ -31,6 +33,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DATASETS = ("humaneval", "mtbench", "sharegpt")
+COMPILE_NOTES = {
+    "graphs": "CUDA graphs (full, decode/verify batches; no torch.compile)",
+    "default": "vLLM's default compilation (torch.compile, full + piecewise CUDA graphs)",
+}
 
 
 def metric_values(llm) -> dict:
@@ -60,6 +66,9 @@ def measure_engine(job: dict) -> dict:
     # batch; padding 15 requests up to 64 would distort the timing).
     ladder = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 96, 128]
     sizes = sorted({width * b for b in ladder if b <= max_seqs} | {width * max_seqs})
+    compilation_config = {"cudagraph_capture_sizes": sizes}
+    if job["compile"] == "graphs":
+        compilation_config.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
     llm = LLM(
         model=job["target"],
         dtype="bfloat16",
@@ -69,11 +78,7 @@ def measure_engine(job: dict) -> dict:
         gpu_memory_utilization=0.5,
         seed=0,
         disable_log_stats=False,
-        compilation_config={
-            "mode": 0,
-            "cudagraph_mode": "FULL_DECODE_ONLY",
-            "cudagraph_capture_sizes": sizes,
-        },
+        compilation_config=compilation_config,
         **job["kwargs"],
     )
     rows = []
@@ -216,7 +221,7 @@ def write_report(summary: dict, out: str) -> None:
         "# End-to-end speed: AR vs DFlash chain vs DDTree",
         "",
         f"Commit {summary['commit']}, {summary['gpu']}, target {summary['target_name']}, drafter "
-        f"{summary['drafter_name']}; bf16, CUDA graphs (full, decode/verify batches), "
+        f"{summary['drafter_name']}; bf16, {COMPILE_NOTES[summary.get('compile', 'graphs')]}, "
         f"median of {summary['repeats']} runs, up to {summary['max_tokens']} new tokens.",
         "",
         summary.get("note", ""),
@@ -317,6 +322,8 @@ def main() -> int:
     parser.add_argument("--batch1-prompts", type=int, default=2)
     parser.add_argument("--engine-timeout", type=int, default=110)
     parser.add_argument("--deadline", type=int, default=540, help="seconds for all engines")
+    parser.add_argument("--compile", choices=sorted(COMPILE_NOTES), default="default")
+    parser.add_argument("--skip", default="", help="engine names to leave out, e.g. dflash_v1")
     parser.add_argument(
         "--collect",
         help="rebuild the results from the engines' logs in this folder (a run cut short)",
@@ -353,6 +360,7 @@ def main() -> int:
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "batch1_prompts": args.batch1_prompts,
+        "compile": args.compile,
         # Measurements stop starting after this; the engine's process still reports.
         "time_limit": max(10, args.engine_timeout - 45),
     }
@@ -383,6 +391,8 @@ def main() -> int:
     # DDTree runs on vLLM's V1 model runner; the chain also on V1, for a same-runner ratio.
     chain_v1 = {**jobs[1], "name": "dflash_v1", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
     jobs = jobs + ddtree + [chain_v1]
+    skipped = set(args.skip.split(",")) if args.skip else set()
+    jobs = [job for job in jobs if job["name"] not in skipped]
     engines: dict[str, dict] = {}
     started = time.time()
     for job in jobs:
@@ -482,6 +492,7 @@ def summarize(engines, args, budgets, batches, started, note: str = "") -> list[
         "budgets": budgets,
         "batches": batches,
         "repeats": args.repeats,
+        "compile": args.compile,
         "max_tokens": args.max_tokens,
         "engines": {
             k: {kk: vv for kk, vv in v.items() if kk != "outputs_t0"} for k, v in engines.items()

@@ -8,7 +8,9 @@
 #       engines  - benchmarks/tree_attn_vllm_gpu.py (vLLM engines with TREE_ATTN)
 #       dense    - benchmarks/lossless_gpu.py (full grid) and serve_check.py side by side
 #       train    - benchmarks/train_dflash.py (SmolLM2 drafter) and the lossless grid
-#       bench-e2e - benchmarks/bench_e2e.py with the drafter just trained
+#       prepare  - SmolLM2 checkpoint from the GGUF pieces, the tree/KV kernel tests on CUDA, and
+#                  the lossless grid (benchmarks/lossless_gpu.py)
+#       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
 STEP=$1
@@ -61,6 +63,21 @@ case "$STEP" in
     (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200
     grep -E "generated|trained" "$OUT/train.log"; tail -2 "$OUT/train.log" ;;
+  prepare)
+    cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
+    echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
+    timeout 400 python3 benchmarks/lossless_gpu.py --parallel "${PARALLEL:-8}" --out "$OUT" \
+      > "$OUT/lossless_gpu.log" 2>&1 &
+    LOSSLESS=$!
+    timeout 120 python3 -c "from vllm_ddtree.demo import prepare_smollm2; \
+      print(prepare_smollm2('/tmp/train', '$SMOLLM2_GGUF'))" > "$OUT/prepare.log" 2>&1
+    echo "checkpoint rc=$?"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py tests/test_tree_ops.py \
+      tests/test_kv_commit.py > "$OUT/gpu_op_tests.log" 2>&1
+    echo "op tests rc=$?"; tail -2 "$OUT/gpu_op_tests.log"
+    wait $LOSSLESS; echo "lossless rc=$?"
+    (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
+    grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200 ;;
   profile)
     # Per-step time split of AR, the DFlash chain (V2 and V1 runners) and DDTree (SmolLM2 shapes,
     # random weights: step costs, not acceptance).
@@ -68,9 +85,14 @@ case "$STEP" in
       --methods "${METHODS:-ar,ar_v1,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
     echo "profile rc=$?"; grep '^{' "$OUT/profile_step.log" | cut -c1-400 ;;
   bench-e2e)
-    timeout 570 python3 benchmarks/bench_e2e.py --target /tmp/train/SmolLM2-135M-Instruct \
-      --drafter "${DRAFTER:-/tmp/drafter}" --prompts /tmp/prompts.json --out "$OUT" \
-      --deadline 540 > "$OUT/bench_e2e.log" 2>&1
+    [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
+    timeout "${BENCH_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py \
+      --target /tmp/train/SmolLM2-135M-Instruct --drafter "${DRAFTER:-/tmp/drafter}" \
+      --prompts /tmp/prompts.json --out "$OUT" --deadline "${DEADLINE:-540}" \
+      --compile "${COMPILE:-default}" --skip "${SKIP:-}" --budgets "${BUDGETS:-64,16,256}" \
+      --batches "${BATCHES:-1,16,64}" --temperatures "${TEMPS:-0,1}" \
+      --max-tokens "${MAX_TOKENS:-256}" --engine-timeout "${ENGINE_TIMEOUT:-110}" \
+      > "$OUT/bench_e2e.log" 2>&1
     echo "bench rc=$?"; (cd /tmp/vllm-ddtree-bench && tar czf "$OUT/bench_logs.tgz" ./*.log)
     cat "$OUT/bench_e2e.md" ;;
   kernels)

@@ -1,7 +1,8 @@
 """Where a decode step's time goes: torch.profiler over one engine at batch 1 (GPU or CPU).
 
 Runs one vLLM engine (in this process) per method given, generates ``--tokens`` tokens for one
-prompt under ``torch.profiler`` and writes, per method: wall time per target forward, the
+prompt once untimed, once timed (wall time per target forward) and once under ``torch.profiler``,
+and writes, per method: wall time per target forward with and without the profiler, the
 ``ddtree::*`` ranges (tree inputs, tree building, target tokens, walk, KV commit, drafter
 context rows), the operators with the most CPU and device time, and the number of host
 synchronisations (device-to-host copies, stream/device synchronise calls).
@@ -22,6 +23,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item")
+# "graphs": full CUDA graphs of decode/verify batches, no torch.compile (engines start fast;
+# vLLM's V1 runner then runs the DFlash drafter eagerly). "default": vLLM's defaults
+# (torch.compile, FULL_AND_PIECEWISE: the V1 drafter gets piecewise graphs), what `vllm serve` does.
+COMPILE_MODES = {"graphs": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "default": None}
 # Eager kernel launches (PyTorch, Triton) vs CUDA-graph replays: is the step graph-captured?
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
@@ -94,13 +99,17 @@ def profile_method(args, method: str) -> dict:
         max_num_seqs=4,
         seed=0,
         disable_log_stats=False,
-        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"} if cuda else None,
+        compilation_config=COMPILE_MODES[args.compile] if cuda else None,
         **kwargs,
     )
     prompt = [TokensPrompt(prompt_token_ids=list(range(100, 164)))]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompt, params, use_tqdm=False)  # warm-up
     before = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    unprofiled_start = time.perf_counter()
+    llm.generate(prompt, params, use_tqdm=False)
+    unprofiled_seconds = time.perf_counter() - unprofiled_start
+    middle = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -109,10 +118,13 @@ def profile_method(args, method: str) -> dict:
         llm.generate(prompt, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
-    drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
-        "vllm:spec_decode_num_drafts", 0
-    )
-    steps = drafts or args.tokens
+
+    def drafts_between(first, second):
+        key = "vllm:spec_decode_num_drafts"
+        return second.get(key, 0) - first.get(key, 0)
+
+    steps = drafts_between(middle, after) or args.tokens
+    unprofiled_steps = drafts_between(before, middle) or args.tokens
     events = prof.key_averages()
     device_key = "device_time_total" if cuda else "cpu_time_total"
 
@@ -136,7 +148,10 @@ def profile_method(args, method: str) -> dict:
         "method": method,
         "target_forwards": steps,
         "seconds": seconds,
+        "compile": args.compile,
         "ms_per_target_forward": 1000 * seconds / steps,
+        "unprofiled_ms_per_target_forward": 1000 * unprofiled_seconds / unprofiled_steps,
+        "unprofiled_tokens_per_s": args.tokens / unprofiled_seconds,
         "ddtree_ranges_per_forward": [
             {**r, "cpu_ms": r["cpu_ms"] / steps, "device_ms": r["device_ms"] / steps}
             for r in ranges
@@ -158,6 +173,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--trace", action="store_true", help="also write Chrome traces")
+    parser.add_argument("--compile", choices=sorted(COMPILE_MODES), default="graphs")
     parser.add_argument("--method", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -176,6 +192,7 @@ def main() -> int:
         command = [sys.executable, __file__, "--method", method, "--target", args.target]
         command += ["--drafter", args.drafter, "--out", args.out, "--tokens", str(args.tokens)]
         command += ["--trace"] if args.trace else []
+        command += ["--compile", args.compile]
         subprocess.run(command, check=False)
         path = os.path.join(args.out, f"profile_{method}.json")
         if not os.path.exists(path):
@@ -187,6 +204,8 @@ def main() -> int:
             {
                 "method": method,
                 "ms_per_target_forward": result["ms_per_target_forward"],
+                "unprofiled_ms_per_target_forward": result["unprofiled_ms_per_target_forward"],
+                "unprofiled_tokens_per_s": result["unprofiled_tokens_per_s"],
                 "ddtree_ranges_per_forward": result["ddtree_ranges_per_forward"],
                 "host_syncs_per_forward": result["host_syncs_per_forward"],
                 "launches_per_forward": result.get("launches_per_forward", {}),

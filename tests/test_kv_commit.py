@@ -104,7 +104,40 @@ def test_kernel_chain_paths_copy_nothing_and_aliasing_is_ordered():
 
 
 @pytest.mark.interpreter
+def test_kernel_commits_every_layer_in_one_launch():
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.kv_commit import PagedKVLayers, commit_accepted_kv_layers
+
+    device = "cuda" if ON_GPU else "cpu"
+    key_cache, value_cache, slots, accepted, num_accepted = make_batch(seed=10)
+    layers = [(key_cache + layer, value_cache - layer) for layer in range(3)]
+    expected = []
+    for k, v in layers:
+        k, v = k.clone(), v.clone()
+        commit_accepted_kv_ref(k, v, slots, accepted, num_accepted)
+        expected.append((k, v))
+    keys = [k.to(device) for k, _ in layers]
+    values = [v.to(device) for _, v in layers]
+    table = PagedKVLayers.of(keys, values)
+    commit_accepted_kv_layers(table, slots.to(device), accepted.to(device), num_accepted.to(device))
+    for (want_k, want_v), k, v in zip(expected, keys, values, strict=True):
+        assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)
+
+
+def test_layer_table_refuses_mixed_layouts():
+    from vllm_ddtree.ops.kv_commit import PagedKVLayers
+
+    a = torch.zeros(4, 16, 2, 32)
+    with pytest.raises(ValueError, match="differ"):
+        PagedKVLayers.of([a, torch.zeros(4, 16, 2, 64)], [a, a])
+    with pytest.raises(ValueError, match="strides"):
+        wide = torch.zeros(4, 16, 4, 32)[:, :, :2]
+        PagedKVLayers.of([a, wide], [a, a])
+
+
+@pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=4)
+    run_under_interpreter(__file__, "kernel_", expected=5)

@@ -25,9 +25,14 @@ import numpy as np
 import torch
 
 from tree_attn_backend import tree_verify
-from tree_attn_backend.ops.tree_attention import pack_tree_mask
-from vllm_ddtree.ops.kv_commit import commit_accepted_kv, commit_accepted_kv_torch
-from vllm_ddtree.tree import DDTreeBatch, ancestor_mask, empty_batch, follow_tree
+from vllm_ddtree.ops.kv_commit import (
+    PagedKVLayers,
+    commit_accepted_kv_layers,
+    commit_accepted_kv_torch,
+)
+from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref, packed_ancestor_mask_triton
+from vllm_ddtree.ops.tree_walk import follow_tree_triton
+from vllm_ddtree.tree import DDTreeBatch, empty_batch, follow_tree
 
 _PATCHED = "__vllm_ddtree_runner_hook__"
 
@@ -148,8 +153,8 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
         positions.copy_(torch.where(is_node, node_position, positions))
 
     # Ancestor masks for TREE_ATTN, one packed row per query token.
-    visible = ancestor_mask(trees)  # [R, N + 1, N + 1]
-    packed = pack_tree_mask(visible)  # [R, N + 1, W]
+    pack = packed_ancestor_mask_triton if device.type == "cuda" else packed_ancestor_mask_ref
+    packed = pack(trees)  # int32 [R, N + 1, W]
     rows = packed[request_of_token, tree_index.clamp(min=0, max=width)]  # [T, W]
     tree_mask = torch.where(in_tree.unsqueeze(1), rows, torch.zeros_like(rows))
     tree_verify.publish(
@@ -217,8 +222,9 @@ def _wrap_sample(original):
         with torch.profiler.record_function("ddtree::target_tokens"):
             chosen = _target_tokens(logits, sampling_metadata, request_of_row)
         target_tokens = torch.where(in_range, chosen[row_index.clamp(max=logits.shape[0] - 1)], -1)
+        walk = follow_tree_triton if device.type == "cuda" else follow_tree
         with torch.profiler.record_function("ddtree::follow_tree"):
-            accepted, num_accepted, bonus = follow_tree(trees, target_tokens)
+            accepted, num_accepted, bonus = walk(trees, target_tokens)
         step.accepted, step.num_accepted = accepted, num_accepted
 
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
@@ -252,6 +258,27 @@ def _tree_attention_kv_caches(runner) -> list[torch.Tensor]:
     return caches
 
 
+def _kv_layer_groups(runner) -> list[PagedKVLayers]:
+    """The TREE_ATTN layers' caches as launch tables, one per cache layout (usually one),
+    rebuilt only when vLLM's cache tensors change."""
+    caches = _tree_attention_kv_caches(runner)
+    key = tuple((c.data_ptr(), tuple(c.shape), tuple(c.stride()), c.dtype) for c in caches)
+    cached = getattr(runner, "_ddtree_kv_layers", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    by_layout: dict[tuple, list[torch.Tensor]] = {}
+    for cache in caches:
+        by_layout.setdefault((tuple(cache.shape), tuple(cache.stride()), cache.dtype), []).append(
+            cache
+        )
+    groups = [
+        PagedKVLayers.of([c[0] for c in group], [c[1] for c in group])
+        for group in by_layout.values()
+    ]
+    runner._ddtree_kv_layers = (key, groups)
+    return groups
+
+
 def _commit_kv(runner, step: StepTrees) -> None:
     """Move accepted nodes' K/V to contiguous slots in every TREE_ATTN layer."""
     recorded = tree_verify.last_step()
@@ -262,10 +289,15 @@ def _commit_kv(runner, step: StepTrees) -> None:
     rows = step.query_start.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
     rows = rows.clamp(max=slot_mapping.shape[0] - 1)
     verify_slots = slot_mapping[rows].long()
-    commit = commit_accepted_kv if slot_mapping.is_cuda else commit_accepted_kv_torch
-    for kv_cache in _tree_attention_kv_caches(runner):
-        key_cache, value_cache = kv_cache.unbind(0)
-        commit(key_cache, value_cache, verify_slots, step.accepted, step.num_accepted)
+    if not slot_mapping.is_cuda:
+        for kv_cache in _tree_attention_kv_caches(runner):
+            key_cache, value_cache = kv_cache.unbind(0)
+            commit_accepted_kv_torch(
+                key_cache, value_cache, verify_slots, step.accepted, step.num_accepted
+            )
+        return
+    for layers in _kv_layer_groups(runner):
+        commit_accepted_kv_layers(layers, verify_slots, step.accepted, step.num_accepted)
 
 
 def _wrap_propose(original):

@@ -125,28 +125,28 @@ def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = Non
     top_log_probs, top_tokens = torch.topk(log_probs, cap, dim=-1)  # [R, L, K]
 
     # Per-depth beams of width `budget`: score, parent slot in the previous beam, token.
-    neg_inf = torch.tensor(float("-inf"), device=device)
+    # Only the score top-k runs per depth (few launches); parents and tokens come after the loop.
     beam_scores = torch.full((num_reqs, budget), float("-inf"), device=device)
     n_first = min(cap, budget)
     beam_scores[:, :n_first] = top_log_probs[:, 0, :n_first]
-    beam_tokens = torch.full((num_reqs, budget), PAD_TOKEN, dtype=torch.long, device=device)
-    beam_tokens[:, :n_first] = top_tokens[:, 0, :n_first]
-    beam_parent_slots = torch.zeros((num_reqs, budget), dtype=torch.long, device=device)
+    first_tokens = torch.full((num_reqs, budget), PAD_TOKEN, dtype=torch.long, device=device)
+    first_tokens[:, :n_first] = top_tokens[:, 0, :n_first]
     all_scores = [beam_scores]
-    all_tokens = [beam_tokens]
-    all_parent_slots = [beam_parent_slots]
+    all_flat_idx = []
     for depth in range(1, depth_limit):
-        # [R, budget, K] candidate extensions of every beam entry.
-        candidates = beam_scores.unsqueeze(2) + top_log_probs[:, depth].unsqueeze(1)
-        candidates = torch.where(torch.isfinite(candidates), candidates, neg_inf)
-        flat = candidates.reshape(num_reqs, budget * cap)
-        k = min(budget, budget * cap)
-        beam_scores, flat_idx = torch.topk(flat, k, dim=-1)
-        beam_parent_slots = flat_idx // cap
-        beam_tokens = torch.gather(top_tokens[:, depth], 1, flat_idx % cap)
+        # [R, budget * K] candidate extensions of every beam entry (-inf stays -inf).
+        flat = (beam_scores.unsqueeze(2) + top_log_probs[:, depth].unsqueeze(1)).view(
+            num_reqs, budget * cap
+        )
+        beam_scores, flat_idx = torch.topk(flat, budget, dim=-1)
         all_scores.append(beam_scores)
-        all_tokens.append(beam_tokens)
-        all_parent_slots.append(beam_parent_slots)
+        all_flat_idx.append(flat_idx)
+    all_tokens = [first_tokens]
+    all_parent_slots = [torch.zeros((num_reqs, budget), dtype=torch.long, device=device)]
+    if all_flat_idx:
+        flat_idx = torch.stack(all_flat_idx, dim=1)  # [R, L - 1, budget]
+        all_parent_slots.append((flat_idx // cap).flatten(1))
+        all_tokens.append(torch.gather(top_tokens[:, 1:], 2, flat_idx % cap).flatten(1))
 
     # Candidates laid out depth-major, so a stable sort breaks score ties towards shallow nodes.
     cand_scores = torch.cat(all_scores, dim=1)  # [R, L * budget]
@@ -177,7 +177,7 @@ def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = Non
     parents = torch.where(valid, parents, ROOT)
     depths = torch.where(valid, depths, 0)
     token_ids = torch.where(valid, token_ids, PAD_TOKEN)
-    scores = torch.where(valid, scores, neg_inf)
+    scores = torch.where(valid, scores, float("-inf"))
     return DDTreeBatch(
         token_ids=token_ids,
         parents=parents,

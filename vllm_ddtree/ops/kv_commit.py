@@ -6,7 +6,8 @@ path ``accepted[r, 0..num_accepted[r]]`` (tree indices, root first, increasing),
 expects the accepted tokens at contiguous positions, so the K/V at the slot of tree index
 ``accepted[r, j]`` moves to the slot of tree index ``j`` for ``j = 1..num_accepted[r]``.
 
-Moves run in increasing ``j`` inside one program per (request, KV head): a destination ``j`` is
+Moves run in increasing ``j`` inside one program per (request, KV head, layer): all layers go in
+one launch (``PagedKVLayers`` holds their base addresses). A destination ``j`` is
 smaller than every later source (``accepted[r, j'] >= j' > j``), so nothing is overwritten before
 it is read. A request whose path is already ``0, 1, 2, ...`` (a chain-shaped acceptance) costs one
 comparison and no copy. Everything stays on the device: no host round trip per request.
@@ -17,6 +18,8 @@ contiguous); ``verify_slots`` int ``[R, N + 1]`` (``-1`` where unused); ``accept
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -76,7 +79,64 @@ def commit_accepted_kv_torch(
         cache[dst // block_size, dst % block_size] = moved
 
 
+@dataclass(frozen=True)
+class PagedKVLayers:
+    """The paged K/V caches of several attention layers, addressed by one kernel launch.
+
+    Every layer's caches share one shape ``[num_blocks, block_size, Hkv, D]``, strides and
+    dtype (true for a model's full-attention layers in vLLM); the kernel finds each layer's
+    base address in ``key_ptrs``/``value_ptrs`` (int64 ``[num_layers]``, on the caches' device).
+    """
+
+    key_ptrs: torch.Tensor
+    value_ptrs: torch.Tensor
+    shape: tuple[int, int, int, int]
+    key_strides: tuple[int, int, int]
+    value_strides: tuple[int, int, int]
+    dtype: torch.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.key_ptrs.shape[0]
+
+    @classmethod
+    def of(cls, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]):
+        """Table of ``key_caches[l]``/``value_caches[l]`` (each ``[num_blocks, block_size, Hkv,
+        D]``, last dim contiguous); raises ``ValueError`` if the layers differ in layout."""
+        if not key_caches or len(key_caches) != len(value_caches):
+            raise ValueError("need one value cache per key cache, and at least one layer")
+        first = key_caches[0]
+        for cache in (*key_caches, *value_caches):
+            if cache.shape != first.shape or cache.dtype != first.dtype:
+                raise ValueError(
+                    f"KV caches differ: {tuple(cache.shape)} {cache.dtype} vs "
+                    f"{tuple(first.shape)} {first.dtype}"
+                )
+            if cache.stride(-1) != 1:
+                raise ValueError("KV caches need a contiguous head dimension")
+        for caches in (key_caches, value_caches):
+            if any(c.stride()[:3] != caches[0].stride()[:3] for c in caches):
+                raise ValueError("KV caches of different layers have different strides")
+
+        def pointers(caches):
+            return torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(first.device)
+
+        return cls(
+            key_ptrs=pointers(key_caches),
+            value_ptrs=pointers(value_caches),
+            shape=tuple(first.shape),
+            key_strides=tuple(key_caches[0].stride()[:3]),
+            value_strides=tuple(value_caches[0].stride()[:3]),
+            dtype=first.dtype,
+        )
+
+
 if HAS_TRITON:
+    _TRITON_DTYPES = {
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+        torch.float32: tl.float32,
+    }
 
     @triton.jit
     def _move_row(
@@ -108,8 +168,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _commit_accepted_kv_kernel(
-        key_cache_ptr,
-        value_cache_ptr,
+        key_ptrs_ptr,
+        value_ptrs_ptr,
         verify_slots_ptr,
         accepted_ptr,
         num_accepted_ptr,
@@ -121,6 +181,7 @@ if HAS_TRITON:
         stride_v_h,
         stride_slots,
         stride_accepted,
+        DTYPE: tl.constexpr,
         MAX_DEPTH: tl.constexpr,
         KV_BLOCK_SIZE: tl.constexpr,
         HEAD_SIZE: tl.constexpr,
@@ -128,6 +189,9 @@ if HAS_TRITON:
     ):
         req = tl.program_id(0)
         head = tl.program_id(1)
+        layer = tl.program_id(2)
+        key_cache_ptr = tl.load(key_ptrs_ptr + layer).to(tl.pointer_type(DTYPE))
+        value_cache_ptr = tl.load(value_ptrs_ptr + layer).to(tl.pointer_type(DTYPE))
         count = tl.load(num_accepted_ptr + req)
         offs_d = tl.arange(0, HEAD_SIZE_PADDED)
         d_valid = offs_d < HEAD_SIZE
@@ -164,6 +228,41 @@ if HAS_TRITON:
             tl.debug_barrier()
 
 
+def commit_accepted_kv_layers(
+    layers: PagedKVLayers,
+    verify_slots: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Move accepted nodes' K/V to contiguous slots, in place, in every layer of ``layers``.
+
+    ``verify_slots`` int ``[R, N + 1]``; ``accepted`` long ``[R, L + 1]``; ``num_accepted``
+    long ``[R]``. One launch of ``R x Hkv x num_layers`` programs; chain-shaped paths copy
+    nothing.
+    """
+    _, kv_block_size, num_kv_heads, head_size = layers.shape
+    num_reqs, path_len = accepted.shape
+    assert verify_slots.shape[0] == num_reqs and num_accepted.shape == (num_reqs,)
+    if num_reqs == 0 or path_len <= 1 or layers.num_layers == 0:
+        return
+    _commit_accepted_kv_kernel[(num_reqs, num_kv_heads, layers.num_layers)](
+        layers.key_ptrs,
+        layers.value_ptrs,
+        verify_slots,
+        accepted,
+        num_accepted,
+        *layers.key_strides,
+        *layers.value_strides,
+        verify_slots.stride(0),
+        accepted.stride(0),
+        DTYPE=_TRITON_DTYPES[layers.dtype],
+        MAX_DEPTH=path_len - 1,
+        KV_BLOCK_SIZE=kv_block_size,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+    )
+
+
 def commit_accepted_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -171,35 +270,7 @@ def commit_accepted_kv(
     accepted: torch.Tensor,
     num_accepted: torch.Tensor,
 ) -> None:
-    """Move accepted nodes' K/V to contiguous slots, in place, for one attention layer.
-
-    ``key_cache``/``value_cache`` ``[num_blocks, block_size, Hkv, D]``; ``verify_slots`` int
-    ``[R, N + 1]``; ``accepted`` long ``[R, L + 1]``; ``num_accepted`` long ``[R]``. One launch
-    of ``R x Hkv`` programs; chain-shaped paths copy nothing.
-    """
-    num_blocks, kv_block_size, num_kv_heads, head_size = key_cache.shape
-    assert value_cache.shape == key_cache.shape, "key and value caches differ in shape"
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-    num_reqs, path_len = accepted.shape
-    assert verify_slots.shape[0] == num_reqs and num_accepted.shape == (num_reqs,)
-    if num_reqs == 0 or path_len <= 1:
-        return
-    _commit_accepted_kv_kernel[(num_reqs, num_kv_heads)](
-        key_cache,
-        value_cache,
-        verify_slots,
-        accepted,
-        num_accepted,
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        verify_slots.stride(0),
-        accepted.stride(0),
-        MAX_DEPTH=path_len - 1,
-        KV_BLOCK_SIZE=kv_block_size,
-        HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
-    )
+    """``commit_accepted_kv_layers`` for one attention layer: ``key_cache``/``value_cache``
+    ``[num_blocks, block_size, Hkv, D]``, the rest as there."""
+    layers = PagedKVLayers.of([key_cache], [value_cache])
+    commit_accepted_kv_layers(layers, verify_slots, accepted, num_accepted)
