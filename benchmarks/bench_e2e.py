@@ -47,8 +47,10 @@ def metric_values(llm) -> dict:
     return values
 
 
-def measure_engine(job: dict) -> dict:
-    """Child process: one engine, every measurement of the job."""
+def measure_engine(job: dict, save=None) -> dict:
+    """Child process: one engine, every measurement of the job; ``save(result)`` after each
+    row, so that an engine stopped by its time limit still reports what it measured."""
+    started = time.time()
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -106,7 +108,16 @@ def measure_engine(job: dict) -> dict:
         return tokens, seconds, before, after
 
     run([prompt_sets[DATASETS[0]][0]], 0.0, True)  # warm-up
-    measuring_since = time.time()
+    config = llm.llm_engine.vllm_config
+
+    def result() -> dict:
+        return {
+            "rows": rows,
+            "outputs_t0": outputs_t0,
+            "runner": "V2" if config.use_v2_model_runner else "V1",
+            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        }
+
     for temperature in job["temperatures"]:
         for batch in job["batches"]:
             if temperature > 0 and batch > 16:
@@ -121,7 +132,7 @@ def measure_engine(job: dict) -> dict:
                 ]
                 groups = {"mixed": mixed}
             for name, prompts in groups.items():
-                if time.time() - measuring_since > job["time_limit"]:
+                if time.time() - started > job["time_limit"]:
                     print(f"time limit: skipped {name} batch {batch} T={temperature}", flush=True)
                     continue
                 samples = []
@@ -171,13 +182,9 @@ def measure_engine(job: dict) -> dict:
                     }
                 )
                 print(json.dumps({"engine": job["name"], **rows[-1]}), flush=True)
-    config = llm.llm_engine.vllm_config
-    return {
-        "rows": rows,
-        "outputs_t0": outputs_t0,
-        "runner": "V2" if config.use_v2_model_runner else "V1",
-        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
-    }
+                if save is not None:
+                    save(result())
+    return result()
 
 
 def run_child(job: dict, work: str, timeout: int) -> dict:
@@ -185,7 +192,10 @@ def run_child(job: dict, work: str, timeout: int) -> dict:
     with open(path, "w") as f:
         json.dump(job, f)
     log_path = os.path.join(work, f"{job['name']}.log")
+    if os.path.exists(path + ".result"):
+        os.remove(path + ".result")  # a stale result from an earlier run
     start = time.time()
+    timed_out = False
     with open(log_path, "w") as log:
         try:
             subprocess.run(
@@ -197,10 +207,12 @@ def run_child(job: dict, work: str, timeout: int) -> dict:
                 check=False,
             )
         except subprocess.TimeoutExpired:
-            pass
+            timed_out = True
     try:
         with open(path + ".result") as f:
             result = json.load(f)
+        if timed_out:
+            result["error"] = "stopped by the per-engine time limit (rows measured until then)"
     except OSError:
         with open(log_path) as f:
             log_text = f.read()
@@ -338,10 +350,14 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.child:
+
+        def save(result: dict) -> None:
+            with open(args.child + ".result.tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(args.child + ".result.tmp", args.child + ".result")
+
         with open(args.child) as f:
-            result = measure_engine(json.load(f))
-        with open(args.child + ".result", "w") as f:
-            json.dump(result, f)
+            save(measure_engine(json.load(f), save))
         return 0
 
     if args.collect:
@@ -367,7 +383,8 @@ def main() -> int:
         "batch1_prompts": args.batch1_prompts,
         "compile": args.compile,
         # Measurements stop starting after this; the engine's process still reports.
-        "time_limit": max(10, args.engine_timeout - 45),
+        # (from the engine process's start, engine start included).
+        "time_limit": max(10, args.engine_timeout - 25),
     }
     jobs = [
         {"name": "ar", "kwargs": {}, "tokens_per_request": 1},

@@ -87,4 +87,76 @@ def test_kernel_empty_trees_see_only_themselves_and_walk_nowhere():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=2 * len(CASES) + len(CASES) + 1)
+    run_under_interpreter(__file__, "kernel_", expected=2 * len(CASES) + len(CASES) + 3)
+
+
+def step_layout(seed):
+    """A mixed step: a prefill request, a full tree, a chain-shaped tree shorter than its
+    scheduled drafts (padding nodes), and a plain decode."""
+    from vllm_ddtree.tree import DDTreeBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    depth, budget = 5, 40
+    full = build_trees(torch.randn(1, depth, 9, generator=gen), budget)
+    chain = build_trees(torch.randn(1, depth, 9, generator=gen), budget, top_k=1)
+    empty = empty_batch(1, budget, depth, "cpu")
+    parts = [empty, full, chain, empty]
+    trees = DDTreeBatch(
+        *[torch.cat([getattr(p, f) for p in parts]) for f in ("token_ids", "parents", "depths")],
+        scores=torch.cat([p.scores for p in parts]),
+        num_nodes=torch.cat([p.num_nodes for p in parts]),
+        max_depth=depth,
+    )
+    num_scheduled = torch.tensor([7, budget + 1, budget + 1, 1])
+    num_draft = torch.tensor([0, budget, budget, 0])
+    starts = torch.cumsum(num_scheduled, 0) - num_scheduled
+    query_start = starts + num_scheduled - 1 - num_draft
+    positions = torch.cat(
+        [torch.arange(int(n)) + 100 * r for r, n in enumerate(num_scheduled.tolist())]
+    )
+    positions = torch.cat([positions, torch.full((5,), -7)])  # buffer longer than the step
+    return trees, query_start, num_draft, num_scheduled, positions
+
+
+def test_reference_step_inputs_move_node_positions_by_depth():
+    from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref
+
+    trees, query_start, num_draft, num_scheduled, positions = step_layout(0)
+    total = int(num_scheduled.sum())
+    before = positions.clone()
+    mask = tree_step_inputs_ref(trees, query_start, num_draft, num_scheduled, positions, total)
+    assert mask.shape == (total, 2)
+    root = int(query_start[1])
+    for i in range(1, 41):
+        assert int(positions[root + i]) == int(before[root]) + int(trees.depths[1, i - 1])
+    chain_root, chain_nodes = int(query_start[2]), int(trees.num_nodes[2])
+    assert chain_nodes < 40  # padding nodes were scheduled
+    assert torch.equal(
+        positions[chain_root + chain_nodes + 1 : chain_root + 41],
+        before[chain_root + chain_nodes + 1 : chain_root + 41],
+    )
+    assert torch.equal(positions[:7], before[:7]) and torch.equal(positions[total:], before[total:])
+    assert not mask[:7].any() and not mask[chain_root + chain_nodes + 1 :].any()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seed", range(2))
+def test_kernel_step_inputs_match_reference(seed):
+    needs_kernel()
+    from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
+
+    trees, query_start, num_draft, num_scheduled, positions = step_layout(seed)
+    total = int(num_scheduled.sum())
+    want_positions = positions.clone()
+    want = tree_step_inputs_ref(trees, query_start, num_draft, num_scheduled, want_positions, total)
+    got_positions = positions.to(DEVICE)
+    got = tree_step_inputs_triton(
+        trees.to(DEVICE),
+        query_start.to(DEVICE),
+        num_draft.to(DEVICE),
+        num_scheduled.to(DEVICE),
+        got_positions,
+        total,
+    )
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got_positions.cpu(), want_positions)

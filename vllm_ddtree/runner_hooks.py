@@ -30,7 +30,7 @@ from vllm_ddtree.ops.kv_commit import (
     commit_accepted_kv_layers,
     commit_accepted_kv_torch,
 )
-from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref, packed_ancestor_mask_triton
+from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import follow_tree_triton
 from vllm_ddtree.tree import DDTreeBatch, empty_batch, follow_tree
 
@@ -57,26 +57,83 @@ def _ddtree_proposer(runner):
     return None
 
 
-def _align_trees(runner, drafter, num_reqs: int, num_draft: np.ndarray) -> DDTreeBatch:
-    """Trees of the previous proposal reordered to this step's rows, cut to the scheduled nodes."""
+class StepTableUpload:
+    """Per-step int64 tables ``[rows, R]`` sent to the device in one non-blocking copy.
+
+    A pageable host-to-device copy makes the host wait for the device's whole queue; these go
+    from pinned memory instead. Two host/device buffer pairs alternate, and a buffer is
+    rewritten only after its previous copy has finished (an event, normally long done), so no
+    step waits on the device.
+    """
+
+    def __init__(self, rows: int, device: torch.device):
+        self.rows, self.device = rows, device
+        self.width = 0
+        self.turn = 0
+
+    def _allocate(self, width: int) -> None:
+        pin = self.device.type == "cuda"
+        self.width = max(64, width)
+        shape = (self.rows, self.width)
+        self.host = [torch.zeros(shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.on_device = [
+            torch.zeros(shape, dtype=torch.int64, device=self.device) for _ in range(2)
+        ]
+        self.copied: list = [None, None]
+
+    def send(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """``arrays``: ``rows`` int arrays of one length ``R`` -> long ``[R]`` device views."""
+        assert len(arrays) == self.rows
+        length = len(arrays[0])
+        if length > self.width:
+            self._allocate(length)
+        turn, self.turn = self.turn, self.turn ^ 1
+        if self.copied[turn] is not None:
+            self.copied[turn].synchronize()
+        host = self.host[turn].numpy()
+        for row, values in enumerate(arrays):
+            host[row, :length] = values
+        on_device = self.on_device[turn]
+        on_device.copy_(self.host[turn], non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.copied[turn] = event
+        return [on_device[row, :length] for row in range(self.rows)]
+
+
+def _upload(runner) -> StepTableUpload:
+    upload = getattr(runner, "_ddtree_upload", None)
+    if upload is None:
+        upload = StepTableUpload(rows=4, device=runner.positions.device)
+        runner._ddtree_upload = upload
+    return upload
+
+
+def _align_trees(
+    drafter, source: np.ndarray, num_draft: np.ndarray, source_on_device, num_draft_on_device
+) -> DDTreeBatch:
+    """Trees of the previous proposal reordered to this step's rows (``source[r]``: row of
+    request ``r`` in the proposal, -1 if none), cut to the scheduled nodes."""
     budget = drafter.ddtree.tree_budget
-    device = runner.positions.device
     proposed = drafter.proposed
-    rows = proposed.row_of() if proposed is not None else {}
-    source = torch.tensor(
-        [rows.get(req_id, -1) for req_id in runner.input_batch.req_ids[:num_reqs]],
-        dtype=torch.long,
-    )
-    has_tree = torch.from_numpy(num_draft.astype(np.int64)) > 0
+    num_reqs = len(source)
+    device = source_on_device.device
+    has_tree = num_draft > 0
     if proposed is None or not bool((has_tree & (source >= 0)).any()):
         return empty_batch(num_reqs, budget, drafter.ddtree.depth, device)
     if bool((has_tree & (source < 0)).any()):
         raise RuntimeError("vllm-ddtree: a request was scheduled with drafts but has no tree")
-    index = source.clamp(min=0).to(device)
     trees = proposed.trees
-    num_nodes = torch.minimum(
-        trees.num_nodes.index_select(0, index), torch.from_numpy(num_draft).to(device).long()
+    steady = (
+        trees.num_requests == num_reqs
+        and bool((source == np.arange(num_reqs)).all())
+        and bool((num_draft == budget).all())
     )
+    if steady:  # same rows, every tree scheduled whole: nothing to move or cut
+        return trees
+    index = source_on_device.clamp(min=0)
+    num_nodes = torch.minimum(trees.num_nodes.index_select(0, index), num_draft_on_device)
     slots = torch.arange(budget, device=device).unsqueeze(0)
     keep = slots < num_nodes.unsqueeze(1)
     return DDTreeBatch(
@@ -112,54 +169,36 @@ def _wrap_prepare_inputs(original):
 def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_tokens) -> None:
     """Align the proposed trees with this step's rows, set node positions, publish masks.
 
-    Per-token gathers over the step's ``T`` query tokens (no boolean indexing, no host
-    synchronisation): token ``t`` of request ``r`` is tree index ``t - query_start[r]``.
+    The step's per-request tables reach the device in one non-blocking copy; positions and
+    masks are one kernel on CUDA (``ops/tree_inputs.py``); nothing waits for the device.
     """
     num_reqs = len(num_scheduled_tokens)
     num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
-    device = runner.positions.device
-    trees = _align_trees(runner, drafter, num_reqs, num_draft)
+    counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
     starts = np.zeros(num_reqs, dtype=np.int64)
-    starts[1:] = np.cumsum(num_scheduled_tokens)[:-1]
+    starts[1:] = np.cumsum(counts)[:-1]
     # The tree occupies the last 1 + num_draft tokens of each request's rows.
-    query_start = torch.from_numpy(starts + num_scheduled_tokens - 1 - num_draft).to(device)
-    step = StepTrees(
-        trees=trees,
-        query_start=query_start,
-        num_draft=torch.from_numpy(num_draft).to(device),
+    query_start = starts + counts - 1 - num_draft
+    proposed = drafter.proposed
+    rows = proposed.row_of() if proposed is not None else {}
+    source = np.array(
+        [rows.get(req_id, -1) for req_id in runner.input_batch.req_ids[:num_reqs]], dtype=np.int64
     )
+    query_start_d, num_draft_d, counts_d, source_d = _upload(runner).send(
+        query_start, num_draft, counts, source
+    )
+    device = query_start_d.device
+    trees = _align_trees(drafter, source, num_draft, source_d, num_draft_d)
+    step = StepTrees(trees=trees, query_start=query_start_d, num_draft=num_draft_d)
     runner._ddtree_step = step
 
-    total_tokens = int(num_scheduled_tokens.sum())
-    width = trees.width
-    counts = torch.from_numpy(np.asarray(num_scheduled_tokens, dtype=np.int64)).to(device)
-    request_of_token = torch.repeat_interleave(
-        torch.arange(num_reqs, device=device), counts, output_size=total_tokens
-    )
-    root_of_token = query_start[request_of_token]
-    tree_index = torch.arange(total_tokens, device=device) - root_of_token
-    has_tree = step.num_draft > 0
-    in_tree = (tree_index >= 0) & (tree_index <= trees.num_nodes[request_of_token])
-    in_tree &= has_tree[request_of_token]
-    # tree index i >= 1 is node i - 1 of the request's tree.
-    node = (tree_index - 1).clamp(min=0, max=max(width - 1, 0))
-    is_node = in_tree & (tree_index >= 1)
-
-    # Depth-based RoPE positions for node tokens (slots stay one per node).
-    positions = runner.positions[:total_tokens]
-    if width:
-        depth = trees.depths[request_of_token, node]
-        node_position = positions[root_of_token] + depth.to(positions.dtype)
-        positions.copy_(torch.where(is_node, node_position, positions))
-
-    # Ancestor masks for TREE_ATTN, one packed row per query token.
-    pack = packed_ancestor_mask_triton if device.type == "cuda" else packed_ancestor_mask_ref
-    packed = pack(trees)  # int32 [R, N + 1, W]
-    rows = packed[request_of_token, tree_index.clamp(min=0, max=width)]  # [T, W]
-    tree_mask = torch.where(in_tree.unsqueeze(1), rows, torch.zeros_like(rows))
-    tree_verify.publish(
-        tree_verify.TreeVerifyBatch(is_tree=has_tree.to(torch.int32), tree_mask=tree_mask)
-    )
+    total_tokens = int(counts.sum())
+    # Depth-based RoPE positions for node tokens (in place; slots stay one per node) and one
+    # packed ancestor row per query token for TREE_ATTN.
+    fill = tree_step_inputs_triton if device.type == "cuda" else tree_step_inputs_ref
+    tree_mask = fill(trees, query_start_d, num_draft_d, counts_d, runner.positions, total_tokens)
+    is_tree = (num_draft_d > 0).to(torch.int32)
+    tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
 
 
 def _refuse_unsupported(sampling_metadata) -> None:

@@ -1,0 +1,25 @@
+"""The runner hooks' per-step table upload (pinned, double-buffered, one copy per step)."""
+
+import numpy as np
+import torch
+
+from vllm_ddtree.runner_hooks import StepTableUpload
+
+
+def test_upload_returns_each_table_and_keeps_the_previous_step_intact():
+    upload = StepTableUpload(rows=2, device=torch.device("cpu"))
+    first = upload.send(np.array([1, 2, 3]), np.array([4, 5, 6]))
+    second = upload.send(np.array([7, 8]), np.array([9, 10]))
+    assert [t.tolist() for t in first] == [[1, 2, 3], [4, 5, 6]]
+    assert [t.tolist() for t in second] == [[7, 8], [9, 10]]
+    assert all(t.dtype == torch.int64 for t in first + second)
+    third = upload.send(np.array([11]), np.array([12]))  # reuses the first step's buffers
+    assert [t.tolist() for t in third] == [[11], [12]]
+    assert [t.tolist() for t in second] == [[7, 8], [9, 10]]
+
+
+def test_upload_grows_past_its_first_width():
+    upload = StepTableUpload(rows=1, device=torch.device("cpu"))
+    upload.send(np.arange(3))
+    (big,) = upload.send(np.arange(500))
+    assert big.tolist() == list(range(500))
