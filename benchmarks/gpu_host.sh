@@ -45,7 +45,12 @@ case "$STEP" in
   pieces) ls /tmp/gguf ;;
   train)
     # The drafter for SmolLM2 (benchmarks/train_dflash.py), with the lossless grid beside it
-    # (the grid measures no time).
+    # (the grid measures no time). Responses returned by an earlier run (responses.jsonl.xz,
+    # carried among the GGUF pieces) skip the generation.
+    mkdir -p /tmp/train
+    cat .gguf-*/responses.jsonl.xz.part-* 2>/dev/null | xz -dc > /tmp/train/responses.jsonl \
+      || rm -f /tmp/train/responses.jsonl
+    [ -s /tmp/train/responses.jsonl ] || rm -f /tmp/train/responses.jsonl
     cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
     echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
     timeout 540 python3 benchmarks/lossless_gpu.py --parallel 5 --out "$OUT" \
@@ -59,6 +64,7 @@ case "$STEP" in
     cp /tmp/drafter/config.json /tmp/drafter/training.json "$OUT/"
     # Files come back at most 16 MiB each: the weights in pieces (cat them in order).
     split -b 15M /tmp/drafter/model.safetensors "$OUT/model.safetensors.part-"
+    xz -T0 -6 -c /tmp/train/responses.jsonl | split -b 15M - "$OUT/responses.jsonl.xz.part-"
     wait $LOSSLESS; echo "lossless rc=$?"
     (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200

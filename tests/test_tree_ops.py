@@ -87,7 +87,9 @@ def test_kernel_empty_trees_see_only_themselves_and_walk_nowhere():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=2 * len(CASES) + len(CASES) + 3)
+    run_under_interpreter(
+        __file__, "kernel_", expected=2 * len(CASES) + len(CASES) + 3 + len(BUILD_CASES)
+    )
 
 
 def step_layout(seed):
@@ -160,3 +162,42 @@ def test_kernel_step_inputs_match_reference(seed):
     )
     assert torch.equal(got.cpu(), want)
     assert torch.equal(got_positions.cpu(), want_positions)
+
+
+# (requests, depth, vocab, budget, top_k): deep and wide, capped siblings, fewer prefixes than
+# the budget (padding), depth 1, budget 1, and a budget past one frontier block.
+BUILD_CASES = [
+    (3, 15, 50, 64, None),
+    (2, 6, 30, 40, 3),
+    (2, 3, 2, 40, None),
+    (3, 1, 20, 8, None),
+    (2, 5, 10, 1, None),
+    (1, 8, 40, 300, None),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", BUILD_CASES)
+def test_kernel_build_matches_reference(case):
+    needs_kernel()
+    from vllm_ddtree.ops.tree_build import build_trees_ref, build_trees_triton
+
+    num_reqs, depth, vocab, budget, top_k = case
+    gen = torch.Generator().manual_seed(sum(case[:4]))
+    logits = torch.randn(num_reqs, depth, vocab, generator=gen) * 3
+    logits[0, 0, :3] = float("-inf")  # probability-0 tokens are never drafted
+    want = build_trees_ref(logits, budget, top_k)
+    got = build_trees_triton(logits.to(DEVICE), budget, top_k)
+    for field in ("token_ids", "parents", "depths", "num_nodes"):
+        assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), field
+    assert torch.equal(got.scores.cpu(), want.scores)
+    assert got.max_depth == want.max_depth
+
+
+def test_torch_ops_switch_selects_the_references(monkeypatch):
+    from vllm_ddtree.ops import TORCH_OPS_ENV, use_triton
+
+    monkeypatch.delenv(TORCH_OPS_ENV, raising=False)
+    assert use_triton(torch.device("cuda")) and not use_triton(torch.device("cpu"))
+    monkeypatch.setenv(TORCH_OPS_ENV, "1")
+    assert not use_triton(torch.device("cuda"))

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tree_attn_backend import tree_verify
+from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.kv_commit import (
     PagedKVLayers,
     commit_accepted_kv_layers,
@@ -195,7 +196,7 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     total_tokens = int(counts.sum())
     # Depth-based RoPE positions for node tokens (in place; slots stay one per node) and one
     # packed ancestor row per query token for TREE_ATTN.
-    fill = tree_step_inputs_triton if device.type == "cuda" else tree_step_inputs_ref
+    fill = tree_step_inputs_triton if use_triton(device) else tree_step_inputs_ref
     tree_mask = fill(trees, query_start_d, num_draft_d, counts_d, runner.positions, total_tokens)
     is_tree = (num_draft_d > 0).to(torch.int32)
     tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
@@ -261,7 +262,7 @@ def _wrap_sample(original):
         with torch.profiler.record_function("ddtree::target_tokens"):
             chosen = _target_tokens(logits, sampling_metadata, request_of_row)
         target_tokens = torch.where(in_range, chosen[row_index.clamp(max=logits.shape[0] - 1)], -1)
-        walk = follow_tree_triton if device.type == "cuda" else follow_tree
+        walk = follow_tree_triton if use_triton(device) else follow_tree
         with torch.profiler.record_function("ddtree::follow_tree"):
             accepted, num_accepted, bonus = walk(trees, target_tokens)
         step.accepted, step.num_accepted = accepted, num_accepted
@@ -328,7 +329,7 @@ def _commit_kv(runner, step: StepTrees) -> None:
     rows = step.query_start.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
     rows = rows.clamp(max=slot_mapping.shape[0] - 1)
     verify_slots = slot_mapping[rows].long()
-    if not slot_mapping.is_cuda:
+    if not use_triton(slot_mapping.device):
         for kv_cache in _tree_attention_kv_caches(runner):
             key_cache, value_cache = kv_cache.unbind(0)
             commit_accepted_kv_torch(

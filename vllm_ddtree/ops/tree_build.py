@@ -1,0 +1,169 @@
+"""Draft-tree construction in one launch: Triton kernel, launcher and PyTorch reference.
+
+The reference (``vllm_ddtree.tree.build_trees``) runs a per-depth beam of width ``budget`` and
+one sort, ~70 tensor ops at depth 15; at small batches their launches cost more than their
+work. The kernel runs the paper's best-first search directly, one program per request:
+
+* the frontier holds, for every node already chosen, at most one pending sibling (its
+  parent's next-ranked token at the same depth) and one pending first child (the best token
+  one depth below), ``budget + 1`` slots at most;
+* ``budget`` times: pop the best-scoring frontier entry as the next node (scores never
+  increase, so nodes come out in the reference's order), replace it by its next sibling and
+  add its first child.
+
+Scores are the same float32 sums as the reference's (parent score + the token's log-prob), so
+the trees are equal whenever no two prefixes tie. Probability-0 tokens (``-inf``) are never
+drafted; a request gets fewer than ``budget`` nodes only when fewer such prefixes exist.
+
+Shapes: ``draft_logits`` float ``[R, L, V]``; the tree tensors as in ``DDTreeBatch``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.tree import DDTreeBatch, _check_budget, empty_batch
+from vllm_ddtree.tree import build_trees as build_trees_ref
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+__all__ = ["build_trees_ref", "build_trees_triton"]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _build_tree_kernel(
+        log_probs_ptr,
+        tokens_ptr,
+        out_tokens_ptr,
+        out_parents_ptr,
+        out_depths_ptr,
+        out_scores_ptr,
+        out_num_nodes_ptr,
+        stride_lp_req,
+        stride_lp_depth,
+        stride_tok_req,
+        stride_tok_depth,
+        stride_out,
+        depth_limit,
+        cap,
+        budget,
+        FRONTIER: tl.constexpr,
+    ):
+        req = tl.program_id(0)
+        offs = tl.arange(0, FRONTIER)
+        neg_inf = float("-inf")
+        lp_row = log_probs_ptr + req * stride_lp_req
+        tok_row = tokens_ptr + req * stride_tok_req
+        # Frontier slot: candidate score, its parent's score, parent tree index, depth, rank.
+        first = tl.load(lp_row)
+        score = tl.where(offs == 0, first, neg_inf)
+        parent_score = tl.zeros((FRONTIER,), dtype=tl.float32)
+        parent = tl.zeros((FRONTIER,), dtype=tl.int64)
+        depth = tl.where(offs == 0, 1, 0).to(tl.int64)
+        rank = tl.zeros((FRONTIER,), dtype=tl.int64)
+        used = 1
+        count = tl.zeros((), dtype=tl.int64)
+        for i in range(budget):
+            best_score = tl.max(score, axis=0)
+            best = tl.argmax(score, axis=0)
+            chosen = offs == best
+            valid = best_score > neg_inf
+            b_parent_score = tl.sum(tl.where(chosen, parent_score, 0.0), axis=0)
+            b_parent = tl.sum(tl.where(chosen, parent, 0), axis=0)
+            b_depth = tl.sum(tl.where(chosen, depth, 0), axis=0)
+            b_rank = tl.sum(tl.where(chosen, rank, 0), axis=0)
+            token = tl.load(
+                tok_row + (b_depth - 1) * stride_tok_depth + b_rank, mask=valid, other=-1
+            )
+            out = req * stride_out + i
+            tl.store(out_tokens_ptr + out, tl.where(valid, token, -1))
+            tl.store(out_parents_ptr + out, tl.where(valid, b_parent, 0))
+            tl.store(out_depths_ptr + out, tl.where(valid, b_depth, 0))
+            tl.store(out_scores_ptr + out, best_score)
+            count += valid.to(tl.int64)
+            # The popped slot becomes its next sibling (same parent and depth, next rank).
+            has_sibling = valid & (b_rank + 1 < cap)
+            sibling_lp = tl.load(
+                lp_row + (b_depth - 1) * stride_lp_depth + b_rank + 1,
+                mask=has_sibling,
+                other=neg_inf,
+            )
+            score = tl.where(chosen, b_parent_score + sibling_lp, score)
+            rank = tl.where(chosen, b_rank + 1, rank)
+            # A new slot holds its first child (one depth below, best token there).
+            has_child = valid & (b_depth < depth_limit)
+            child_lp = tl.load(lp_row + b_depth * stride_lp_depth, mask=has_child, other=neg_inf)
+            fresh = offs == used
+            score = tl.where(fresh, best_score + child_lp, score)
+            parent_score = tl.where(fresh, best_score, parent_score)
+            parent = tl.where(fresh, i + 1, parent)
+            depth = tl.where(fresh, b_depth + 1, depth)
+            rank = tl.where(fresh, 0, rank)
+            used += 1
+        tl.store(out_num_nodes_ptr + req, count)
+
+
+def build_trees_triton(
+    draft_logits: torch.Tensor, budget: int, top_k: int | None = None
+) -> DDTreeBatch:
+    """``build_trees`` with the best-first search in one kernel launch (``R`` programs).
+
+    Args and returns as ``build_trees_ref``: ``draft_logits`` float ``[R, L, V]`` -> a
+    ``DDTreeBatch`` of width ``budget``. The per-depth log-softmax and top-``cap`` run in
+    PyTorch (two launches) before the kernel.
+    """
+    if draft_logits.dim() != 3 or not draft_logits.is_floating_point():
+        raise ValueError(
+            f"draft_logits must be a float tensor [R, L, V], got {tuple(draft_logits.shape)} "
+            f"{draft_logits.dtype}"
+        )
+    _check_budget(budget, top_k)
+    num_reqs, depth_limit, vocab = draft_logits.shape
+    device = draft_logits.device
+    if num_reqs == 0 or depth_limit == 0:
+        return empty_batch(num_reqs, budget, depth_limit, device)
+    cap = min(budget, vocab) if top_k is None else min(top_k, budget, vocab)
+    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+    top_log_probs, top_tokens = torch.topk(log_probs, cap, dim=-1)  # [R, L, K], sorted
+    top_log_probs, top_tokens = top_log_probs.contiguous(), top_tokens.contiguous()
+    token_ids = torch.empty((num_reqs, budget), dtype=torch.long, device=device)
+    parents = torch.empty_like(token_ids)
+    depths = torch.empty_like(token_ids)
+    scores = torch.empty((num_reqs, budget), dtype=torch.float32, device=device)
+    num_nodes = torch.empty(num_reqs, dtype=torch.long, device=device)
+    frontier = max(16, triton.next_power_of_2(budget + 1))
+    _build_tree_kernel[(num_reqs,)](
+        top_log_probs,
+        top_tokens,
+        token_ids,
+        parents,
+        depths,
+        scores,
+        num_nodes,
+        top_log_probs.stride(0),
+        top_log_probs.stride(1),
+        top_tokens.stride(0),
+        top_tokens.stride(1),
+        token_ids.stride(0),
+        depth_limit,
+        cap,
+        budget,
+        FRONTIER=frontier,
+        num_warps=4 if frontier <= 256 else 8,
+    )
+    return DDTreeBatch(
+        token_ids=token_ids,
+        parents=parents,
+        depths=depths,
+        scores=scores,
+        num_nodes=num_nodes,
+        max_depth=depth_limit,
+    )
