@@ -55,28 +55,50 @@ def test_kernel_walk_matches_reference(case, seed):
         assert int(expected[1].max()) >= 1  # the walk left the root somewhere
 
 
+def whole_tree_step(tree):
+    """Every request verifies its whole tree: 1 + N query tokens each, positions from 50 * r."""
+    num_reqs, width = tree.token_ids.shape
+    num_scheduled = torch.full((num_reqs,), width + 1)
+    num_draft = torch.full((num_reqs,), width)
+    query_start = torch.arange(num_reqs) * (width + 1)
+    positions = torch.cat([torch.arange(width + 1) + 50 * r for r in range(num_reqs)])
+    return query_start, num_draft, num_scheduled, positions
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_mask_matches_reference(case):
+def test_kernel_whole_tree_rows_match_reference(case):
     needs_kernel()
-    from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_triton
+    from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 
     tree, _ = walked_batch(*case, seed=1)
-    expected = packed_ancestor_mask_ref(tree)
-    got = packed_ancestor_mask_triton(tree.to(DEVICE))
-    assert got.dtype == torch.int32 and got.shape == expected.shape
-    assert torch.equal(got.cpu(), expected)
+    query_start, num_draft, num_scheduled, positions = whole_tree_step(tree)
+    total = int(num_scheduled.sum())
+    want_positions = positions.clone()
+    want = tree_step_inputs_ref(tree, query_start, num_draft, num_scheduled, want_positions, total)
+    # The rows are the packed ancestor matrix, request after request (padding nodes: zero).
+    real = torch.arange(tree.width + 1).unsqueeze(0) <= tree.num_nodes.unsqueeze(1)
+    matrix = packed_ancestor_mask_ref(tree) * real.unsqueeze(2)
+    assert torch.equal(want, matrix.flatten(0, 1))
+    got_positions = positions.to(DEVICE)
+    got = tree_step_inputs_triton(
+        tree.to(DEVICE),
+        query_start.to(DEVICE),
+        num_draft.to(DEVICE),
+        num_scheduled.to(DEVICE),
+        got_positions,
+        total,
+    )
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+    assert torch.equal(got_positions.cpu(), want_positions)
 
 
 @pytest.mark.interpreter
-def test_kernel_empty_trees_see_only_themselves_and_walk_nowhere():
+def test_kernel_empty_trees_walk_nowhere():
     needs_kernel()
-    from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_triton
     from vllm_ddtree.ops.tree_walk import follow_tree_triton
 
     tree = empty_batch(2, 40, 5, DEVICE)
-    expected = packed_ancestor_mask_ref(tree.to("cpu"))
-    assert torch.equal(packed_ancestor_mask_triton(tree).cpu(), expected)
     target = torch.arange(82, device=DEVICE).view(2, 41)
     accepted, num_accepted, bonus = follow_tree_triton(tree, target)
     assert accepted.cpu().tolist() == [[0, -1, -1, -1, -1, -1]] * 2

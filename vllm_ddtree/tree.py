@@ -94,6 +94,29 @@ def _check_budget(budget: int, top_k: int | None) -> None:
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
 
 
+def depth_candidates(
+    draft_logits: torch.Tensor, budget: int, top_k: int | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Validate a tree build's arguments and rank each depth's tokens.
+
+    Returns float32 ``[R, L, K]`` log-probabilities (descending along ``K``) and long
+    ``[R, L, K]`` token ids of each depth's ``K = min(top_k, budget, V)`` most probable tokens,
+    or ``None`` when there is nothing to build (no requests or no depths).
+    """
+    if draft_logits.dim() != 3 or not draft_logits.is_floating_point():
+        raise ValueError(
+            f"draft_logits must be a float tensor [R, L, V], got {tuple(draft_logits.shape)} "
+            f"{draft_logits.dtype}"
+        )
+    _check_budget(budget, top_k)
+    num_reqs, depth_limit, vocab = draft_logits.shape
+    if num_reqs == 0 or depth_limit == 0:
+        return None
+    cap = min(budget, vocab) if top_k is None else min(top_k, budget, vocab)
+    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+    return torch.topk(log_probs, cap, dim=-1)
+
+
 def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = None) -> DDTreeBatch:
     """Build one optimal DDTree per request from the drafter's per-depth logits.
 
@@ -109,20 +132,13 @@ def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = Non
         only when fewer prefixes with non-zero probability exist. Prefixes through tokens of
         probability 0 (logit ``-inf``) are never drafted.
     """
-    if draft_logits.dim() != 3 or not draft_logits.is_floating_point():
-        raise ValueError(
-            f"draft_logits must be a float tensor [R, L, V], got {tuple(draft_logits.shape)} "
-            f"{draft_logits.dtype}"
-        )
-    _check_budget(budget, top_k)
-    num_reqs, depth_limit, vocab = draft_logits.shape
+    candidates = depth_candidates(draft_logits, budget, top_k)
+    if candidates is None:
+        num_reqs, depth_limit, _ = draft_logits.shape
+        return empty_batch(num_reqs, budget, depth_limit, draft_logits.device)
+    top_log_probs, top_tokens = candidates  # [R, L, K]
+    num_reqs, depth_limit, cap = top_log_probs.shape
     device = draft_logits.device
-    if num_reqs == 0 or depth_limit == 0:
-        return empty_batch(num_reqs, budget, depth_limit, device)
-
-    cap = min(budget, vocab) if top_k is None else min(top_k, budget, vocab)
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_log_probs, top_tokens = torch.topk(log_probs, cap, dim=-1)  # [R, L, K]
 
     # Per-depth beams of width `budget`: score, parent slot in the previous beam, token.
     # Only the score top-k runs per depth (few launches); parents and tokens come after the loop.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.tree import DDTreeBatch, _check_budget, empty_batch
+from vllm_ddtree.tree import DDTreeBatch, depth_candidates, empty_batch
 from vllm_ddtree.tree import build_trees as build_trees_ref
 
 try:
@@ -120,20 +120,13 @@ def build_trees_triton(
     ``DDTreeBatch`` of width ``budget``. The per-depth log-softmax and top-``cap`` run in
     PyTorch (two launches) before the kernel.
     """
-    if draft_logits.dim() != 3 or not draft_logits.is_floating_point():
-        raise ValueError(
-            f"draft_logits must be a float tensor [R, L, V], got {tuple(draft_logits.shape)} "
-            f"{draft_logits.dtype}"
-        )
-    _check_budget(budget, top_k)
-    num_reqs, depth_limit, vocab = draft_logits.shape
     device = draft_logits.device
-    if num_reqs == 0 or depth_limit == 0:
+    candidates = depth_candidates(draft_logits, budget, top_k)
+    if candidates is None:
+        num_reqs, depth_limit, _ = draft_logits.shape
         return empty_batch(num_reqs, budget, depth_limit, device)
-    cap = min(budget, vocab) if top_k is None else min(top_k, budget, vocab)
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_log_probs, top_tokens = torch.topk(log_probs, cap, dim=-1)  # [R, L, K], sorted
-    top_log_probs, top_tokens = top_log_probs.contiguous(), top_tokens.contiguous()
+    top_log_probs, top_tokens = (t.contiguous() for t in candidates)  # [R, L, K], sorted
+    num_reqs, depth_limit, cap = top_log_probs.shape
     token_ids = torch.empty((num_reqs, budget), dtype=torch.long, device=device)
     parents = torch.empty_like(token_ids)
     depths = torch.empty_like(token_ids)

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
+from vllm_ddtree.ops.tree_mask import HAS_TRITON, packed_ancestor_mask_ref
 from vllm_ddtree.tree import DDTreeBatch
 
-try:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
+    from vllm_ddtree.ops.tree_mask import ancestor_row
 
 
 def tree_step_inputs_ref(
@@ -87,20 +85,10 @@ if HAS_TRITON:
             root = tl.load(query_start_ptr + req)
             token = root + index
             words = tl.arange(0, WORDS_PADDED)
-            one = tl.full((), 1, dtype=tl.int32)
-            row = tl.where(words == index // 32, one << (index % 32).to(tl.int32), 0)
             is_node = index >= 1
-            ancestor = tl.load(
-                parents_ptr + req * stride_parents + index - 1, mask=is_node, other=-1
+            row = ancestor_row(
+                parents_ptr + req * stride_parents, index, is_node, DEPTH, WORDS_PADDED
             )
-            for _ in tl.static_range(DEPTH):
-                bit = tl.where(words == ancestor // 32, one << (ancestor % 32).to(tl.int32), 0)
-                row = row | tl.where(ancestor >= 0, bit, 0)
-                climbs = ancestor >= 1
-                parent = tl.load(
-                    parents_ptr + req * stride_parents + ancestor - 1, mask=climbs, other=-1
-                )
-                ancestor = tl.where(climbs, parent, -1)
             tl.store(mask_ptr + token * stride_mask + words, row, mask=words < WORDS)
             if is_node:
                 depth = tl.load(depths_ptr + req * stride_depths + index - 1)
