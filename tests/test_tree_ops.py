@@ -7,7 +7,6 @@ import torch
 
 from tests.interpreter import run_under_interpreter
 from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
-from vllm_ddtree.ops.tree_walk import follow_tree_ref
 from vllm_ddtree.tree import build_trees, empty_batch
 
 ON_GPU = torch.cuda.is_available()
@@ -37,22 +36,6 @@ def walked_batch(num_reqs, depth, vocab, budget, seed):
 def needs_kernel():
     if not (ON_GPU or INTERPRETED):
         pytest.skip("runs in the interpreter subprocess")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("seed", range(2))
-def test_kernel_walk_matches_reference(case, seed):
-    needs_kernel()
-    from vllm_ddtree.ops.tree_walk import follow_tree_triton
-
-    tree, target = walked_batch(*case, seed=seed)
-    expected = follow_tree_ref(tree, target)
-    got = follow_tree_triton(tree.to(DEVICE), target.to(DEVICE))
-    for name, want, have in zip(("accepted", "num_accepted", "bonus"), expected, got, strict=True):
-        assert torch.equal(have.cpu(), want), name
-    if case[3] > 1:
-        assert int(expected[1].max()) >= 1  # the walk left the root somewhere
 
 
 def whole_tree_step(tree):
@@ -96,22 +79,25 @@ def test_kernel_whole_tree_rows_match_reference(case):
 @pytest.mark.interpreter
 def test_kernel_empty_trees_walk_nowhere():
     needs_kernel()
-    from vllm_ddtree.ops.tree_walk import follow_tree_triton
+    from vllm_ddtree.ops.tree_walk import walk_and_emit_triton
 
     tree = empty_batch(2, 40, 5, DEVICE)
-    target = torch.arange(82, device=DEVICE).view(2, 41)
-    accepted, num_accepted, bonus = follow_tree_triton(tree, target)
+    chosen = torch.arange(82, device=DEVICE)
+    first_row = torch.tensor([0, 41], device=DEVICE)
+    num_draft = torch.tensor([40, 40], device=DEVICE)
+    accepted, num_accepted, bonus, sampled = walk_and_emit_triton(
+        tree, chosen, first_row, num_draft, 41
+    )
     assert accepted.cpu().tolist() == [[0, -1, -1, -1, -1, -1]] * 2
     assert num_accepted.cpu().tolist() == [0, 0] and bonus.cpu().tolist() == [0, 41]
+    assert sampled.cpu()[:, 0].tolist() == [0, 41] and bool((sampled.cpu()[:, 1:] == -1).all())
 
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(
-        __file__, "kernel_", expected=2 * len(CASES) + len(CASES) + 3 + len(BUILD_CASES)
-    )
+    run_under_interpreter(__file__, "kernel_", expected=3 * len(CASES) + 3 + len(BUILD_CASES))
 
 
 def step_layout(seed):
@@ -223,3 +209,73 @@ def test_torch_ops_switch_selects_the_references(monkeypatch):
     assert use_triton(torch.device("cuda")) and not use_triton(torch.device("cpu"))
     monkeypatch.setenv(TORCH_OPS_ENV, "1")
     assert not use_triton(torch.device("cuda"))
+
+
+def cut_tree(tree, keep: list[int]):
+    """Each request's first ``keep[r]`` nodes (a prefix of a score-ordered tree is a tree)."""
+    from vllm_ddtree.tree import DDTreeBatch
+
+    num_nodes = torch.minimum(tree.num_nodes, torch.tensor(keep))
+    real = torch.arange(tree.width).unsqueeze(0) < num_nodes.unsqueeze(1)
+    return DDTreeBatch(
+        token_ids=torch.where(real, tree.token_ids, -1),
+        parents=torch.where(real, tree.parents, 0),
+        depths=torch.where(real, tree.depths, 0),
+        scores=torch.where(real, tree.scores, float("-inf")),
+        num_nodes=num_nodes,
+        max_depth=tree.max_depth,
+    )
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_walk_and_emit_matches_reference(case):
+    needs_kernel()
+    from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
+
+    tree, target = walked_batch(*case, seed=2)
+    num_reqs, width = tree.token_ids.shape
+    # Request 0 scheduled no drafts, request 1 a cut tree, the rest their whole trees.
+    num_draft = [0] + [max(width // 2, 1)] + [width] * (num_reqs - 2)
+    tree = cut_tree(tree, num_draft)
+    chosen = torch.cat([target[r, : 1 + n] for r, n in enumerate(num_draft)])
+    sizes = torch.tensor([1 + n for n in num_draft])
+    first_row = torch.cumsum(sizes, 0) - sizes
+    num_draft = torch.tensor(num_draft)
+    out_width = int(num_draft.max()) + 1
+    want = walk_and_emit_ref(tree, chosen, first_row, num_draft, out_width)
+    got = walk_and_emit_triton(
+        tree.to(DEVICE), chosen.to(DEVICE), first_row.to(DEVICE), num_draft.to(DEVICE), out_width
+    )
+    for name, w, g in zip(("accepted", "num_accepted", "bonus", "sampled"), want, got, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g.cpu(), w), name
+    if num_reqs > 2:
+        assert int(want[1][2:].max()) >= 1  # a whole tree was walked below its root
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_path_rows_match_reference(case):
+    needs_kernel()
+    from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
+    from vllm_ddtree.tree import follow_tree
+
+    tree, target = walked_batch(*case, seed=3)
+    accepted, num_accepted, _ = follow_tree(tree, target)
+    num_reqs, width = tree.token_ids.shape
+    root = torch.arange(num_reqs) * (width + 1) + 2  # two prefill rows before the first tree
+    total = num_reqs * (width + 1) + 2
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 1000, (total,), generator=gen, dtype=torch.int32)
+    positions = torch.randint(0, 1000, (total,), generator=gen)
+    hidden = [torch.randn(total, 40, generator=gen) for _ in range(3)]
+    want = [t.clone() for t in (input_ids, positions, *hidden)]
+    move_path_rows_ref(want[0], want[1], want[2:], root, accepted, num_accepted)
+    if width > 1:
+        assert not torch.equal(want[2], hidden[0])  # some path was not contiguous
+    got = [t.to(DEVICE) for t in (input_ids, positions, *hidden)]
+    move_path_rows_triton(
+        got[0], got[1], got[2:], root.to(DEVICE), accepted.to(DEVICE), num_accepted.to(DEVICE)
+    )
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(g.cpu(), w)

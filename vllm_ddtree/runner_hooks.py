@@ -32,8 +32,8 @@ from vllm_ddtree.ops.kv_commit import (
     commit_accepted_kv_torch,
 )
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
-from vllm_ddtree.ops.tree_walk import follow_tree_triton
-from vllm_ddtree.tree import DDTreeBatch, empty_batch, follow_tree
+from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
+from vllm_ddtree.tree import DDTreeBatch, empty_batch
 
 _PATCHED = "__vllm_ddtree_runner_hook__"
 
@@ -220,8 +220,9 @@ def _refuse_unsupported(sampling_metadata) -> None:
         )
 
 
-def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row: torch.Tensor):
-    """long ``[rows]``: argmax, or one independent sample per row at each request's temperature."""
+def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row):
+    """long ``[rows]``: argmax, or one independent sample per row at each request's temperature
+    (``request_of_row()``: long ``[rows]``, each row's request; built only when sampling)."""
     _refuse_unsupported(sampling_metadata)
     if sampling_metadata.all_greedy:
         return logits.argmax(dim=-1)
@@ -229,7 +230,7 @@ def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row: torc
         raise NotImplementedError(
             "vllm-ddtree: top_k / top_p sampling is not supported yet with method 'ddtree'"
         )
-    temperature = sampling_metadata.temperature.index_select(0, request_of_row)
+    temperature = sampling_metadata.temperature.index_select(0, request_of_row())
     greedy = temperature <= 0
     scaled = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(1)
     probs = torch.softmax(scaled, dim=-1)
@@ -248,34 +249,29 @@ def _wrap_sample(original):
         self.input_batch.update_async_output_token_ids()
         sampling_metadata = self.input_batch.sampling_metadata
         trees = step.trees
-        num_reqs, width = trees.token_ids.shape
+        num_reqs = trees.num_requests
         device = logits.device
         # Logit rows: request r's rows are cu_sampled[r] - (1 + num_draft[r]) .. cu_sampled[r].
         cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(device).long()
         first_row = cu_sampled - 1 - step.num_draft
-        offsets = torch.arange(width + 1, device=device)
-        row_index = first_row.unsqueeze(1) + offsets
-        in_range = offsets.unsqueeze(0) <= step.num_draft.unsqueeze(1)
-        request_of_row = torch.repeat_interleave(
-            torch.arange(num_reqs, device=device), 1 + step.num_draft, output_size=logits.shape[0]
-        )
+
+        def request_of_row() -> torch.Tensor:
+            return torch.repeat_interleave(
+                torch.arange(num_reqs, device=device),
+                1 + step.num_draft,
+                output_size=logits.shape[0],
+            )
+
         with torch.profiler.record_function("ddtree::target_tokens"):
             chosen = _target_tokens(logits, sampling_metadata, request_of_row)
-        target_tokens = torch.where(in_range, chosen[row_index.clamp(max=logits.shape[0] - 1)], -1)
-        walk = follow_tree_triton if use_triton(device) else follow_tree
-        with torch.profiler.record_function("ddtree::follow_tree"):
-            accepted, num_accepted, bonus = walk(trees, target_tokens)
-        step.accepted, step.num_accepted = accepted, num_accepted
-
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
         out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1
-        node_of_path = (accepted[:, 1:] - 1).clamp(min=0, max=max(width - 1, 0))  # [R, L]
-        path_tokens = trees.token_ids.gather(1, node_of_path) if width else node_of_path
-        columns = min(path_tokens.shape[1], out_width - 1)
-        sampled = torch.full((num_reqs, out_width), -1, dtype=torch.int32, device=device)
-        is_path = torch.arange(columns, device=device).unsqueeze(0) < num_accepted.unsqueeze(1)
-        sampled[:, :columns] = torch.where(is_path, path_tokens[:, :columns], -1).to(torch.int32)
-        sampled.scatter_(1, num_accepted.unsqueeze(1), bonus.unsqueeze(1).to(torch.int32))
+        walk = walk_and_emit_triton if use_triton(device) else walk_and_emit_ref
+        with torch.profiler.record_function("ddtree::follow_tree"):
+            accepted, num_accepted, _, sampled = walk(
+                trees, chosen, first_row, step.num_draft, out_width
+            )
+        step.accepted, step.num_accepted = accepted, num_accepted
         with torch.profiler.record_function("ddtree::commit_kv"):
             _commit_kv(self, step)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
