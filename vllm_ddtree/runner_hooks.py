@@ -14,6 +14,9 @@ Per step, for requests that carry a tree (their scheduled draft tokens are the t
 3. ``propose_draft_token_ids`` (wrapped): the accepted path's rows (token, position, target
    hidden states) move to the front of each request's rows, so the DFlash drafter's context is
    exactly the committed tokens in order.
+
+On CUDA each of these is a few Triton launches (``vllm_ddtree/ops``) fed by one non-blocking
+copy of the step's per-request tables; nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from vllm_ddtree.ops.kv_commit import (
     commit_accepted_kv_layers,
     commit_accepted_kv_torch,
 )
+from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
 from vllm_ddtree.tree import DDTreeBatch, empty_batch
@@ -352,24 +356,21 @@ def _wrap_propose(original):
 
 
 def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
-    """Rows root + accepted[j] of each request move to rows root + j (j = 0..num_accepted).
-
-    Entries past a request's path copy its root row onto itself (a no-op), so the moves are
-    one gather and one scatter with no host synchronisation.
-    """
-    accepted, num_accepted = step.accepted, step.num_accepted
-    device = accepted.device
-    depth = accepted.shape[1]
-    j = torch.arange(depth, device=device).unsqueeze(0)
-    keep = (j <= num_accepted.unsqueeze(1)) & (accepted >= 0)
-    root = step.query_start.unsqueeze(1)
-    src = torch.where(keep, root + accepted.clamp(min=0), root).flatten()
-    dst = torch.where(keep, root + j, root).flatten()
-    input_ids = runner.input_ids.gpu
-    input_ids[dst] = input_ids[src]
-    runner.positions[dst] = runner.positions[src]
-    for hidden in aux_hidden_states or []:
-        hidden[dst] = hidden[src]
+    """Rows root + accepted[j] of each request move to rows root + j (j = 0..num_accepted) in
+    the token ids, positions and feature-layer hidden states the drafter reads next
+    (``ops/path_rows.py``; no host synchronisation)."""
+    hidden = list(aux_hidden_states or [])
+    rows_ok = all(h.dim() == 2 and h.stride(-1) == 1 for h in hidden)
+    use_kernel = use_triton(step.accepted.device) and rows_ok
+    move = move_path_rows_triton if use_kernel else move_path_rows_ref
+    move(
+        runner.input_ids.gpu,
+        runner.positions,
+        hidden,
+        step.query_start,
+        step.accepted,
+        step.num_accepted,
+    )
 
 
 EXPECTED_SIGNATURES = {
