@@ -81,10 +81,10 @@ def test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply(ddtree_resu
 
 @pytest.mark.vllm_engine
 def test_ddtree_sampling_is_distributed_like_the_target_alone(tiny_target_path, tiny_drafter_path):
-    """T = 1.5: histograms of the 2nd and 3rd generated tokens over 300 seeded requests, DDTree
-    (sample-and-walk, oracle drafter following the greedy path) vs the target alone; chi-square
-    homogeneity test, p > 0.001 each."""
-    sampling = {"temperature": 1.5, "repeats": 300}
+    """T = 1.5 with top-k 40 and top-p 0.9: histograms of the 2nd and 3rd generated tokens over
+    300 seeded requests, DDTree (sample-and-walk, oracle drafter following the greedy path) vs
+    the target alone; chi-square homogeneity test, p > 0.001 each."""
+    sampling = {"temperature": 1.5, "repeats": 300, "top_k": 40, "top_p": 0.9}
     greedy = {"name": "greedy", "kwargs": {"dtype": "float32"}}
     target = {"name": "target", "kwargs": {"dtype": "float32"}, "sampling": sampling}
     tree = ddtree_run("ddtree", tiny_drafter_path, 8, oracle={"from": "greedy", "p_top": 0.8})
@@ -103,6 +103,28 @@ def test_ddtree_sampling_is_distributed_like_the_target_alone(tiny_target_path, 
     # The drafter was right often enough for trees to be walked past the root.
     metrics = results["ddtree"]["metrics"]
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_min_tokens_bans_stop_tokens_like_the_target_alone(
+    ddtree_results, tiny_target_path, tiny_drafter_path
+):
+    """min_tokens with a stop token the target would emit early: the target alone must avoid it
+    until min_tokens, and DDTree (oracle drafter on that constrained output) must too, at every
+    tree node by its depth, giving the same tokens."""
+    results, _ = ddtree_results
+    stop = results["target"]["tokens"][0][5]
+    params = {"min_tokens": 24, "stop_token_ids": [stop]}
+    constrained = {"name": "target_min", "kwargs": {"dtype": "float32"}, "params": params}
+    tree = ddtree_run(
+        "ddtree_min", tiny_drafter_path, 16, oracle={"from": "target_min", "p_top": 0.8}
+    )
+    tree["params"] = params
+    runs, _ = run_engines(tiny_target_path, [constrained, tree], PROMPTS, max_tokens=32)
+    assert runs["target_min"]["tokens"][0][5] != stop  # the ban changed the target's output
+    assert stop not in runs["target_min"]["tokens"][0][:23]
+    assert runs["ddtree_min"]["tokens"] == runs["target_min"]["tokens"]
+    assert runs["ddtree_min"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 @pytest.mark.vllm_engine

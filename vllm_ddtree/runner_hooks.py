@@ -217,6 +217,9 @@ def _refuse_unsupported(sampling_metadata) -> None:
         unsupported.append("bad_words")
     if sampling_metadata.max_num_logprobs is not None:
         unsupported.append("logprobs")
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        unsupported.append("thinking_token_budget")
     if unsupported:
         raise NotImplementedError(
             "vllm-ddtree: " + ", ".join(unsupported) + " are not supported yet with method "
@@ -225,21 +228,64 @@ def _refuse_unsupported(sampling_metadata) -> None:
 
 
 def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row):
-    """long ``[rows]``: argmax, or one independent sample per row at each request's temperature
-    (``request_of_row()``: long ``[rows]``, each row's request; built only when sampling)."""
+    """long ``[rows]``: argmax, or one independent sample per row at each request's
+    temperature, top-k and top-p (``request_of_row()``: long ``[rows]``, each row's request;
+    built only when sampling)."""
     _refuse_unsupported(sampling_metadata)
     if sampling_metadata.all_greedy:
         return logits.argmax(dim=-1)
-    if sampling_metadata.top_k is not None or sampling_metadata.top_p is not None:
-        raise NotImplementedError(
-            "vllm-ddtree: top_k / top_p sampling is not supported yet with method 'ddtree'"
-        )
-    temperature = sampling_metadata.temperature.index_select(0, request_of_row())
+    rows = request_of_row()
+    temperature = sampling_metadata.temperature.index_select(0, rows)
     greedy = temperature <= 0
     scaled = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    if sampling_metadata.top_k is not None or sampling_metadata.top_p is not None:
+        # vLLM's own top-k / top-p masks, per row at its request's values (after temperature,
+        # as vLLM's sampler): each node samples from the target's exact distribution.
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+        scaled = apply_top_k_top_p(
+            scaled,
+            top_k.index_select(0, rows) if top_k is not None else None,
+            top_p.index_select(0, rows) if top_p is not None else None,
+        )
     probs = torch.softmax(scaled, dim=-1)
     sampled = torch.multinomial(probs, 1).squeeze(1)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _ban_stop_tokens_before_min_tokens(
+    logits: torch.Tensor, sampling_metadata, trees: DDTreeBatch, first_row, num_draft
+) -> None:
+    """``min_tokens`` on trees (vLLM's ``MinTokensLogitsProcessor``, which assumes chains):
+    at tree index ``i`` of request ``r`` the request has ``len(outputs) + depth(i)`` tokens, so
+    its stop tokens get ``-inf`` there while that is below ``min_tokens``. In place on
+    ``logits`` ``[rows, V]``; costs nothing unless a request in the batch has ``min_tokens``."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    entries = []
+    for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
+        if isinstance(processor, MinTokensLogitsProcessor):
+            for req, (min_tokens, outputs, stop_ids) in processor.min_toks.items():
+                left = min_tokens - len(outputs)
+                entries += [(req, token, left) for token in sorted(stop_ids) if left > 0]
+    if not entries:
+        return
+    device = logits.device
+    req, token, left = (
+        torch.tensor(c, dtype=torch.long, device=device) for c in zip(*entries, strict=True)
+    )
+    num_reqs, width = trees.token_ids.shape
+    depth = torch.cat(
+        [torch.zeros((num_reqs, 1), dtype=torch.long, device=device), trees.depths.long()], 1
+    )
+    index = torch.minimum(
+        torch.arange(width + 1, device=device).unsqueeze(0), num_draft[req].unsqueeze(1)
+    )  # past a request's drafts: its last row again (same depth rule, same value)
+    rows = first_row[req].unsqueeze(1) + index  # [P, N + 1]
+    banned = depth[req].gather(1, index) < left.unsqueeze(1)
+    columns = token.unsqueeze(1).expand_as(rows)
+    logits[rows, columns] = torch.where(banned, float("-inf"), logits[rows, columns])
 
 
 def _wrap_sample(original):
@@ -267,6 +313,9 @@ def _wrap_sample(original):
             )
 
         with torch.profiler.record_function("ddtree::target_tokens"):
+            _ban_stop_tokens_before_min_tokens(
+                logits, sampling_metadata, trees, first_row, step.num_draft
+            )
             chosen = _target_tokens(logits, sampling_metadata, request_of_row)
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
         out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1

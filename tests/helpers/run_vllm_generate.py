@@ -9,7 +9,9 @@ RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` ar
 (e.g. ``speculative_config``, ``attention_backend``, ``dtype``). A run may add
 ``"oracle": {"from": RUN_NAME, "p_top": P}``: the DDTree test drafter then proposes the
 continuations an earlier run produced (see ``vllm_ddtree.proposer``), and
-``"sampling": {"temperature": T, "repeats": K}``: the first prompt K times, seeds 0..K-1.
+``"sampling": {"temperature": T, "repeats": K, ...}``: the first prompt K times, seeds 0..K-1
+(other keys, e.g. ``top_k``/``top_p``, go to ``SamplingParams``), and ``"params": {...}``: extra
+``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``).
 Prints one line
 ``RESULT {name: {"tokens": [...], "metrics": {...}, "ddtree": {...}, "backend": ...}}``.
 """
@@ -21,7 +23,12 @@ import sys
 
 
 def generate(
-    target: str, kwargs: dict, prompts: list[list[int]], max_tokens: int, sampling=None
+    target: str,
+    kwargs: dict,
+    prompts: list[list[int]],
+    max_tokens: int,
+    sampling=None,
+    params=None,
 ) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -38,22 +45,28 @@ def generate(
     llm = LLM(**{**args, **kwargs})
     if sampling:
         # The first prompt, `repeats` times, each request with its own seed.
-        params = [
+        extra = {k: v for k, v in sampling.items() if k not in ("temperature", "repeats")}
+        sampling_params = [
             SamplingParams(
                 temperature=sampling["temperature"],
                 seed=seed,
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 detokenize=False,
+                **extra,
             )
             for seed in range(sampling["repeats"])
         ]
         prompts = [prompts[0]] * sampling["repeats"]
     else:
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        sampling_params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            **(params or {}),
         )
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params)
     metrics = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):
@@ -93,6 +106,11 @@ if __name__ == "__main__":
         else:
             os.environ.pop("VLLM_DDTREE_TEST_ORACLE", None)
         results[run["name"]] = generate(
-            target, run["kwargs"], prompts, int(max_tokens), run.get("sampling")
+            target,
+            run["kwargs"],
+            prompts,
+            int(max_tokens),
+            run.get("sampling"),
+            run.get("params"),
         )
     print("RESULT " + json.dumps(results))
