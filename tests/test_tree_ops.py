@@ -38,6 +38,20 @@ def needs_kernel():
         pytest.skip("runs in the interpreter subprocess")
 
 
+def assert_step_inputs_kernel_matches(tree, query_start, num_draft, num_scheduled, positions):
+    """Run the step-inputs kernel and its reference on one step; return the reference rows."""
+    from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
+
+    total = int(num_scheduled.sum())
+    want_positions = positions.clone()
+    want = tree_step_inputs_ref(tree, query_start, num_draft, num_scheduled, want_positions, total)
+    on_device = [t.to(DEVICE) for t in (query_start, num_draft, num_scheduled, positions)]
+    got = tree_step_inputs_triton(tree.to(DEVICE), *on_device, total)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+    assert torch.equal(on_device[3].cpu(), want_positions)
+    return want
+
+
 def whole_tree_step(tree):
     """Every request verifies its whole tree: 1 + N query tokens each, positions from 50 * r."""
     num_reqs, width = tree.token_ids.shape
@@ -52,28 +66,12 @@ def whole_tree_step(tree):
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_whole_tree_rows_match_reference(case):
     needs_kernel()
-    from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
-
     tree, _ = walked_batch(*case, seed=1)
-    query_start, num_draft, num_scheduled, positions = whole_tree_step(tree)
-    total = int(num_scheduled.sum())
-    want_positions = positions.clone()
-    want = tree_step_inputs_ref(tree, query_start, num_draft, num_scheduled, want_positions, total)
+    want = assert_step_inputs_kernel_matches(tree, *whole_tree_step(tree))
     # The rows are the packed ancestor matrix, request after request (padding nodes: zero).
     real = torch.arange(tree.width + 1).unsqueeze(0) <= tree.num_nodes.unsqueeze(1)
     matrix = packed_ancestor_mask_ref(tree) * real.unsqueeze(2)
     assert torch.equal(want, matrix.flatten(0, 1))
-    got_positions = positions.to(DEVICE)
-    got = tree_step_inputs_triton(
-        tree.to(DEVICE),
-        query_start.to(DEVICE),
-        num_draft.to(DEVICE),
-        num_scheduled.to(DEVICE),
-        got_positions,
-        total,
-    )
-    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
-    assert torch.equal(got_positions.cpu(), want_positions)
 
 
 @pytest.mark.interpreter
@@ -153,23 +151,7 @@ def test_reference_step_inputs_move_node_positions_by_depth():
 @pytest.mark.parametrize("seed", range(2))
 def test_kernel_step_inputs_match_reference(seed):
     needs_kernel()
-    from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
-
-    trees, query_start, num_draft, num_scheduled, positions = step_layout(seed)
-    total = int(num_scheduled.sum())
-    want_positions = positions.clone()
-    want = tree_step_inputs_ref(trees, query_start, num_draft, num_scheduled, want_positions, total)
-    got_positions = positions.to(DEVICE)
-    got = tree_step_inputs_triton(
-        trees.to(DEVICE),
-        query_start.to(DEVICE),
-        num_draft.to(DEVICE),
-        num_scheduled.to(DEVICE),
-        got_positions,
-        total,
-    )
-    assert torch.equal(got.cpu(), want)
-    assert torch.equal(got_positions.cpu(), want_positions)
+    assert_step_inputs_kernel_matches(*step_layout(seed))
 
 
 # (requests, depth, vocab, budget, top_k): deep and wide, capped siblings, fewer prefixes than
