@@ -70,6 +70,7 @@ def run_engine(job: dict) -> dict:
                 seed=seed,
                 max_tokens=sampling["max_tokens"],
                 ignore_eos=True,
+                **{k: sampling[k] for k in ("top_k", "top_p") if k in sampling},
             )
             for seed in range(sampling["repeats"])
         ]
@@ -150,6 +151,8 @@ def main() -> int:
     parser.add_argument("--budgets", help="comma-separated budgets (default: the grid)")
     parser.add_argument("--modes", help="comma-separated: eager, graphs (default: both)")
     parser.add_argument("--no-sampling", action="store_true", help="greedy grid only")
+    parser.add_argument("--top-k", type=int, help="top_k of the sampling check (default: off)")
+    parser.add_argument("--top-p", type=float, help="top_p of the sampling check (default: off)")
     parser.add_argument("--tag", default="", help="suffix of the result file's name")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -189,6 +192,10 @@ def main() -> int:
         all_modes = {"eager": {"enforce_eager": True}, "graphs": {"enforce_eager": False}}
         modes = {m: all_modes[m] for m in args.modes.split(",")}
     sampling = {"temperature": 1.0, "repeats": 400 if args.quick else 2000, "max_tokens": 4}
+    if args.top_k is not None:
+        sampling["top_k"] = args.top_k
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
     base = {"target": target, "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": 16}
     tp = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
 
