@@ -9,7 +9,7 @@
 #       dense    - benchmarks/lossless_gpu.py (full grid) and serve_check.py side by side
 #       train    - benchmarks/train_dflash.py (SmolLM2 drafter) and the lossless grid
 #       prepare  - SmolLM2 checkpoint from the GGUF pieces, the tree/KV kernel tests on CUDA, and
-#                  the lossless grid (benchmarks/lossless_gpu.py)
+#                  the lossless grid with CUDA graphs (lossless_gpu.py; env LOSSLESS_ARGS adds options)
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
@@ -72,7 +72,8 @@ case "$STEP" in
   prepare)
     cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
     echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
-    timeout 400 python3 benchmarks/lossless_gpu.py --parallel "${PARALLEL:-8}" --out "$OUT" \
+    timeout 330 python3 benchmarks/lossless_gpu.py --parallel "${PARALLEL:-8}" --modes graphs \
+      --tag _graphs ${LOSSLESS_ARGS:-} --out "$OUT" \
       > "$OUT/lossless_gpu.log" 2>&1 &
     LOSSLESS=$!
     timeout 120 python3 -c "from vllm_ddtree.demo import prepare_smollm2; \
