@@ -75,6 +75,32 @@ def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
     assert get_ddtree_config(config.speculative_config) is None
 
 
+def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
+    tiny_target_path, tiny_drafter_path
+):
+    """vLLM validates each request against the engine's config before it reaches the engine:
+    with DDTree, penalties / logprobs / bad words are refused there, naming the fields; plain
+    sampling (temperature, top-k/top-p, min_tokens) passes; DFlash alone is unaffected."""
+    from vllm import SamplingParams
+
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    config = engine_config(tiny_target_path, spec)
+
+    def verify(params, cfg=config):
+        params.verify(cfg.model_config, cfg.speculative_config, None, None)
+
+    verify(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_tokens=4, seed=1))
+    with pytest.raises(DDTreeConfigError, match="repetition_penalty, logprobs"):
+        verify(SamplingParams(repetition_penalty=1.2, logprobs=2))
+    with pytest.raises(DDTreeConfigError, match="presence_penalty"):
+        verify(SamplingParams(presence_penalty=0.5))
+    chain = engine_config(
+        tiny_target_path,
+        {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},
+    )
+    verify(SamplingParams(repetition_penalty=1.2, logprobs=2), chain)
+
+
 def test_serve_cli_arguments_accept_ddtree(tiny_target_path, tiny_drafter_path):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import make_arg_parser

@@ -136,6 +136,38 @@ def check_target_is_supported(
         )
 
 
+def unsupported_sampling_params(params: Any) -> list[str]:
+    """The request's ``SamplingParams`` fields the tree sampler cannot apply yet (their names;
+    empty when the request is fine). Checked when vLLM validates a request, so such a request
+    gets an error of its own and never reaches the engine."""
+    names = []
+    if getattr(params, "presence_penalty", 0.0):
+        names.append("presence_penalty")
+    if getattr(params, "frequency_penalty", 0.0):
+        names.append("frequency_penalty")
+    if getattr(params, "repetition_penalty", 1.0) not in (None, 1.0):
+        names.append("repetition_penalty")
+    if getattr(params, "logprobs", None) is not None:
+        names.append("logprobs")
+    for name in ("allowed_token_ids", "bad_words"):
+        if getattr(params, name, None):
+            names.append(name)
+    if getattr(params, "thinking_token_budget", None) is not None:
+        names.append("thinking_token_budget")
+    return names
+
+
+def check_sampling_params(params: Any) -> None:
+    """Raise ``DDTreeConfigError`` naming every field of ``params`` that DDTree cannot honour."""
+    names = unsupported_sampling_params(params)
+    if names:
+        raise DDTreeConfigError(
+            f"speculative method 'ddtree' does not support {', '.join(names)} yet (supported: "
+            "temperature, top_k, top_p, min_tokens, stop, max_tokens, seed); send this request "
+            "to a server without DDTree or leave these unset"
+        )
+
+
 def split_speculative_config(
     raw: Mapping[str, Any],
     vllm_fields: Iterable[str],

@@ -20,6 +20,10 @@ Patches:
   strings ``"true"``/``"false"`` (any case) become booleans, so a client's
   ``{"enable_thinking": "false"}`` means false instead of a truthy string (DFlash drafters are
   trained for one chat mode; the wrong mode silently collapses acceptance).
+* ``vllm.sampling_params.SamplingParams._validate_spec_decode`` (run when vLLM validates a
+  request, in the API / ``LLM`` process): with DDTree configured, a request asking for what the
+  tree sampler cannot apply yet (penalties, logprobs, allowed_token_ids, bad_words, thinking
+  budgets) is refused with an error naming the fields, instead of failing inside the engine.
 * ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
   CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
 
@@ -46,6 +50,7 @@ from vllm_ddtree.config import (
     DDTreeConfig,
     DDTreeConfigError,
     check_drafter_is_dflash,
+    check_sampling_params,
     check_target_is_supported,
     split_speculative_config,
 )
@@ -303,6 +308,28 @@ def _patch_chat_template_kwargs() -> None:
     hf.resolve_chat_template_kwargs = resolve_chat_template_kwargs
 
 
+def _patch_sampling_params_validation() -> None:
+    from vllm.sampling_params import SamplingParams
+
+    original = getattr(SamplingParams, "_validate_spec_decode", None)
+    if original is None:
+        raise VLLMIncompatibleError(
+            "vllm-ddtree: SamplingParams._validate_spec_decode is gone; written for vLLM "
+            f"{WRITTEN_FOR_VLLM}"
+        )
+    if getattr(original, _PATCHED_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def _validate_spec_decode(self, speculative_config, *args, **kwargs):
+        original(self, speculative_config, *args, **kwargs)
+        if get_ddtree_config(speculative_config) is not None:
+            check_sampling_params(self)
+
+    setattr(_validate_spec_decode, _PATCHED_FLAG, True)
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
 def _patch_cpu_platform() -> None:
     try:
         from vllm.platforms.cpu import CpuPlatform
@@ -377,6 +404,7 @@ def apply() -> None:
     _patch_drafting_slots()
     _patch_model_runner_choice()
     _patch_chat_template_kwargs()
+    _patch_sampling_params_validation()
     _patch_model_runner_when_imported()
     if getattr(EngineArgs.create_speculative_config, _PATCHED_FLAG, False):
         return
