@@ -83,18 +83,11 @@ def drafter_config(target_config, layers: int, feature_layers: list[int]):
     from vllm_ddtree.dflash_drafter import DFlashDrafterConfig
 
     rope = getattr(target_config, "rope_parameters", None) or {}
-    return DFlashDrafterConfig(
-        hidden_size=target_config.hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=target_config.num_attention_heads,
-        num_key_value_heads=target_config.num_key_value_heads,
-        head_dim=target_config.head_dim,
-        intermediate_size=target_config.intermediate_size,
-        vocab_size=target_config.vocab_size,
-        mask_token_id=target_config.vocab_size - 1,
-        target_layer_ids=feature_layers,
+    return DFlashDrafterConfig.for_target(
+        target_config,
+        layers,
+        feature_layers,
         block_size=16,
-        num_target_layers=target_config.num_hidden_layers,
         rms_norm_eps=target_config.rms_norm_eps,
         rope_theta=rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)),
         max_position_embeddings=target_config.max_position_embeddings,

@@ -76,21 +76,11 @@ def prepare_smollm2(cache_dir: str, gguf_path: str | None = None) -> str:
 def untrained_drafter_config(target_config) -> DFlashDrafterConfig:
     """A one-layer DFlash drafter shaped for the target, reading 3 evenly spaced layers."""
     layers = target_config.num_hidden_layers
-    head_dim = getattr(target_config, "head_dim", None) or (
-        target_config.hidden_size // target_config.num_attention_heads
-    )
-    return DFlashDrafterConfig(
-        hidden_size=target_config.hidden_size,
-        num_hidden_layers=1,
-        num_attention_heads=target_config.num_attention_heads,
-        num_key_value_heads=target_config.num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=target_config.intermediate_size,
-        vocab_size=target_config.vocab_size,
-        mask_token_id=target_config.vocab_size - 1,
-        target_layer_ids=[1, layers // 2, layers - 3],
+    return DFlashDrafterConfig.for_target(
+        target_config,
+        1,
+        [1, layers // 2, layers - 3],
         block_size=16,
-        num_target_layers=layers,
         rope_theta=getattr(target_config, "rope_theta", None) or 10000.0,
     )
 

@@ -52,6 +52,30 @@ class DFlashDrafterConfig:
     attention_bias: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def for_target(
+        cls, target: Any, num_layers: int, target_layer_ids: list[int], **fields: Any
+    ) -> DFlashDrafterConfig:
+        """A drafter shaped like ``target`` (an HF config or any object with its attribute
+        names): the target's hidden size, heads, head dim, MLP width and vocabulary, the last
+        vocabulary id as mask token; ``fields`` set the rest (block size, RoPE, eps, ...)."""
+        head_dim = getattr(target, "head_dim", None) or (
+            target.hidden_size // target.num_attention_heads
+        )
+        return cls(
+            hidden_size=target.hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=head_dim,
+            intermediate_size=target.intermediate_size,
+            vocab_size=target.vocab_size,
+            mask_token_id=target.vocab_size - 1,
+            target_layer_ids=target_layer_ids,
+            num_target_layers=target.num_hidden_layers,
+            **fields,
+        )
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads

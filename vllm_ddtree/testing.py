@@ -78,18 +78,11 @@ def tiny_drafter_config(
     """A DFlash drafter config matching a tiny target (mask token = last vocab id)."""
     if target_layer_ids is None:
         target_layer_ids = [1, max(target_spec.num_hidden_layers - 2, 1)]
-    return DFlashDrafterConfig(
-        hidden_size=target_spec.hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=target_spec.num_attention_heads,
-        num_key_value_heads=target_spec.num_key_value_heads,
-        head_dim=target_spec.head_dim,
-        intermediate_size=target_spec.intermediate_size,
-        vocab_size=target_spec.vocab_size,
-        mask_token_id=target_spec.vocab_size - 1,
-        target_layer_ids=target_layer_ids,
+    return DFlashDrafterConfig.for_target(
+        target_spec,
+        num_layers,
+        target_layer_ids,
         block_size=block_size,
-        num_target_layers=target_spec.num_hidden_layers,
         max_position_embeddings=target_spec.max_position_embeddings,
     )
 
