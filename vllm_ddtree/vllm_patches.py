@@ -227,52 +227,65 @@ def is_tree_attention(backend) -> bool:
     )
 
 
+def _wrap_function(owner, name: str, where: str, make_wrapper) -> None:
+    """``owner.name = make_wrapper(original)``, once per process (the wrapper is flagged);
+    raise ``VLLMIncompatibleError`` naming ``where.name`` if vLLM no longer has it."""
+    original = getattr(owner, name, None)
+    if original is None:
+        raise VLLMIncompatibleError(
+            f"vllm-ddtree: {where}.{name} is gone; written for vLLM {WRITTEN_FOR_VLLM}"
+        )
+    if getattr(original, _PATCHED_FLAG, False):
+        return
+    wrapped = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapped, _PATCHED_FLAG, True)
+    setattr(owner, name, wrapped)
+
+
+def _wrap_property(cls, name: str, make_getter) -> None:
+    """``cls.name`` becomes ``property(make_getter(original getter))``, once per process;
+    raise ``VLLMIncompatibleError`` if it is no longer a property."""
+    prop = cls.__dict__.get(name)
+    if not isinstance(prop, property):
+        raise VLLMIncompatibleError(
+            f"vllm-ddtree: {cls.__name__}.{name} is no longer a property; written for vLLM "
+            f"{WRITTEN_FOR_VLLM}"
+        )
+    if getattr(prop.fget, _PATCHED_FLAG, False):
+        return
+    getter = functools.wraps(prop.fget)(make_getter(prop.fget))
+    setattr(getter, _PATCHED_FLAG, True)
+    setattr(cls, name, property(getter))
+
+
 def _patch_drafting_slots() -> None:
     from vllm.config import SpeculativeConfig
 
-    prop = SpeculativeConfig.__dict__.get("max_num_new_slots_for_drafting")
-    if not isinstance(prop, property) or getattr(prop.fget, _PATCHED_FLAG, False):
-        if not isinstance(prop, property):
-            raise VLLMIncompatibleError(
-                "vllm-ddtree: SpeculativeConfig.max_num_new_slots_for_drafting is no longer a "
-                f"property; written for vLLM {WRITTEN_FOR_VLLM}"
-            )
-        return
-    original = prop.fget
+    def wrap(original):
+        def max_num_new_slots_for_drafting(self) -> int:
+            ddtree = getattr(self, DDTREE_ATTR, None)
+            if ddtree is None:
+                return original(self)
+            # One new slot per mask query but the first, as for DFlash, at the drafter's depth.
+            return ddtree.depth - 1 + (1 if self.uses_draft_model() else 0)
 
-    @functools.wraps(original)
-    def max_num_new_slots_for_drafting(self) -> int:
-        ddtree = getattr(self, DDTREE_ATTR, None)
-        if ddtree is None:
-            return original(self)
-        # One new slot per mask query but the first, as for DFlash, at the drafter's depth.
-        return ddtree.depth - 1 + (1 if self.uses_draft_model() else 0)
+        return max_num_new_slots_for_drafting
 
-    setattr(max_num_new_slots_for_drafting, _PATCHED_FLAG, True)
-    SpeculativeConfig.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting)
+    _wrap_property(SpeculativeConfig, "max_num_new_slots_for_drafting", wrap)
 
 
 def _patch_model_runner_choice() -> None:
     from vllm.config import VllmConfig
 
-    prop = VllmConfig.__dict__.get("use_v2_model_runner")
-    if not isinstance(prop, property):
-        raise VLLMIncompatibleError(
-            "vllm-ddtree: VllmConfig.use_v2_model_runner is no longer a property; written for "
-            f"vLLM {WRITTEN_FOR_VLLM}"
-        )
-    if getattr(prop.fget, _PATCHED_FLAG, False):
-        return
-    original = prop.fget
+    def wrap(original):
+        def use_v2_model_runner(self) -> bool:
+            if get_ddtree_config(self.speculative_config) is not None:
+                return False
+            return original(self)
 
-    @functools.wraps(original)
-    def use_v2_model_runner(self) -> bool:
-        if get_ddtree_config(self.speculative_config) is not None:
-            return False
-        return original(self)
+        return use_v2_model_runner
 
-    setattr(use_v2_model_runner, _PATCHED_FLAG, True)
-    VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
+    _wrap_property(VllmConfig, "use_v2_model_runner", wrap)
 
 
 def coerce_template_switches(kwargs: dict) -> dict:
@@ -291,43 +304,28 @@ def _patch_chat_template_kwargs() -> None:
         from vllm.renderers import hf
     except Exception:  # noqa: BLE001 - no HF renderer in this vLLM build
         return
-    original = getattr(hf, "resolve_chat_template_kwargs", None)
-    if original is None:
-        raise VLLMIncompatibleError(
-            "vllm-ddtree: vllm.renderers.hf.resolve_chat_template_kwargs is gone; written for "
-            f"vLLM {WRITTEN_FOR_VLLM}"
-        )
-    if getattr(original, _PATCHED_FLAG, False):
-        return
 
-    @functools.wraps(original)
-    def resolve_chat_template_kwargs(*args, **kwargs):
-        return coerce_template_switches(original(*args, **kwargs))
+    def wrap(original):
+        def resolve_chat_template_kwargs(*args, **kwargs):
+            return coerce_template_switches(original(*args, **kwargs))
 
-    setattr(resolve_chat_template_kwargs, _PATCHED_FLAG, True)
-    hf.resolve_chat_template_kwargs = resolve_chat_template_kwargs
+        return resolve_chat_template_kwargs
+
+    _wrap_function(hf, "resolve_chat_template_kwargs", "vllm.renderers.hf", wrap)
 
 
 def _patch_sampling_params_validation() -> None:
     from vllm.sampling_params import SamplingParams
 
-    original = getattr(SamplingParams, "_validate_spec_decode", None)
-    if original is None:
-        raise VLLMIncompatibleError(
-            "vllm-ddtree: SamplingParams._validate_spec_decode is gone; written for vLLM "
-            f"{WRITTEN_FOR_VLLM}"
-        )
-    if getattr(original, _PATCHED_FLAG, False):
-        return
+    def wrap(original):
+        def _validate_spec_decode(self, speculative_config, *args, **kwargs):
+            original(self, speculative_config, *args, **kwargs)
+            if get_ddtree_config(speculative_config) is not None:
+                check_sampling_params(self)
 
-    @functools.wraps(original)
-    def _validate_spec_decode(self, speculative_config, *args, **kwargs):
-        original(self, speculative_config, *args, **kwargs)
-        if get_ddtree_config(speculative_config) is not None:
-            check_sampling_params(self)
+        return _validate_spec_decode
 
-    setattr(_validate_spec_decode, _PATCHED_FLAG, True)
-    SamplingParams._validate_spec_decode = _validate_spec_decode
+    _wrap_function(SamplingParams, "_validate_spec_decode", "SamplingParams", wrap)
 
 
 def _patch_cpu_platform() -> None:
