@@ -70,3 +70,21 @@ def test_kernel_matches_reference(seed):
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
     run_under_interpreter(__file__, "kernel_", expected=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the shape grid is too slow interpreted)")
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_kernel_matches_reference_on_real_conv_shapes(budget):
+    """A GDN layer's conv channels (q, k, v of 128-wide heads), width 4, trees of depth 15."""
+    from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d
+
+    case = make_case(num_reqs=4, budget=budget, depth=15, channels=1024, width=4, seed=budget)
+    case["state_index"] = torch.tensor([2, 0, 4, 5])
+    case = {name: t.cuda() for name, t in case.items()}
+    assert int(case["num_tokens"].max()) == budget + 1
+    ref = tree_causal_conv1d_ref(**case)
+    out = tree_causal_conv1d(**case)
+    for r in range(out.shape[0]):
+        n = int(case["num_tokens"][r])
+        torch.testing.assert_close(out[r, :n], ref[r, :n], atol=1e-4, rtol=1e-4)

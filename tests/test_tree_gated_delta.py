@@ -110,3 +110,24 @@ def test_kernel_matches_reference(seed):
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
     run_under_interpreter(__file__, "kernel_", expected=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the shape grid is too slow interpreted)")
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_kernel_matches_reference_on_real_head_shapes(budget):
+    """Qwen3.5-style GDN heads (K = V = 128, 2 value heads per key head), trees of depth 15."""
+    from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta
+
+    case = make_case(num_reqs=4, budget=budget, depth=15, hk=2, hv=4, dk=128, dv=128, seed=budget)
+    case = {name: t.cuda() for name, t in case.items()}
+    assert int(case["num_tokens"].max()) == budget + 1
+    ref_pool = case["state_pool"].clone()
+    ref = tree_gated_delta_ref(**{**case, "state_pool": ref_pool})
+    out = tree_gated_delta(**case)
+    n = case["num_tokens"]
+    for r in range(out.shape[0]):
+        torch.testing.assert_close(out[r, : n[r]], ref[r, : n[r]], atol=2e-3, rtol=1e-3)
+    valid = torch.arange(case["parents"].shape[1], device="cuda").unsqueeze(0) < n.unsqueeze(1)
+    slots = case["state_slots"][valid]
+    torch.testing.assert_close(case["state_pool"][slots], ref_pool[slots], atol=2e-3, rtol=1e-3)
