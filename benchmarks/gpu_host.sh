@@ -12,6 +12,7 @@
 #                  the lossless grid with CUDA graphs (lossless_gpu.py; env LOSSLESS_ARGS adds
 #                  options, SKIP_LOSSLESS=1 leaves the grid out)
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
+#       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
 STEP=$1
@@ -91,6 +92,19 @@ case "$STEP" in
     wait $LOSSLESS; echo "lossless rc=$?"
     (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200 ;;
+  tp-pair)
+    # Two GPUs: the lossless grid at tensor parallel 2, beside the real pair in bf16 against the
+    # target alone (lossless_pair.py; needs prepare's checkpoint, DRAFTER and the prompts).
+    [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
+    timeout 420 python3 benchmarks/lossless_gpu.py --tp 2 --parallel 6 --budgets "${TP_BUDGETS:-8,64}" \
+      --modes graphs --out "$OUT" > "$OUT/lossless_gpu_tp2.log" 2>&1 &
+    TP=$!
+    timeout 420 python3 benchmarks/lossless_pair.py --target /tmp/train/SmolLM2-135M-Instruct \
+      --drafter "${DRAFTER:-/tmp/drafter}" --prompts /tmp/prompts.json --out "$OUT" \
+      > "$OUT/lossless_pair.log" 2>&1
+    echo "pair rc=$?"; grep -E '^\{' "$OUT/lossless_pair.log" | cut -c1-300
+    wait $TP; echo "tp rc=$?"
+    grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_tp2.log" | cut -c1-300 ;;
   profile)
     # Per-step time split of AR, the DFlash chain (V2 and V1 runners) and DDTree (SmolLM2 shapes,
     # random weights: step costs, not acceptance).

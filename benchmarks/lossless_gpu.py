@@ -49,7 +49,7 @@ def run_engine(job: dict) -> dict:
     llm = LLM(
         model=job["target"],
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=job.get("dtype", "float32"),
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=max(4096, (budget + 1) * job["max_num_seqs"]),

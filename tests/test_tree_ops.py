@@ -180,7 +180,8 @@ def test_kernel_build_matches_reference(case):
     got = build_trees_triton(logits.to(DEVICE), budget, top_k)
     for field in ("token_ids", "parents", "depths", "num_nodes"):
         assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), field
-    assert torch.equal(got.scores.cpu(), want.scores)
+    # Bit-identical under the interpreter; CUDA's exp/log round differently in the last bits.
+    torch.testing.assert_close(got.scores.cpu(), want.scores, rtol=1e-5, atol=1e-5)
     assert got.max_depth == want.max_depth
 
 

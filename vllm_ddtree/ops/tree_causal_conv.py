@@ -110,7 +110,7 @@ if HAS_TRITON:
                             mask=c_valid,
                             other=0.0,
                         ).to(tl.float32)
-                        node = tl.load(parents_ptr + req * stride_tree_r + node)
+                        node = tl.load(parents_ptr + req * stride_tree_r + node).to(tl.int32)
                     else:
                         history_steps += 1
                         column = WIDTH - 1 - history_steps  # newest committed input last
