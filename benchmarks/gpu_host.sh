@@ -60,6 +60,7 @@ case "$STEP" in
     LOSSLESS=$!
     timeout 550 python3 benchmarks/train_dflash.py --gguf "$SMOLLM2_GGUF" \
       --prompts /tmp/prompts.json --out /tmp/drafter --work /tmp/train --minutes "${MINUTES:-3.5}" \
+      --finish-within 520 \
       ${INIT_FROM:+--init-from "$INIT_FROM"} \
       > "$OUT/train.log" 2>&1
     echo "train rc=$?"
@@ -96,7 +97,10 @@ case "$STEP" in
     # Two GPUs: the lossless grid at tensor parallel 2, beside the real pair in bf16 against the
     # target alone (lossless_pair.py; needs prepare's checkpoint, DRAFTER and the prompts).
     [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
-    timeout 420 python3 benchmarks/lossless_gpu.py --tp 2 --parallel 6 --budgets "${TP_BUDGETS:-8,64}" \
+    # TP_PARALLEL / 2 engines at once (the budget-8 engine of a run with 3 at once died in vLLM's
+    # custom all-reduce while capturing graphs; 2 = one engine at a time).
+    timeout 420 python3 benchmarks/lossless_gpu.py --tp 2 --parallel "${TP_PARALLEL:-6}" \
+      --budgets "${TP_BUDGETS:-8,64}" \
       --modes graphs --out "$OUT" > "$OUT/lossless_gpu_tp2.log" 2>&1 &
     TP=$!
     timeout 420 python3 benchmarks/lossless_pair.py --target /tmp/train/SmolLM2-135M-Instruct \
@@ -156,7 +160,10 @@ case "$STEP" in
     timeout 580 python3 benchmarks/lossless_gpu.py --out "$OUT" > "$OUT/lossless_gpu.log" 2>&1
     echo "rc=$?"; grep -E "^\{\"budget" "$OUT/lossless_gpu.log" ;;
   serve)
-    timeout 560 python3 benchmarks/serve_check.py --dtype bfloat16 --out "$OUT" > "$OUT/serve_check.log" 2>&1
+    # SERVER_ARGS, e.g. --enforce-eager: two servers start one after the other (~1 min each
+    # with torch.compile).
+    timeout 560 python3 benchmarks/serve_check.py --dtype bfloat16 --out "$OUT" \
+      --server-args "${SERVER_ARGS:-}" > "$OUT/serve_check.log" 2>&1
     echo "rc=$?"; tail -3 "$OUT/serve_check.log" ;;
   engines)
     timeout 560 python3 benchmarks/tree_attn_vllm_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tree_attn_vllm_gpu.log" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -60 ;;

@@ -210,6 +210,18 @@ def block_labels(tokens, lengths, anchors, size: int):
     return torch.where(valid, labels, torch.full_like(labels, -100))
 
 
+FINISH_RESERVE_SECONDS = 45.0  # validation batches and the bf16 save after training
+
+
+def training_seconds(minutes: float, finish_within: float | None, elapsed: float) -> float:
+    """Seconds to train: ``minutes``, cut so that the script ends by ``finish_within`` seconds
+    from its start (``elapsed`` seconds have passed before training), never below zero."""
+    budget = minutes * 60
+    if finish_within is not None:
+        budget = min(budget, finish_within - elapsed - FINISH_RESERVE_SECONDS)
+    return max(0.0, budget)
+
+
 def train(args) -> dict:
     import torch
     import torch.nn.functional as F
@@ -272,7 +284,11 @@ def train(args) -> dict:
     )
     curve = []
     start = time.time()
-    budget = args.minutes * 60
+    budget = training_seconds(
+        args.minutes, getattr(args, "finish_within", None), start - getattr(args, "started", start)
+    )
+    if budget < args.minutes * 60:
+        print(f"training cut to {budget:.0f} s to finish within {args.finish_within:.0f} s")
     step = 0
     while time.time() - start < budget:
         progress = (time.time() - start) / budget
@@ -362,6 +378,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--feature-layers", default=None, help="comma-separated target layers")
     parser.add_argument("--minutes", type=float, default=4.0)
+    parser.add_argument(
+        "--finish-within",
+        type=float,
+        help="seconds from this script's start by which the drafter must be saved: training "
+        "stops early (leaving FINISH_RESERVE_SECONDS for validation and saving) if needed",
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--anchors", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=1024)
@@ -374,6 +396,7 @@ def main() -> int:
     parser.add_argument("--init-from", help="continue training this DFlash checkpoint")
     parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.started = time.time()
     os.makedirs(args.work, exist_ok=True)
     args.responses = os.path.join(args.work, "responses.jsonl")
     if args.generate_only:

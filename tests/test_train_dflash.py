@@ -114,3 +114,12 @@ def test_training_runs_and_writes_a_vllm_dflash_checkpoint(tmp_path, pair):
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["target_layer_ids"] == [0, 2]
     assert os.path.isfile(tmp_path / "drafter" / "model.safetensors")
+
+
+def test_training_time_is_cut_to_finish_within_the_limit():
+    module = load_train_module()
+    training_seconds, reserve = module.training_seconds, module.FINISH_RESERVE_SECONDS
+    assert training_seconds(4.5, None, 300.0) == 270.0
+    # 250 s of generation before training, 520 s allowed: train for what is left.
+    assert training_seconds(4.5, 520.0, 250.0) == 520.0 - 250.0 - reserve
+    assert training_seconds(4.5, 520.0, 600.0) == 0.0
