@@ -13,6 +13,7 @@
 #                  options, SKIP_LOSSLESS=1 leaves the grid out)
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
+#       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
 STEP=$1
@@ -109,6 +110,14 @@ case "$STEP" in
     echo "pair rc=$?"; grep -E '^\{' "$OUT/lossless_pair.log" | cut -c1-300
     wait $TP; echo "tp rc=$?"
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_tp2.log" | cut -c1-300 ;;
+  tp-steps)
+    # Wall time per target forward at tensor parallel TP (default 2) of AR, the DFlash chain and
+    # DDTree on a random Qwen3 that shards (profile_step.py --target synthetic-tp): step costs,
+    # not acceptance (random drafter).
+    timeout 560 python3 benchmarks/profile_step.py --target synthetic-tp --tp "${TP:-2}" \
+      --compile "${COMPILE:-default}" --methods "${METHODS:-ar,dflash,ddtree_b16,ddtree_b64}" \
+      --out "$OUT" > "$OUT/profile_step_tp.log" 2>&1
+    echo "steps rc=$?"; grep '^{' "$OUT/profile_step_tp.log" | cut -c1-300 ;;
   profile)
     # Per-step time split of AR, the DFlash chain (V2 and V1 runners) and DDTree (SmolLM2 shapes,
     # random weights: step costs, not acceptance).

@@ -10,6 +10,9 @@ synchronisations (device-to-host copies, stream/device synchronise calls).
     python benchmarks/profile_step.py --target DIR --drafter DIR --out DIR \\
         [--methods ar,dflash_v1,ddtree_b64] [--tokens 128]
     python benchmarks/profile_step.py --target synthetic --out DIR   # SmolLM2 shapes, random
+    python benchmarks/profile_step.py --target synthetic-tp --tp 2 --out DIR  # timing only
+
+With ``--tp`` > 1 the model runs in worker processes: wall time per target forward only.
 """
 
 from __future__ import annotations
@@ -63,6 +66,39 @@ def synthetic_pair(work: str) -> tuple[str, str]:
     return target, drafter
 
 
+def synthetic_tp_pair(work: str) -> tuple[str, str]:
+    """Random-weight Qwen3 target with Qwen3-0.6B's layer shapes (28 layers, hidden 1024, 16
+    query / 8 KV heads of 128; SmolLM2's vocabulary) that shards over 2 or 4 GPUs, and a 3-layer
+    DFlash drafter for it: per-step costs under tensor parallelism (SmolLM2's 9 heads do not
+    shard)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from vllm_ddtree.demo import untrained_drafter_config
+    from vllm_ddtree.dflash_drafter import random_drafter
+
+    target = os.path.join(work, "synthetic-qwen3-tp")
+    drafter = os.path.join(work, "synthetic-qwen3-tp-dflash")
+    if not os.path.exists(os.path.join(target, "config.json")):
+        config = Qwen3Config(
+            vocab_size=49152,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(target)
+        drafter_config = untrained_drafter_config(config)
+        drafter_config.num_hidden_layers = 3
+        random_drafter(drafter_config, seed=0).save_pretrained(drafter)
+    return target, drafter
+
+
 def engine_kwargs(method: str, drafter: str) -> tuple[dict, dict]:
     """``LLM`` arguments and environment for ``ar``, ``dflash``, ``ddtree_bN``; a ``_v1``
     suffix (``ar_v1``, ``dflash_v1``) runs vLLM's V1 model runner instead of V2."""
@@ -100,9 +136,18 @@ def profile_method(args, method: str) -> dict:
         seed=0,
         disable_log_stats=False,
         compilation_config=COMPILE_MODES[args.compile] if cuda else None,
+        tensor_parallel_size=args.tp,
+        # On the CPU backend this is the share of host memory each engine reserves.
+        gpu_memory_utilization=0.92 if cuda else 0.3,
+        enforce_eager=not cuda,  # a CPU run is a smoke test: no torch.compile
         **kwargs,
     )
     prompt = [TokensPrompt(prompt_token_ids=list(range(100, 164)))]
+
+    def drafts_between(first, second):
+        key = "vllm:spec_decode_num_drafts"
+        return second.get(key, 0) - first.get(key, 0)
+
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompt, params, use_tqdm=False)  # warm-up
     before = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
@@ -110,6 +155,19 @@ def profile_method(args, method: str) -> dict:
     llm.generate(prompt, params, use_tqdm=False)
     unprofiled_seconds = time.perf_counter() - unprofiled_start
     middle = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    if args.tp > 1:
+        # The model runs in worker processes, which this process's profiler does not see.
+        del llm
+        steps = drafts_between(before, middle) or args.tokens
+        return {
+            "method": method,
+            "tensor_parallel_size": args.tp,
+            "target_forwards": steps,
+            "compile": args.compile,
+            "unprofiled_ms_per_target_forward": 1000 * unprofiled_seconds / steps,
+            "unprofiled_tokens_per_s": args.tokens / unprofiled_seconds,
+            "mean_acceptance_length": args.tokens / steps,
+        }
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -118,10 +176,6 @@ def profile_method(args, method: str) -> dict:
         llm.generate(prompt, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
-
-    def drafts_between(first, second):
-        key = "vllm:spec_decode_num_drafts"
-        return second.get(key, 0) - first.get(key, 0)
 
     steps = drafts_between(middle, after) or args.tokens
     unprofiled_steps = drafts_between(before, middle) or args.tokens
@@ -165,7 +219,10 @@ def profile_method(args, method: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--target", required=True, help="a checkpoint, or 'synthetic'")
+    parser.add_argument(
+        "--target", required=True, help="a checkpoint, 'synthetic' or 'synthetic-tp'"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (no profiler)")
     parser.add_argument("--drafter", default="", help="(not with --target synthetic)")
     parser.add_argument("--work", default="/tmp/vllm-ddtree-profile")
     parser.add_argument("--out", default="benchmarks/results")
@@ -180,6 +237,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.target == "synthetic":
         args.target, args.drafter = synthetic_pair(args.work)
+    elif args.target == "synthetic-tp":
+        args.target, args.drafter = synthetic_tp_pair(args.work)
     if args.method:  # child: one engine per process
         result = profile_method(args, args.method)
         with open(os.path.join(args.out, f"profile_{args.method}.json"), "w") as f:
@@ -192,7 +251,7 @@ def main() -> int:
         command = [sys.executable, __file__, "--method", method, "--target", args.target]
         command += ["--drafter", args.drafter, "--out", args.out, "--tokens", str(args.tokens)]
         command += ["--trace"] if args.trace else []
-        command += ["--compile", args.compile]
+        command += ["--compile", args.compile, "--tp", str(args.tp)]
         subprocess.run(command, check=False)
         path = os.path.join(args.out, f"profile_{method}.json")
         if not os.path.exists(path):
@@ -200,21 +259,25 @@ def main() -> int:
             continue
         with open(path) as f:
             result = json.load(f)
-        summary.append(
-            {
-                "method": method,
-                "ms_per_target_forward": result["ms_per_target_forward"],
-                "unprofiled_ms_per_target_forward": result["unprofiled_ms_per_target_forward"],
-                "unprofiled_tokens_per_s": result["unprofiled_tokens_per_s"],
-                "ddtree_ranges_per_forward": result["ddtree_ranges_per_forward"],
-                "host_syncs_per_forward": result["host_syncs_per_forward"],
-                "launches_per_forward": result.get("launches_per_forward", {}),
-            }
+        keys = (
+            "ms_per_target_forward",
+            "unprofiled_ms_per_target_forward",
+            "unprofiled_tokens_per_s",
+            "mean_acceptance_length",
+            "ddtree_ranges_per_forward",
+            "host_syncs_per_forward",
+            "launches_per_forward",
         )
+        summary.append({"method": method, **{k: result[k] for k in keys if k in result}})
         print(json.dumps(summary[-1]), flush=True)
     with open(os.path.join(args.out, "profile_step.json"), "w") as f:
         json.dump(
-            {"commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"), "methods": summary},
+            {
+                "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+                "tensor_parallel_size": args.tp,
+                "target": os.path.basename(args.target.rstrip("/")),
+                "methods": summary,
+            },
             f,
             indent=1,
         )
