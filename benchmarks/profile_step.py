@@ -34,65 +34,51 @@ COMPILE_MODES = {"graphs": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "d
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
-def synthetic_pair(work: str) -> tuple[str, str]:
-    """Random-weight target with SmolLM2-135M's shapes (Llama, 30 layers, hidden 576) and a
-    3-layer DFlash drafter for it: per-step costs without shipping real weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def synthetic_config(name: str):
+    """The random targets' configs: ``synthetic`` has SmolLM2-135M's shapes (Llama, 30 layers,
+    hidden 576, 9 heads); ``synthetic-tp`` is a Qwen3 with Qwen3-0.6B's layer shapes (28 layers,
+    hidden 1024, 16 query / 8 KV heads of 128; SmolLM2's vocabulary) that shards over 2 or 4 GPUs
+    (SmolLM2's 9 heads do not)."""
+    from transformers import LlamaConfig, Qwen3Config
 
-    from vllm_ddtree.demo import untrained_drafter_config
-    from vllm_ddtree.dflash_drafter import random_drafter
-
-    target = os.path.join(work, "synthetic-smollm2")
-    drafter = os.path.join(work, "synthetic-smollm2-dflash")
-    if not os.path.exists(os.path.join(target, "config.json")):
-        config = LlamaConfig(
-            vocab_size=49152,
+    shared = dict(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+    if name == "synthetic":
+        return LlamaConfig(
             hidden_size=576,
             intermediate_size=1536,
             num_hidden_layers=30,
             num_attention_heads=9,
             num_key_value_heads=3,
             head_dim=64,
-            max_position_embeddings=8192,
-            tie_word_embeddings=True,
             rope_theta=100000.0,
+            **shared,
         )
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(target)
-        drafter_config = untrained_drafter_config(config)
-        drafter_config.num_hidden_layers = 3
-        random_drafter(drafter_config, seed=0).save_pretrained(drafter)
-    return target, drafter
+    return Qwen3Config(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        **shared,
+    )
 
 
-def synthetic_tp_pair(work: str) -> tuple[str, str]:
-    """Random-weight Qwen3 target with Qwen3-0.6B's layer shapes (28 layers, hidden 1024, 16
-    query / 8 KV heads of 128; SmolLM2's vocabulary) that shards over 2 or 4 GPUs, and a 3-layer
-    DFlash drafter for it: per-step costs under tensor parallelism (SmolLM2's 9 heads do not
-    shard)."""
+def synthetic_pair(work: str, name: str = "synthetic") -> tuple[str, str]:
+    """A random-weight target (``synthetic_config(name)``) and a 3-layer DFlash drafter for
+    it, written once under ``work``: per-step costs without shipping real weights."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from vllm_ddtree.demo import untrained_drafter_config
     from vllm_ddtree.dflash_drafter import random_drafter
 
-    target = os.path.join(work, "synthetic-qwen3-tp")
-    drafter = os.path.join(work, "synthetic-qwen3-tp-dflash")
+    target = os.path.join(work, f"{name}-target")
+    drafter = os.path.join(work, f"{name}-dflash")
     if not os.path.exists(os.path.join(target, "config.json")):
-        config = Qwen3Config(
-            vocab_size=49152,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=8192,
-            tie_word_embeddings=True,
-        )
+        config = synthetic_config(name)
         torch.manual_seed(0)
-        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(target)
+        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(target)
         drafter_config = untrained_drafter_config(config)
         drafter_config.num_hidden_layers = 3
         random_drafter(drafter_config, seed=0).save_pretrained(drafter)
@@ -235,10 +221,8 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.makedirs(args.out, exist_ok=True)
-    if args.target == "synthetic":
-        args.target, args.drafter = synthetic_pair(args.work)
-    elif args.target == "synthetic-tp":
-        args.target, args.drafter = synthetic_tp_pair(args.work)
+    if args.target in ("synthetic", "synthetic-tp"):
+        args.target, args.drafter = synthetic_pair(args.work, args.target)
     if args.method:  # child: one engine per process
         result = profile_method(args, args.method)
         with open(os.path.join(args.out, f"profile_{args.method}.json"), "w") as f:
