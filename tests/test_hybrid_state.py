@@ -1,0 +1,74 @@
+"""GDN tree-state memory: shapes from Qwen3-Next / Qwen3.5 configs, the two layouts' sizes, and
+the start-up check's message."""
+
+import pytest
+from transformers import Qwen3_5Config, Qwen3NextConfig
+
+from vllm_ddtree.config import MAX_TREE_BUDGET, DDTreeConfigError
+from vllm_ddtree.hybrid_state import (
+    GIB,
+    GDNStateShapes,
+    check_scratch_fits,
+    largest_fitting_budget,
+    scratch_layout_bytes,
+    slot_layout_bytes,
+    ssm_state_bytes,
+)
+
+# 48 layers, one full-attention layer in 4: 36 GDN layers of 16 key / 32 value heads of 128.
+NEXT = Qwen3NextConfig(num_hidden_layers=48, full_attention_interval=4)
+
+
+def test_shapes_from_qwen3_next_and_sharded_heads():
+    shapes = GDNStateShapes.from_hf_config(NEXT)
+    assert (shapes.num_gdn_layers, shapes.num_k_heads, shapes.num_v_heads) == (36, 16, 32)
+    assert shapes.conv_dim == 2 * 16 * 128 + 32 * 128
+    assert ssm_state_bytes(shapes) == 32 * 128 * 128 * 4
+    half = GDNStateShapes.from_hf_config(NEXT, tensor_parallel_size=2)
+    assert (half.num_k_heads, half.num_v_heads) == (8, 16)
+    with pytest.raises(DDTreeConfigError, match="linear_num_key_heads=16.*tensor_parallel_size=3"):
+        GDNStateShapes.from_hf_config(NEXT, tensor_parallel_size=3)
+
+
+def test_shapes_from_a_multimodal_qwen3_5_config_read_its_text_config():
+    config = Qwen3_5Config(
+        text_config={"num_hidden_layers": 8, "linear_num_value_heads": 48, "layer_types": None}
+    )
+    shapes = GDNStateShapes.from_hf_config(config)
+    assert (shapes.num_gdn_layers, shapes.num_v_heads) == (6, 48)
+
+
+def test_persistent_slots_per_node_cost_far_more_than_the_shared_scratch():
+    shapes = GDNStateShapes.from_hf_config(NEXT)
+    slots = slot_layout_bytes(shapes, max_num_seqs=16, budget=64)
+    scratch = scratch_layout_bytes(shapes, max_num_seqs=16, budget=64)
+    # Slots: 16 x 65 blocks of 36 layers x (2 MiB SSM + a 67-wide bf16 conv window).
+    per_block = 36 * (32 * 128 * 128 * 4 + shapes.conv_dim * 67 * 2)
+    assert slots == 16 * 65 * per_block
+    # Scratch: 1040 nodes' float32 states of one layer + every layer's bf16 node inputs.
+    assert scratch == 1040 * 32 * 128 * 128 * 4 + 1040 * 36 * (shapes.conv_dim + 64) * 2
+    assert slots > 40 * scratch and scratch < 3 * GIB
+
+
+def test_largest_fitting_budget_is_the_edge_of_the_scratch_cost():
+    shapes = GDNStateShapes.from_hf_config(NEXT, tensor_parallel_size=2)
+    available = 4 * GIB
+    fits = largest_fitting_budget(shapes, 32, available)
+    assert 1 <= fits < MAX_TREE_BUDGET
+    assert scratch_layout_bytes(shapes, 32, fits) <= available
+    assert scratch_layout_bytes(shapes, 32, fits + 1) > available
+    assert largest_fitting_budget(shapes, 32, 1) == 0
+    assert largest_fitting_budget(shapes, 1, 100 * GIB) == MAX_TREE_BUDGET
+
+
+def test_check_names_the_budget_that_fits():
+    shapes = GDNStateShapes.from_hf_config(NEXT)
+    check_scratch_fits(shapes, 16, 64, available_bytes=8 * GIB)  # fits: no error
+    fits = largest_fitting_budget(shapes, 64, 8 * GIB)
+    with pytest.raises(DDTreeConfigError) as error:
+        check_scratch_fits(shapes, 64, 1024, available_bytes=8 * GIB)
+    message = str(error.value)
+    assert "tree_budget=1024 with max_num_seqs=64" in message
+    assert f"tree_budget <= {fits} fits" in message and "36 GDN layers" in message
+    with pytest.raises(DDTreeConfigError, match="no tree_budget fits; lower max_num_seqs"):
+        check_scratch_fits(shapes, 64, 8, available_bytes=GIB // 1024)
