@@ -75,7 +75,7 @@ def test_kernels_under_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the shape grid is too slow interpreted)")
 @pytest.mark.parametrize("budget", [16, 64, 256])
-def test_kernel_matches_reference_on_real_conv_shapes(budget):
+def test_on_gpu_real_conv_shapes_match_reference(budget):
     """A GDN layer's conv channels (q, k, v of 128-wide heads), width 4, trees of depth 15."""
     from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d
 

@@ -105,17 +105,97 @@ def test_kernel_matches_reference(seed):
     assert torch.allclose(gpu_case["state_pool"].cpu()[slots], ref_pool[slots], atol=1e-4)
 
 
+def scratch_case(seed: int):
+    """A case whose committed states live apart from the node states, as on a hybrid target:
+    bf16 in vLLM's ``[slots, Hv, V, K]`` SSM layout (read transposed), while the pool is a
+    float32 scratch of node states only."""
+    case = make_case(seed=seed)
+    num_reqs, max_tokens = case["parents"].shape
+    gen = torch.Generator().manual_seed(100 + seed)
+    hv, dk, dv = case["state_pool"].shape[1:]
+    cache = (torch.randn(num_reqs + 3, hv, dv, dk, generator=gen) * 0.1).to(torch.bfloat16)
+    case["initial_state"] = cache.transpose(-1, -2)  # [slots, Hv, K, V] view, no copy
+    case["initial_slots"] = torch.tensor([3, 0, 5])[:num_reqs]
+    case["state_pool"] = torch.zeros(num_reqs * max_tokens, hv, dk, dv)
+    case["state_slots"] = torch.arange(num_reqs * max_tokens).view(num_reqs, max_tokens)
+    return case
+
+
+def on_device(case: dict, device: str) -> dict:
+    return {name: t.to(device) for name, t in case.items()}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seed", range(2))
+def test_kernel_reads_committed_states_from_their_own_tensor(seed):
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta
+
+    device = "cuda" if ON_GPU else "cpu"
+    case = scratch_case(seed)
+    ref_pool = case["state_pool"].clone()
+    ref = tree_gated_delta_ref(**{**case, "state_pool": ref_pool})
+    dev = on_device(case, device)
+    dev["initial_state"] = case["initial_state"].to(device)  # keeps the transposed strides
+    assert not dev["initial_state"].is_contiguous()
+    out = tree_gated_delta(**dev, block_v=16)
+    n = case["num_tokens"]
+    for r in range(out.shape[0]):
+        assert torch.allclose(out[r, : n[r]].cpu(), ref[r, : n[r]], atol=1e-4), r
+    valid = torch.arange(case["parents"].shape[1]).unsqueeze(0) < n.unsqueeze(1)
+    slots = case["state_slots"][valid]
+    assert torch.allclose(dev["state_pool"].cpu()[slots], ref_pool[slots], atol=1e-4)
+
+
+@pytest.mark.interpreter
+def test_kernel_leaf_state_equals_replaying_its_path_as_a_chain():
+    """The committed state after a step: replaying the accepted root-to-leaf path as a chain
+    from the committed state gives the leaf's tree state (what the hybrid commit relies on)."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta
+
+    device = "cuda" if ON_GPU else "cpu"
+    case = scratch_case(0)
+    tree = on_device(case, device)
+    tree["initial_state"] = case["initial_state"].to(device)
+    tree_gated_delta(**tree, block_v=16)
+    r = 0
+    leaf = int(case["num_tokens"][r]) - 1  # the last node: a deepest-ranked leaf
+    path = [leaf]
+    while int(case["parents"][r, path[-1]]) >= 0:
+        path.append(int(case["parents"][r, path[-1]]))
+    path.reverse()
+    assert len(path) >= 2, "the case should accept a path, not only the root"
+    chain = {name: case[name][r : r + 1, path] for name in ("q", "k", "v", "g", "beta")}
+    steps = len(path)
+    chain_pool = torch.zeros(steps, *case["state_pool"].shape[1:])
+    tree_gated_delta(
+        **on_device(chain, device),
+        parents=torch.arange(-1, steps - 1).unsqueeze(0).to(device),
+        num_tokens=torch.tensor([steps]).to(device),
+        state_pool=(chain_pool := chain_pool.to(device)),
+        initial_state=case["initial_state"].to(device),
+        initial_slots=case["initial_slots"][r : r + 1].to(device),
+        state_slots=torch.arange(steps).unsqueeze(0).to(device),
+        block_v=16,
+    )
+    leaf_state = tree["state_pool"][int(case["state_slots"][r, leaf])]
+    assert torch.allclose(chain_pool[steps - 1], leaf_state, atol=1e-5)
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=2)
+    run_under_interpreter(__file__, "kernel_", expected=5)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the shape grid is too slow interpreted)")
 @pytest.mark.parametrize("budget", [16, 64, 256])
-def test_kernel_matches_reference_on_real_head_shapes(budget):
+def test_on_gpu_real_head_shapes_match_reference(budget):
     """Qwen3.5-style GDN heads (K = V = 128, 2 value heads per key head), trees of depth 15."""
     from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta
 

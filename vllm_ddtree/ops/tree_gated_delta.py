@@ -14,8 +14,11 @@ the state of its parent. Per request and value head, for tree indices ``t = 0..T
 the same update as flash-linear-attention's ``fused_recurrent_gated_delta_rule``, with a
 parent pointer in place of "the previous token". States live in a pool addressed like vLLM's
 ``ssm_state_indices``: ``state_slots[r, t]`` is where node ``t``'s state is written, and
-``initial_slots[r]`` holds the committed state. After the walk, the accepted leaf's slot holds
-exactly the state target-only decoding would have.
+``initial_slots[r]`` holds the committed state, in the same pool or, with ``initial_state``, in
+another tensor of any float dtype and strides (e.g. vLLM's own SSM cache, whose ``[Hv, V, K]``
+layout is read through ``.transpose(-1, -2)``), so that the pool can be a per-step scratch.
+After the walk, the accepted leaf's slot holds exactly the state target-only decoding would
+have.
 
 Shapes: ``q``/``k`` ``[R, T, Hk, K]``, ``v`` ``[R, T, Hv, V]``, ``g``/``beta`` ``[R, T, Hv]``
 (float32), ``parents`` long ``[R, T]`` (``-1`` for the root, padding ``t`` beyond
@@ -53,8 +56,10 @@ def tree_gated_delta_ref(
     initial_slots: torch.Tensor,
     state_slots: torch.Tensor,
     use_qk_l2norm: bool = True,
+    initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference: for every node, replay the recurrence along its root-to-node path in float64.
+    """Reference: for every node, replay the recurrence along its root-to-node path in float64,
+    from ``initial_state[initial_slots[r]]`` (default: ``state_pool``).
 
     Writes each node's final state to ``state_pool[state_slots[r, t]]`` (as the kernel does) and
     returns the outputs ``[R, T, Hv, V]`` in ``v``'s dtype.
@@ -70,7 +75,8 @@ def tree_gated_delta_ref(
             while int(parents[r, path[-1]]) >= 0:
                 path.append(int(parents[r, path[-1]]))
             path.reverse()
-            h = state_pool[int(initial_slots[r])].double().clone()  # [Hv, K, V]
+            start = state_pool if initial_state is None else initial_state
+            h = start[int(initial_slots[r])].double().clone()  # [Hv, K, V]
             for node in path:
                 qn = q[r, node].double().repeat_interleave(group, 0)  # [Hv, K]
                 kn = k[r, node].double().repeat_interleave(group, 0)
@@ -97,6 +103,7 @@ if HAS_TRITON:
         parents_ptr,
         num_tokens_ptr,
         state_ptr,
+        initial_ptr,
         initial_slots_ptr,
         state_slots_ptr,
         out_ptr,
@@ -115,6 +122,10 @@ if HAS_TRITON:
         stride_tree_r,
         stride_state_slot,
         stride_state_h,
+        stride_init_slot,
+        stride_init_h,
+        stride_init_k,
+        stride_init_v,
         MAX_TOKENS: tl.constexpr,
         GROUP: tl.constexpr,
         HEAD_K: tl.constexpr,
@@ -133,20 +144,28 @@ if HAS_TRITON:
         v_valid = offs_v < HEAD_V
         hv_mask = k_valid[:, None] & v_valid[None, :]
         hv_offsets = offs_k[:, None] * HEAD_V + offs_v[None, :]
+        init_offsets = offs_k[:, None] * stride_init_k + offs_v[None, :] * stride_init_v
         count = tl.load(num_tokens_ptr + req)
         initial = tl.load(initial_slots_ptr + req).to(tl.int64)
         for t in range(0, MAX_TOKENS):
             if t < count:
                 parent = tl.load(parents_ptr + req * stride_tree_r + t)
                 if parent < 0:
-                    slot = initial
+                    h = tl.load(
+                        initial_ptr
+                        + initial * stride_init_slot
+                        + v_head * stride_init_h
+                        + init_offsets,
+                        mask=hv_mask,
+                        other=0.0,
+                    ).to(tl.float32)
                 else:
                     slot = tl.load(state_slots_ptr + req * stride_tree_r + parent).to(tl.int64)
-                h = tl.load(
-                    state_ptr + slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
-                    mask=hv_mask,
-                    other=0.0,
-                )
+                    h = tl.load(
+                        state_ptr + slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
+                        mask=hv_mask,
+                        other=0.0,
+                    ).to(tl.float32)
                 q_row = q_ptr + req * stride_q_r + t * stride_q_t + k_head * stride_q_h
                 k_row = k_ptr + req * stride_q_r + t * stride_q_t + k_head * stride_q_h
                 b_q = tl.load(q_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
@@ -188,11 +207,14 @@ def tree_gated_delta(
     state_slots: torch.Tensor,
     use_qk_l2norm: bool = True,
     block_v: int = 32,
+    initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over per-request trees (see the module docstring for shapes).
 
     One program per (request, value head, block of V): it walks the nodes in index order, reads
-    each parent's state from the pool and writes the node's. Returns ``[R, T, Hv, V]``.
+    each parent's state from the pool and writes the node's. ``initial_state``
+    ``[S', Hv, K, V]`` (any float dtype and strides; default: ``state_pool``) holds the
+    committed states ``initial_slots`` points at. Returns ``[R, T, Hv, V]``.
     """
     num_reqs, max_tokens, num_v_heads, head_v = v.shape
     num_k_heads, head_k = k.shape[2], k.shape[3]
@@ -204,6 +226,9 @@ def tree_gated_delta(
     assert q.stride() == k.stride() and g.stride() == beta.stride()
     for t in (q, k, v):
         assert t.stride(-1) == 1
+    if initial_state is None:
+        initial_state = state_pool
+    assert initial_state.shape[1:] == state_pool.shape[1:], "initial states are [S', Hv, K, V]"
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = min(block_v, triton.next_power_of_2(head_v))
     grid = (num_reqs, num_v_heads, triton.cdiv(head_v, block_v))
@@ -216,6 +241,7 @@ def tree_gated_delta(
         parents,
         num_tokens,
         state_pool,
+        initial_state,
         initial_slots,
         state_slots,
         out,
@@ -234,6 +260,7 @@ def tree_gated_delta(
         parents.stride(0),
         state_pool.stride(0),
         state_pool.stride(1),
+        *initial_state.stride(),
         MAX_TOKENS=max_tokens,
         GROUP=num_v_heads // num_k_heads,
         HEAD_K=head_k,
