@@ -66,10 +66,30 @@ def test_kernel_matches_reference(seed):
 
 
 @pytest.mark.interpreter
+def test_kernel_reads_a_window_first_conv_state():
+    """vLLM's default conv cache is ``[slots, W - 1, C]`` (channels contiguous), in bf16."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d
+
+    device = "cuda" if ON_GPU else "cpu"
+    case = make_case(seed=3)
+    window_first = case["conv_state"].transpose(1, 2).contiguous().to(torch.bfloat16)
+    case["conv_state"] = window_first.transpose(1, 2)  # [S, C, W - 1] view, window stride C
+    ref = tree_causal_conv1d_ref(**case)
+    on_device = {k: v.to(device) for k, v in case.items()}
+    on_device["conv_state"] = window_first.to(device).transpose(1, 2)
+    out = tree_causal_conv1d(**on_device, block_c=16)
+    for r in range(out.shape[0]):
+        n = int(case["num_tokens"][r])
+        assert torch.allclose(out[r, :n].cpu(), ref[r, :n], atol=1e-4), r
+
+
+@pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=2)
+    run_under_interpreter(__file__, "kernel_", expected=3)
 
 
 @pytest.mark.gpu

@@ -8,8 +8,9 @@ before the recurrence. In a tree, node ``t``'s window is its own input and the i
     y_t[c] = act(bias[c] + sum_{j < W} weight[c, j] * window_t[j][c]),  window_t[W-1] = x_t
 
 Shapes: ``x`` ``[R, T, C]``; ``parents`` long ``[R, T]`` (``-1`` for the root, t = 0);
-``num_tokens`` long ``[R]``; ``conv_state`` ``[S, C, W - 1]`` with ``state_index`` long ``[R]``;
-``weight`` ``[C, W]``; ``bias`` ``[C]`` or None; activation ``"silu"`` or None.
+``num_tokens`` long ``[R]``; ``conv_state`` ``[S, C, W - 1]`` (any strides: vLLM's default
+window-first ``[S, W - 1, C]`` cache is passed as ``.transpose(1, 2)``) with ``state_index`` long
+``[R]``; ``weight`` ``[C, W]``; ``bias`` ``[C]`` or None; activation ``"silu"`` or None.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ if HAS_TRITON:
         stride_tree_r,
         stride_state_s,
         stride_state_c,
+        stride_state_w,
         stride_w_c,
         MAX_TOKENS: tl.constexpr,
         WIDTH: tl.constexpr,
@@ -118,7 +120,7 @@ if HAS_TRITON:
                             conv_state_ptr
                             + state * stride_state_s
                             + offs_c * stride_state_c
-                            + column,
+                            + column * stride_state_w,
                             mask=c_valid,
                             other=0.0,
                         ).to(tl.float32)
@@ -151,7 +153,7 @@ def tree_causal_conv1d(
     """Causal conv1d over per-request trees (see the module docstring). Returns ``[R, T, C]``."""
     num_reqs, max_tokens, channels = x.shape
     width = weight.shape[1]
-    assert conv_state.shape[1:] == (channels, width - 1) and conv_state.stride(-1) == 1
+    assert conv_state.shape[1:] == (channels, width - 1)
     assert x.is_contiguous() and weight.stride(-1) == 1
     out = torch.empty_like(x)
     block_c = min(block_c, triton.next_power_of_2(channels))
@@ -171,6 +173,7 @@ def tree_causal_conv1d(
         parents.stride(0),
         conv_state.stride(0),
         conv_state.stride(1),
+        conv_state.stride(2),
         weight.stride(0),
         MAX_TOKENS=max_tokens,
         WIDTH=width,
