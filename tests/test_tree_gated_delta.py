@@ -186,10 +186,44 @@ def test_kernel_leaf_state_equals_replaying_its_path_as_a_chain():
 
 
 @pytest.mark.interpreter
+def test_kernel_writes_into_a_vllm_layout_cache_through_a_block_table():
+    """As in vLLM's speculative GDN path: node t's state goes to block ``table[r, t]`` of the
+    float32 SSM cache ``[blocks, Hv, V, K]`` (read transposed), the table a slice of a wider
+    int32 block table, the step's start in block ``table[r, accepted - 1]``."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta
+
+    device = "cuda" if ON_GPU else "cpu"
+    case = make_case(seed=5)
+    num_reqs, max_tokens = case["parents"].shape
+    hv, dk, dv = case["state_pool"].shape[1:]
+    gen = torch.Generator().manual_seed(7)
+    blocks = num_reqs * (max_tokens + 3) + 4
+    cache = torch.randn(blocks, hv, dv, dk, generator=gen) * 0.1  # vLLM's [Hv, V, K]
+    wide = torch.randperm(blocks - 1, generator=gen)[: num_reqs * (max_tokens + 3)] + 1
+    table = wide.view(num_reqs, max_tokens + 3).to(torch.int32)[:, :max_tokens]  # strided rows
+    accepted = torch.tensor([1, 3, 2])[:num_reqs]
+    case["state_slots"] = table
+    case["initial_slots"] = table.long().gather(1, (accepted - 1).unsqueeze(1)).squeeze(1)
+    ref_cache = cache.transpose(-1, -2).clone()
+    ref = tree_gated_delta_ref(**{**case, "state_pool": ref_cache})
+    dev_cache = cache.to(device)
+    dev = {k: v.to(device) for k, v in case.items() if k != "state_pool"}
+    out = tree_gated_delta(**dev, state_pool=dev_cache.transpose(-1, -2), block_v=16)
+    n = case["num_tokens"]
+    for r in range(num_reqs):
+        assert torch.allclose(out[r, : n[r]].cpu(), ref[r, : n[r]], atol=1e-4), r
+    written = table.long()[torch.arange(max_tokens).unsqueeze(0) < n.unsqueeze(1)]
+    got = dev_cache.transpose(-1, -2).cpu()[written]
+    assert torch.allclose(got, ref_cache[written], atol=1e-4)
+
+
+@pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=5)
+    run_under_interpreter(__file__, "kernel_", expected=6)
 
 
 @pytest.mark.gpu

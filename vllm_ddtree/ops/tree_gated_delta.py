@@ -23,7 +23,9 @@ have.
 Shapes: ``q``/``k`` ``[R, T, Hk, K]``, ``v`` ``[R, T, Hv, V]``, ``g``/``beta`` ``[R, T, Hv]``
 (float32), ``parents`` long ``[R, T]`` (``-1`` for the root, padding ``t`` beyond
 ``num_tokens[r]``), ``state_pool`` float32 ``[S, Hv, K, V]``, ``initial_slots`` long ``[R]``,
-``state_slots`` long ``[R, T]``. Grouped heads: value head ``h`` reads key head
+``state_slots`` long or int32 ``[R, T]`` (rows may be strided, e.g. a slice of vLLM's block
+table). The pool may be strided too (vLLM's ``[slots, Hv, V, K]`` SSM cache as
+``.transpose(-1, -2)``) but must be float32. Grouped heads: value head ``h`` reads key head
 ``h // (Hv // Hk)``.
 """
 
@@ -69,14 +71,17 @@ def tree_gated_delta_ref(
     group = num_v_heads // num_k_heads
     scale = head_k**-0.5
     out = torch.zeros_like(v)
+    start = state_pool if initial_state is None else initial_state
+    # The committed states, read before any node state is written (the initial block may be
+    # one the step overwrites, as in vLLM's speculative layout).
+    committed = [start[int(initial_slots[r])].double().clone() for r in range(num_reqs)]
     for r in range(num_reqs):
         for t in range(int(num_tokens[r])):
             path = [t]
             while int(parents[r, path[-1]]) >= 0:
                 path.append(int(parents[r, path[-1]]))
             path.reverse()
-            start = state_pool if initial_state is None else initial_state
-            h = start[int(initial_slots[r])].double().clone()  # [Hv, K, V]
+            h = committed[r].clone()  # [Hv, K, V]
             for node in path:
                 qn = q[r, node].double().repeat_interleave(group, 0)  # [Hv, K]
                 kn = k[r, node].double().repeat_interleave(group, 0)
@@ -120,8 +125,11 @@ if HAS_TRITON:
         stride_g_r,
         stride_g_t,
         stride_tree_r,
+        stride_slots_r,
         stride_state_slot,
         stride_state_h,
+        stride_state_k,
+        stride_state_v,
         stride_init_slot,
         stride_init_h,
         stride_init_k,
@@ -143,7 +151,7 @@ if HAS_TRITON:
         k_valid = offs_k < HEAD_K
         v_valid = offs_v < HEAD_V
         hv_mask = k_valid[:, None] & v_valid[None, :]
-        hv_offsets = offs_k[:, None] * HEAD_V + offs_v[None, :]
+        hv_offsets = offs_k[:, None] * stride_state_k + offs_v[None, :] * stride_state_v
         init_offsets = offs_k[:, None] * stride_init_k + offs_v[None, :] * stride_init_v
         count = tl.load(num_tokens_ptr + req)
         initial = tl.load(initial_slots_ptr + req).to(tl.int64)
@@ -160,7 +168,7 @@ if HAS_TRITON:
                         other=0.0,
                     ).to(tl.float32)
                 else:
-                    slot = tl.load(state_slots_ptr + req * stride_tree_r + parent).to(tl.int64)
+                    slot = tl.load(state_slots_ptr + req * stride_slots_r + parent).to(tl.int64)
                     h = tl.load(
                         state_ptr + slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
                         mask=hv_mask,
@@ -184,7 +192,7 @@ if HAS_TRITON:
                 b_o = tl.sum(h * b_q[:, None], 0)
                 out_row = out_ptr + req * stride_o_r + t * stride_o_t + v_head * stride_o_h
                 tl.store(out_row + offs_v, b_o.to(out_ptr.dtype.element_ty), mask=v_valid)
-                out_slot = tl.load(state_slots_ptr + req * stride_tree_r + t).to(tl.int64)
+                out_slot = tl.load(state_slots_ptr + req * stride_slots_r + t).to(tl.int64)
                 tl.store(
                     state_ptr + out_slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
                     h,
@@ -220,9 +228,10 @@ def tree_gated_delta(
     num_k_heads, head_k = k.shape[2], k.shape[3]
     assert q.shape == k.shape and g.shape == beta.shape == (num_reqs, max_tokens, num_v_heads)
     assert num_v_heads % num_k_heads == 0, "value heads must be a multiple of key heads"
-    assert state_pool.dtype == torch.float32 and state_pool.is_contiguous()
+    if state_pool.dtype != torch.float32:
+        raise ValueError(f"tree node states must be float32, got a {state_pool.dtype} pool")
     assert state_pool.shape[1:] == (num_v_heads, head_k, head_v)
-    assert parents.stride() == state_slots.stride(), "parents and state_slots share a layout"
+    assert parents.stride(-1) == 1 and state_slots.stride(-1) == 1
     assert q.stride() == k.stride() and g.stride() == beta.stride()
     for t in (q, k, v):
         assert t.stride(-1) == 1
@@ -258,8 +267,8 @@ def tree_gated_delta(
         g.stride(0),
         g.stride(1),
         parents.stride(0),
-        state_pool.stride(0),
-        state_pool.stride(1),
+        state_slots.stride(0),
+        *state_pool.stride(),
         *initial_state.stride(),
         MAX_TOKENS=max_tokens,
         GROUP=num_v_heads // num_k_heads,
