@@ -14,6 +14,7 @@
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
+#       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
 STEP=$1
@@ -110,6 +111,13 @@ case "$STEP" in
     echo "pair rc=$?"; grep -E '^\{' "$OUT/lossless_pair.log" | cut -c1-300
     wait $TP; echo "tp rc=$?"
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_tp2.log" | cut -c1-300 ;;
+  hybrid)
+    # The experimental GDN tree path on a tiny Qwen3-Next (needs bundle part 3: MoE ops): the
+    # lossless grid and the sampling check (lossless_gpu.py --hybrid; LOSSLESS_ARGS adds options).
+    timeout 560 python3 benchmarks/lossless_gpu.py --hybrid --parallel "${PARALLEL:-6}" \
+      ${LOSSLESS_ARGS:-} --out "$OUT" > "$OUT/lossless_gpu_hybrid.log" 2>&1
+    echo "hybrid rc=$?"; (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/hybrid_logs.tgz" ./*.log)
+    grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_hybrid.log" | cut -c1-300 ;;
   tp-steps)
     # Wall time per target forward at tensor parallel TP (default 2) of AR, the DFlash chain and
     # DDTree on a random Qwen3 that shards (profile_step.py --target synthetic-tp): step costs,

@@ -17,7 +17,11 @@ homogeneity test on the histograms of generated tokens 2..4 (p-values recorded; 
 
 Writes JSON; exits non-zero on any divergence, failed engine or failed sampling test.
 
-    python benchmarks/lossless_gpu.py --out benchmarks/results [--quick] [--tp 2]
+    python benchmarks/lossless_gpu.py --out benchmarks/results [--quick] [--tp 2] [--hybrid]
+
+``--hybrid``: the target is a tiny Qwen3-Next (GatedDeltaNet + attention, GDN heads of 128),
+run through the experimental GDN tree path (``VLLM_DDTREE_HYBRID=1``, float32 SSM states, no
+prefix caching, Triton GDN prefill); budgets 8/64/256; needs vLLM's MoE ops.
 """
 
 from __future__ import annotations
@@ -145,6 +149,11 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/vllm-ddtree-lossless")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the grid")
+    parser.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a tiny Qwen3-Next target (GatedDeltaNet + attention; experimental tree path)",
+    )
     parser.add_argument("--parallel", type=int, default=6, help="engines at once")
     parser.add_argument("--prompts", type=int, help="override the number of prompts")
     parser.add_argument("--max-tokens", type=int, help="override the tokens per prompt")
@@ -170,19 +179,27 @@ def main() -> int:
 
     from tests.stats import chi_square_p_value
     from vllm_ddtree.demo import first_divergence
-    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
+    from vllm_ddtree.testing import (
+        TinyQwen3Spec,
+        make_tiny_dflash,
+        make_tiny_qwen3,
+        make_tiny_qwen3_next,
+    )
 
     started = time.time()
     os.makedirs(args.work, exist_ok=True)
     spec = TinyQwen3Spec(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    target = make_tiny_qwen3(os.path.join(args.work, "target"), spec)
+    if args.hybrid:
+        target = make_tiny_qwen3_next(os.path.join(args.work, "target-hybrid"), spec)
+    else:
+        target = make_tiny_qwen3(os.path.join(args.work, "target"), spec)
     drafter = make_tiny_dflash(os.path.join(args.work, "drafter"), spec)
     num_prompts, max_tokens = (16, 64) if args.quick else (64, 256)
     num_prompts, max_tokens = args.prompts or num_prompts, args.max_tokens or max_tokens
     prompts = [
         [(7 * p + 3 * i) % 1000 + 1 for i in range(8 + 3 * p % 40)] for p in range(num_prompts)
     ]
-    budgets = [8, 64] if args.quick else [1, 8, 64, 256]
+    budgets = [8, 64] if args.quick else ([8, 64, 256] if args.hybrid else [1, 8, 64, 256])
     modes = {"graphs": {"enforce_eager": False}}
     if not args.quick:
         modes = {"eager": {"enforce_eager": True}, **modes}
@@ -197,9 +214,18 @@ def main() -> int:
     if args.top_p is not None:
         sampling["top_p"] = args.top_p
     base = {"target": target, "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": 16}
-    tp = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
+    engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
+    if args.hybrid:
+        # The experimental GDN tree path: float32 node states, no prefix caching (vLLM's
+        # "align" state layout), Triton GDN prefill (the host has no FlashInfer).
+        os.environ["VLLM_DDTREE_HYBRID"] = "1"
+        engine_extra.update(
+            mamba_ssm_cache_dtype="float32",
+            enable_prefix_caching=False,
+            additional_config={"gdn_prefill_backend": "triton"},
+        )
 
-    reference_kwargs = {"attention_backend": "TREE_ATTN", "enforce_eager": False, **tp}
+    reference_kwargs = {"attention_backend": "TREE_ATTN", "enforce_eager": False, **engine_extra}
     jobs = {"reference": {**base, "kwargs": reference_kwargs}}
     if not args.no_sampling:
         jobs["sampling_target"] = {**base, "kwargs": reference_kwargs, "sampling": sampling}
@@ -217,7 +243,7 @@ def main() -> int:
     for budget in budgets:
         for mode, mode_kwargs in modes.items():
             speculative = {"method": "ddtree", "model": drafter, "tree_budget": budget}
-            kwargs = {"speculative_config": speculative, **mode_kwargs, **tp}
+            kwargs = {"speculative_config": speculative, **mode_kwargs, **engine_extra}
             jobs[f"b{budget}_{mode}"] = {
                 **base,
                 "kwargs": kwargs,
@@ -227,7 +253,7 @@ def main() -> int:
     sampling_kwargs = {
         "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": 64},
         "enforce_eager": False,
-        **tp,
+        **engine_extra,
     }
     if not args.no_sampling:
         jobs["sampling_ddtree"] = {
@@ -327,7 +353,7 @@ def main() -> int:
         "prompts": num_prompts,
         "max_tokens": max_tokens,
         "tensor_parallel_size": args.tp,
-        "target": spec.__dict__,
+        "target": {**spec.__dict__, "hybrid": "Qwen3NextForCausalLM" if args.hybrid else None},
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",
         "reference": "target alone, TREE_ATTN, CUDA graphs, 16 requests at once",
         "runs": sorted(rows, key=lambda r: (r["budget"], r["mode"], r["batch"])),
@@ -342,6 +368,7 @@ def main() -> int:
         "wall_seconds": time.time() - started,
     }
     suffix = ("_quick" if args.quick else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
+    suffix += "_hybrid" if args.hybrid else ""
     suffix += f"_{args.tag}" if args.tag else ""
     with open(os.path.join(args.out, f"lossless_gpu{suffix}.json"), "w") as f:
         json.dump(summary, f, indent=1)

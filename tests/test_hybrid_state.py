@@ -72,3 +72,16 @@ def test_check_names_the_budget_that_fits():
     assert f"tree_budget <= {fits} fits" in message and "36 GDN layers" in message
     with pytest.raises(DDTreeConfigError, match="no tree_budget fits; lower max_num_seqs"):
         check_scratch_fits(shapes, 64, 8, available_bytes=GIB // 1024)
+
+
+def test_the_tiny_hybrid_target_is_a_qwen3_next_with_real_gdn_head_shapes(tmp_path):
+    from transformers import AutoConfig
+
+    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_qwen3_next
+
+    path = make_tiny_qwen3_next(str(tmp_path / "hybrid"), TinyQwen3Spec(num_hidden_layers=4))
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["Qwen3NextForCausalLM"] and not config.tie_word_embeddings
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    shapes = GDNStateShapes.from_hf_config(config)
+    assert (shapes.num_gdn_layers, shapes.head_k_dim, shapes.head_v_dim) == (3, 128, 128)

@@ -197,14 +197,10 @@ def test_ddtree_runs_on_the_v1_model_runner_even_where_vllm_would_pick_v2(
     assert tree.use_v2_model_runner is False
 
 
-def test_a_hybrid_target_is_refused_until_per_node_recurrent_state_lands(
-    tmp_path, tiny_drafter_path
-):
-    """Qwen3-Next (GatedDeltaNet + attention): a tree's branches would share recurrent state,
-    so "ddtree" is refused before any engine starts; plain "dflash" still builds."""
+def tiny_qwen3_next(path) -> str:
     from transformers import Qwen3NextConfig
 
-    target = tmp_path / "tiny-qwen3-next"
+    target = path / "tiny-qwen3-next"
     Qwen3NextConfig(
         vocab_size=1024,
         hidden_size=256,
@@ -223,8 +219,33 @@ def test_a_hybrid_target_is_refused_until_per_node_recurrent_state_lands(
         tie_word_embeddings=False,
         architectures=["Qwen3NextForCausalLM"],
     ).save_pretrained(target)
-    with pytest.raises(DDTreeConfigError, match="recurrent layers"):
-        engine_config(str(target), {"method": "ddtree", "model": tiny_drafter_path})
+    return str(target)
+
+
+def test_a_hybrid_target_is_refused_unless_the_experimental_gdn_path_is_on(
+    tmp_path, tiny_drafter_path, monkeypatch
+):
+    """Qwen3-Next (GatedDeltaNet + attention): a tree's branches would share recurrent state,
+    so "ddtree" is refused before any engine starts, naming the experimental switch; plain
+    "dflash" still builds."""
+    monkeypatch.delenv("VLLM_DDTREE_HYBRID", raising=False)
+    target = tiny_qwen3_next(tmp_path)
+    with pytest.raises(DDTreeConfigError, match="recurrent layers.*VLLM_DDTREE_HYBRID=1"):
+        engine_config(target, {"method": "ddtree", "model": tiny_drafter_path})
     chain = {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 15}
-    config = engine_config(str(target), chain)
+    config = engine_config(target, chain)
     assert config.speculative_config.method == "dflash"
+
+
+def test_the_experimental_gdn_path_needs_float32_ssm_states(
+    tmp_path, tiny_drafter_path, monkeypatch
+):
+    """With VLLM_DDTREE_HYBRID=1 a Qwen3-Next target is accepted only with float32 SSM states
+    (tree node states), and the error names the flag that sets them."""
+    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
+    target = tiny_qwen3_next(tmp_path)
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    with pytest.raises(DDTreeConfigError, match="--mamba-ssm-cache-dtype float32"):
+        engine_config(target, spec)
+    config = engine_config(target, spec, mamba_ssm_cache_dtype="float32")
+    assert get_ddtree_config(config.speculative_config).tree_budget == 8

@@ -117,22 +117,51 @@ def check_drafter_is_dflash(drafter_config: Mapping[str, Any], model: str) -> No
         )
 
 
+# Hybrid targets whose GatedDeltaNet layer (vLLM's QwenGatedDeltaNetAttention) the tree path
+# routes (vllm_ddtree.hybrid_gdn), behind VLLM_DDTREE_HYBRID=1 until checked on a GPU.
+GDN_TREE_ARCHITECTURES = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+HYBRID_ENV = "VLLM_DDTREE_HYBRID"
+
+
 def check_target_is_supported(
-    architectures: Iterable[str] | None, has_recurrent_layers: bool
+    architectures: Iterable[str] | None,
+    has_recurrent_layers: bool,
+    mamba_ssm_cache_dtype: str | None = None,
 ) -> None:
-    """Raise for a target DDTree cannot verify losslessly yet.
+    """Raise for a target DDTree cannot verify losslessly (yet).
 
     A tree's branches share one forward pass: attention isolates them with the ancestor mask,
     a recurrent layer (GatedDeltaNet, Mamba: vLLM's hybrid and state-space models) would carry
-    one branch's state into its siblings. Until per-node recurrent state lands, such targets
-    are refused before any engine process starts.
+    one branch's state into its siblings. GatedDeltaNet targets get per-node states through
+    ``vllm_ddtree.hybrid_gdn`` (experimental: ``VLLM_DDTREE_HYBRID=1``), with float32 SSM
+    states; other recurrent targets are refused before any engine process starts.
     """
-    if has_recurrent_layers:
+    if not has_recurrent_layers:
+        return
+    names = list(architectures or [])
+    experimental = os.environ.get(HYBRID_ENV, "") == "1"
+    if not experimental or not any(name in GDN_TREE_ARCHITECTURES for name in names):
+        how = (
+            f"(GatedDeltaNet targets {', '.join(GDN_TREE_ARCHITECTURES)}: experimental, "
+            f"{HYBRID_ENV}=1)"
+        )
         raise DDTreeConfigError(
-            f"method 'ddtree' does not support this target yet: {list(architectures or [])} has "
-            "recurrent layers (GatedDeltaNet/Mamba state), which a draft tree cannot share "
-            "across branches without per-node state. Use method 'dflash' (chain) for this "
-            "target, or a target whose layers are all attention."
+            f"method 'ddtree' does not support this target yet: {names} has recurrent layers "
+            "(GatedDeltaNet/Mamba state), which a draft tree cannot share across branches "
+            f"without per-node state {how}. Use method 'dflash' (chain) for this target, or a "
+            "target whose layers are all attention."
+        )
+    if mamba_ssm_cache_dtype != "float32":
+        raise DDTreeConfigError(
+            "method 'ddtree' on a GatedDeltaNet target keeps tree node states in float32: "
+            f"start the engine with --mamba-ssm-cache-dtype float32 (it is "
+            f"{mamba_ssm_cache_dtype!r})"
         )
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_build import build_trees_triton
 from vllm_ddtree.tree import DDTreeBatch, build_trees
@@ -92,6 +92,28 @@ class DDTreeProposer(DFlashProposer):
         oracle_path = os.environ.get(TEST_ORACLE_ENV)
         if self.ddtree is not None and oracle_path:
             self._oracle = _Oracle(oracle_path, vllm_config.model_config.get_vocab_size())
+        if self.ddtree is not None and vllm_config.model_config.is_hybrid:
+            self._install_hybrid_tree_path(vllm_config, device)
+        else:
+            from vllm_ddtree import hybrid_gdn
+
+            hybrid_gdn.uninstall()  # an earlier engine of this process may have installed it
+
+    def _install_hybrid_tree_path(self, vllm_config, device) -> None:
+        """GatedDeltaNet layers verify trees (``hybrid_gdn``); before any graph is captured."""
+        from vllm_ddtree import hybrid_gdn
+
+        mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
+        if mode not in (None, "none"):
+            raise DDTreeConfigError(
+                f"method 'ddtree' on a hybrid target needs mamba_cache_mode 'none' (it is "
+                f"{mode!r}): start the engine with --no-enable-prefix-caching"
+            )
+        hybrid_gdn.install(
+            max_rows=vllm_config.scheduler_config.max_num_seqs,
+            tokens_per_row=self.ddtree.tree_budget + 1,
+            device=torch.device(device),
+        )
 
     def _size_query_buffers(self, queries_per_request: int) -> None:
         """DFlash sizes its query buffers for 1 + num_speculative_tokens (= the budget) queries

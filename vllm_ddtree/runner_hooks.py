@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from tree_attn_backend import tree_verify
+from vllm_ddtree import hybrid_gdn
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.kv_commit import (
     PagedKVLayers,
@@ -204,6 +205,9 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     tree_mask = fill(trees, query_start_d, num_draft_d, counts_d, runner.positions, total_tokens)
     is_tree = (num_draft_d > 0).to(torch.int32)
     tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
+    gdn = hybrid_gdn.active_step()
+    if gdn is not None:  # hybrid target: the GDN layers read the same trees
+        gdn.publish(trees.parents, trees.num_nodes, num_draft_d)
 
 
 def _refuse_unsupported(sampling_metadata) -> None:
@@ -327,6 +331,9 @@ def _wrap_sample(original):
         step.accepted, step.num_accepted = accepted, num_accepted
         with torch.profiler.record_function("ddtree::commit_kv"):
             _commit_kv(self, step)
+            gdn = hybrid_gdn.active_step()
+            if gdn is not None:
+                gdn.commit(accepted, num_accepted, step.num_draft)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
 
     return _sample

@@ -69,6 +69,48 @@ def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int 
     return path
 
 
+def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+    """Save a random-weight hybrid target, ``Qwen3NextForCausalLM``, under ``path``: the spec's
+    vocabulary, hidden size and attention heads, GatedDeltaNet layers with 2 key / 2 value heads
+    of 128 (one full-attention layer in 4, the last), 4 experts (vLLM's Qwen3-Next needs MoE
+    layers), untied embeddings (vLLM ignores tying for Qwen3-Next)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    config = Qwen3NextConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.intermediate_size // 4,
+        shared_expert_intermediate_size=spec.intermediate_size // 4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        full_attention_interval=4,
+        initializer_range=spec.initializer_range,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.save_pretrained(path)
+    return path
+
+
 def tiny_drafter_config(
     target_spec: TinyQwen3Spec = TinyQwen3Spec(),
     num_layers: int = 1,

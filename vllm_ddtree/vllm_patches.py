@@ -163,6 +163,7 @@ def _wrap_create_speculative_config(original):
                         or target_model_config.has_inner_state
                         or target_model_config.is_attention_free
                     ),
+                    getattr(self, "mamba_ssm_cache_dtype", None),
                 )
                 ddtree = parsed
                 _choose_attention_backends(self, vllm_dict)

@@ -1,0 +1,211 @@
+"""The hybrid tree path's bookkeeping on the CPU (PyTorch references in place of the kernels):
+vLLM's speculative GDN calls routed to the trees, then the commit, give exactly the states and
+outputs of decoding the accepted tokens one by one (what the target alone does)."""
+
+import torch
+
+from vllm_ddtree.hybrid_gdn import HybridTreeStep, gdn_gates_ref
+from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d_ref
+from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta_ref
+from vllm_ddtree.tree import build_trees
+
+HK, HV, DK, DV, WIDTH = 1, 2, 4, 4, 4
+CHANNELS = 2 * HK * DK + HV * DV
+
+
+def split_qkv(y: torch.Tensor):
+    """Conv output ``[n, C]`` -> q, k ``[1, n, Hk, K]`` and v ``[1, n, Hv, V]`` (vLLM's split)."""
+    q, k, v = y.split([HK * DK, HK * DK, HV * DV], dim=-1)
+    return q.reshape(1, -1, HK, DK), k.reshape(1, -1, HK, DK), v.reshape(1, -1, HV, DV)
+
+
+class Layer:
+    """One GDN layer's weights and vLLM-layout caches (block 0 is vLLM's null block)."""
+
+    def __init__(self, num_reqs: int, budget: int, gen: torch.Generator):
+        blocks = 1 + num_reqs * (1 + budget)
+        # vLLM's default conv layout is window-first [blocks, K - 1 + B, C]; the layer passes
+        # the [blocks, C, K - 1 + B] view.
+        self.conv_cache = torch.randn(blocks, WIDTH - 1 + budget, CHANNELS, generator=gen)
+        self.ssm_cache = torch.randn(blocks, HV, DV, DK, generator=gen) * 0.3  # [Hv, V, K]
+        self.weight = torch.randn(CHANNELS, WIDTH, generator=gen) * 0.5
+        self.bias = torch.randn(CHANNELS, generator=gen) * 0.1
+        self.A_log = torch.randn(HV, generator=gen) * 0.3
+        self.dt_bias = torch.randn(HV, generator=gen) * 0.3
+
+    def conv_view(self) -> torch.Tensor:
+        return self.conv_cache.transpose(1, 2)
+
+
+def chain_outputs(layer: Layer, window, state, x, a, b):
+    """Decode ``x`` ``[n, C]`` token by token from the conv ``window`` ``[C, K - 1]`` and SSM
+    ``state`` ``[Hv, K, V]``: outputs ``[n, Hv, V]``, final state, last ``K - 1`` inputs."""
+    n = x.shape[0]
+    chain = torch.arange(-1, n - 1).unsqueeze(0)
+    y = tree_causal_conv1d_ref(
+        x.unsqueeze(0),
+        chain,
+        torch.tensor([n]),
+        window.unsqueeze(0),
+        torch.tensor([0]),
+        layer.weight,
+        layer.bias,
+        "silu",
+    )[0]
+    q, k, v = split_qkv(y)
+    g, _ = gdn_gates_ref(layer.A_log, a, b, layer.dt_bias)
+    beta = torch.sigmoid(b.float())
+    pool = torch.zeros(n + 1, HV, DK, DV)
+    pool[n] = state
+    out = tree_gated_delta_ref(
+        q,
+        k,
+        v,
+        g.view(1, n, HV),
+        beta.view(1, n, HV),
+        chain,
+        torch.tensor([n]),
+        pool,
+        torch.tensor([n]),
+        torch.arange(n).unsqueeze(0),
+    )[0]
+    history = torch.cat([window, x.T.to(window.dtype)], dim=1)[:, -(WIDTH - 1) :]
+    return out, pool[n - 1], history
+
+
+def tree_step(step, layer, table, num_accepted, gen, budget, depth):
+    """One verify forward of the layer through the step's dispatch targets."""
+    num_reqs, tokens = table.shape
+    trees = build_trees(torch.randn(num_reqs, depth, 3, generator=gen) * 2, budget)
+    num_draft = torch.full((num_reqs,), budget)
+    step.publish(trees.parents, trees.num_nodes, num_draft)
+    x = torch.randn(num_reqs * tokens, CHANNELS, generator=gen)
+    a = torch.randn(num_reqs * tokens, HV, generator=gen)
+    b = torch.randn(num_reqs * tokens, HV, generator=gen)
+    y = step.tree_conv(x, layer.conv_view(), layer.weight, layer.bias, "silu", table[:, 0], tokens)
+    q, k, v = split_qkv(y)
+    out, _ = step.tree_recurrence(
+        layer.A_log, a, b, layer.dt_bias, q, k, v, layer.ssm_cache, table, num_accepted, True
+    )
+    return (
+        trees,
+        num_draft,
+        x.view(num_reqs, tokens, -1),
+        a,
+        b,
+        out[0].view(num_reqs, tokens, HV, DV),
+    )
+
+
+def test_two_tree_steps_continue_exactly_where_decoding_the_accepted_tokens_would():
+    gen = torch.Generator().manual_seed(0)
+    num_reqs, budget, depth = 2, 6, 4
+    tokens = budget + 1
+    layer = Layer(num_reqs, budget, gen)
+    table = (1 + torch.arange(num_reqs * tokens)).view(num_reqs, tokens).to(torch.int32)
+    step = HybridTreeStep(max_rows=4, tokens_per_row=tokens, device=torch.device("cpu"))
+    # The committed state each request starts from (vLLM: block [r, num_accepted - 1] = 0).
+    window = [layer.conv_view()[int(table[r, 0]), :, : WIDTH - 1].clone() for r in range(num_reqs)]
+    state = [layer.ssm_cache[int(table[r, 0])].transpose(-1, -2).clone() for r in range(num_reqs)]
+    num_accepted = torch.ones(num_reqs, dtype=torch.int32)
+    for _ in range(2):
+        trees, num_draft, x, a, b, out = tree_step(
+            step, layer, table, num_accepted, gen, budget, depth
+        )
+        # Accept a path per request (the walk's output format): request 0 the path to its
+        # last node (a side branch), the others the path to their deepest node.
+        accepted = torch.full((num_reqs, depth + 1), -1, dtype=torch.long)
+        taken = torch.zeros(num_reqs, dtype=torch.long)
+        for r in range(num_reqs):
+            count = int(trees.num_nodes[r])
+            node = count if r == 0 else int(trees.depths[r, :count].argmax()) + 1
+            path = [node]
+            while path[-1] != 0:
+                path.append(int(trees.parents[r, path[-1] - 1]))
+            path.reverse()
+            if r == 0:
+                assert path != list(range(len(path))), "a branch, not the first-child chain"
+            accepted[r, : len(path)] = torch.tensor(path)
+            taken[r] = len(path) - 1
+            rows = torch.tensor(path)
+            want, want_state, want_window = chain_outputs(
+                layer,
+                window[r],
+                state[r],
+                x[r, rows],
+                a.view(num_reqs, tokens, HV)[r, rows],
+                b.view(num_reqs, tokens, HV)[r, rows],
+            )
+            torch.testing.assert_close(out[r, rows], want, atol=1e-5, rtol=1e-5)
+            window[r], state[r] = want_window, want_state
+        step.commit(accepted, taken, num_draft)
+        num_accepted = (taken + 1).to(torch.int32)  # vLLM's count: accepted drafts + bonus
+        for r in range(num_reqs):
+            block = int(table[r, int(taken[r])])
+            got_state = layer.ssm_cache[block].transpose(-1, -2)
+            torch.testing.assert_close(got_state, state[r], atol=1e-5, rtol=1e-5)
+            got_window = layer.conv_view()[int(table[r, 0]), :, : WIDTH - 1]
+            torch.testing.assert_close(got_window, window[r])
+
+
+def test_install_routes_only_the_speculative_gdn_calls(monkeypatch):
+    """vLLM's module-level functions are wrapped: the speculative calls (those with
+    ``num_accepted_tokens``) go to the tree step, every other call to vLLM's function;
+    after ``uninstall`` everything goes to vLLM's function."""
+    import importlib
+
+    from vllm_ddtree import hybrid_gdn
+
+    module = importlib.import_module(hybrid_gdn.GDN_MODULE)
+    calls = []
+    monkeypatch.setattr(module, "causal_conv1d_update", lambda *a, **k: calls.append("conv"))
+    monkeypatch.setattr(
+        module, "fused_sigmoid_gating_delta_rule_update", lambda *a, **k: calls.append("rec")
+    )
+    monkeypatch.setattr(hybrid_gdn, "_ACTIVE", None)
+    step = hybrid_gdn.install(max_rows=2, tokens_per_row=3, device=torch.device("cpu"))
+    monkeypatch.setattr(step, "tree_conv", lambda *a: calls.append("tree_conv"))
+    monkeypatch.setattr(step, "tree_recurrence", lambda *a: calls.append("tree_rec"))
+    indices = torch.zeros(2, 3, dtype=torch.int32)
+    conv, rec = module.causal_conv1d_update, module.fused_sigmoid_gating_delta_rule_update
+    conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], validate_data=True)  # decode
+    conv(
+        1,
+        2,
+        3,
+        4,
+        "silu",
+        conv_state_indices=indices[:, 0],
+        num_accepted_tokens=indices[0],
+        query_start_loc=indices[0],
+        max_query_len=3,
+    )
+    rec(q=1, ssm_state_indices=indices[:, 0], num_accepted_tokens=None)  # plain decode
+    rec(
+        A_log=1,
+        a=2,
+        b=3,
+        dt_bias=4,
+        q=5,
+        k=6,
+        v=7,
+        initial_state=8,
+        ssm_state_indices=indices,
+        num_accepted_tokens=indices[0],
+    )
+    assert calls == ["conv", "tree_conv", "rec", "tree_rec"]
+    assert hybrid_gdn.install(2, 3, torch.device("cpu")) is hybrid_gdn.active_step()
+    assert module.causal_conv1d_update is conv, "installing twice does not wrap twice"
+    hybrid_gdn.uninstall()
+    conv(
+        1,
+        2,
+        3,
+        4,
+        "silu",
+        conv_state_indices=indices[:, 0],
+        num_accepted_tokens=indices[0],
+        query_start_loc=indices[0],
+        max_query_len=3,
+    )
+    assert calls[-1] == "conv"

