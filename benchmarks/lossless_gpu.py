@@ -58,7 +58,7 @@ def run_engine(job: dict) -> dict:
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=max(4096, (budget + 1) * job["max_num_seqs"]),
         gpu_memory_utilization=0.04,
-        kv_cache_memory_bytes=2 << 30,
+        kv_cache_memory_bytes=job.get("kv_cache_bytes", 2 << 30),
         seed=0,
         disable_log_stats=False,
         **kwargs,
@@ -214,6 +214,9 @@ def main() -> int:
     if args.top_p is not None:
         sampling["top_p"] = args.top_p
     base = {"target": target, "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": 16}
+    if args.hybrid:
+        # vLLM's speculative GDN layout keeps 1 + budget state blocks per sequence.
+        base["kv_cache_bytes"] = 12 << 30
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
     if args.hybrid:
         # The experimental GDN tree path: float32 node states, no prefix caching (vLLM's
