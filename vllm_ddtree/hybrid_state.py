@@ -1,18 +1,22 @@
 """GatedDeltaNet state of a draft tree on hybrid targets: where it lives, what it costs, fits.
 
-Where the state lives. For a chain, vLLM 0.26.0 keeps ``1 + num_speculative_tokens`` state
-blocks per request for the request's lifetime, each a full conv window and SSM state of every
-GDN layer (``MambaSpec.num_speculative_blocks``). Extended to trees that is ``1 + budget``
-blocks per request: ``slot_layout_bytes``, far beyond a GPU at useful budgets on real hybrids.
-DDTree keeps vLLM's committed block only and puts the tree's states in a per-step scratch pool
-shared by the batch and reused layer after layer (layers run one after another): the tree
-kernel (``ops/tree_gated_delta.py``) writes each node's SSM state there in float32 and reads
-its parent's; the accepted path is then replayed from the committed state along the path
-(at most ``depth + 1`` tokens per layer) from the node inputs kept for the step, so the
-committed state is exactly the one target-only decoding reaches. ``scratch_layout_bytes``.
+Two layouts. vLLM 0.26.0 keeps, for a chain, ``1 + num_speculative_tokens`` state blocks per
+request for the request's lifetime, each a full conv window and SSM state of every GDN layer
+(``MambaSpec.num_speculative_blocks``). Extended to trees that is ``1 + budget`` blocks per
+request (``slot_layout_bytes``): what the experimental tree path (``hybrid_gdn``) uses now,
+since vLLM allocates and indexes it, and fine for small models and budgets, but tens of times
+what a GPU can spare at useful budgets on real hybrids.
 
-Sizes are per tensor-parallel rank (heads sharded). SSM states in float32 by default: bf16
-node states drift along deep paths and would break exactness.
+The scratch layout (``scratch_layout_bytes``; the next step): vLLM's committed block only, plus
+a per-step scratch pool shared by the batch and reused layer after layer (layers run one after
+another): the tree kernel (``ops/tree_gated_delta.py``, which reads committed states straight
+from vLLM's cache) writes each node's SSM state there in float32 and reads its parent's; the
+accepted path is then replayed from the committed state as a chain (at most ``depth + 1``
+tokens per layer) from the node inputs kept for the step, so the committed state is exactly the
+one target-only decoding reaches. ``check_scratch_fits`` names the budget that fits.
+
+Sizes are per tensor-parallel rank (heads sharded). SSM states in float32: bf16 node states
+drift along deep paths and would break exactness.
 """
 
 from __future__ import annotations
