@@ -164,15 +164,16 @@ class HybridTreeStep:
         num_k_heads, head_k = q.shape[-2:]
         num_v_heads, head_v = v.shape[-2:]
         on_gpu = use_triton(q.device)
+        a, b = a[:count].contiguous(), b[:count].contiguous()  # Qwen3-Next's are split views
         if on_gpu:
             from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
                 fused_gdn_gating,
             )
 
-            gate, _ = fused_gdn_gating(A_log, a[:count], b[:count], dt_bias)  # f32 [1, n, Hv]
+            gate, _ = fused_gdn_gating(A_log, a, b, dt_bias)  # float32 [1, n, Hv]
         else:
-            gate, _ = gdn_gates_ref(A_log, a[:count], b[:count], dt_bias)
-        beta = torch.sigmoid(b[:count].float())  # in float32, as vLLM's fused kernels do
+            gate, _ = gdn_gates_ref(A_log, a, b, dt_bias)
+        beta = torch.sigmoid(b.float())  # in float32, as vLLM's fused kernels do
 
         def rows_of(t, heads, dim):
             return t.reshape(-1, heads, dim)[:count].reshape(num_rows, tokens, heads, dim)
