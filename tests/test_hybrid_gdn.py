@@ -168,18 +168,9 @@ def test_install_routes_only_the_speculative_gdn_calls(monkeypatch):
     monkeypatch.setattr(step, "tree_recurrence", lambda *a: calls.append("tree_rec"))
     indices = torch.zeros(2, 3, dtype=torch.int32)
     conv, rec = module.causal_conv1d_update, module.fused_sigmoid_gating_delta_rule_update
+    speculative = dict(num_accepted_tokens=indices[0], query_start_loc=indices[0], max_query_len=3)
     conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], validate_data=True)  # decode
-    conv(
-        1,
-        2,
-        3,
-        4,
-        "silu",
-        conv_state_indices=indices[:, 0],
-        num_accepted_tokens=indices[0],
-        query_start_loc=indices[0],
-        max_query_len=3,
-    )
+    conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], **speculative)
     rec(q=1, ssm_state_indices=indices[:, 0], num_accepted_tokens=None)  # plain decode
     rec(
         A_log=1,
@@ -197,15 +188,5 @@ def test_install_routes_only_the_speculative_gdn_calls(monkeypatch):
     assert hybrid_gdn.install(2, 3, torch.device("cpu")) is hybrid_gdn.active_step()
     assert module.causal_conv1d_update is conv, "installing twice does not wrap twice"
     hybrid_gdn.uninstall()
-    conv(
-        1,
-        2,
-        3,
-        4,
-        "silu",
-        conv_state_indices=indices[:, 0],
-        num_accepted_tokens=indices[0],
-        query_start_loc=indices[0],
-        max_query_len=3,
-    )
+    conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], **speculative)
     assert calls[-1] == "conv"

@@ -34,11 +34,10 @@ class TinyQwen3Spec:
     max_position_embeddings: int = 4096
 
 
-def tiny_qwen3_config(spec: TinyQwen3Spec = TinyQwen3Spec()):
-    """The transformers ``Qwen3Config`` of a tiny target (untied, no special tokens)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
+def _config_fields(spec: TinyQwen3Spec) -> dict:
+    """The config fields every tiny target shares: the spec's shapes, untied embeddings, no
+    special tokens."""
+    return dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -53,6 +52,13 @@ def tiny_qwen3_config(spec: TinyQwen3Spec = TinyQwen3Spec()):
         eos_token_id=None,
         pad_token_id=None,
     )
+
+
+def tiny_qwen3_config(spec: TinyQwen3Spec = TinyQwen3Spec()):
+    """The transformers ``Qwen3Config`` of a tiny target (untied, no special tokens)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_config_fields(spec))
 
 
 def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
@@ -79,13 +85,7 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     config = Qwen3NextConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate_size,
+        **_config_fields(spec),
         moe_intermediate_size=spec.intermediate_size // 4,
         shared_expert_intermediate_size=spec.intermediate_size // 4,
         num_experts=4,
@@ -95,12 +95,6 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         full_attention_interval=4,
-        initializer_range=spec.initializer_range,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
         architectures=["Qwen3NextForCausalLM"],
     )
     torch.manual_seed(seed)
