@@ -73,28 +73,47 @@ def chain_outputs(layer: Layer, window, state, x, a, b):
     return out, pool[n - 1], history
 
 
-def tree_step(step, layer, table, num_accepted, gen, budget, depth):
-    """One verify forward of the layer through the step's dispatch targets."""
+def tree_step(step, layer, table, num_accepted, gen, budget, depth, num_draft):
+    """One verify forward of the layer through the step's dispatch targets. Row ``r`` has
+    ``1 + num_draft[r]`` tokens (vLLM may schedule fewer drafts than the budget; the tree is
+    then cut to its first ``num_draft[r]`` nodes, as the runner hooks do). Returns the trees and
+    per-row views ``[R, 1 + B, ...]`` of the inputs and outputs (zeros past a row's end)."""
     num_reqs, tokens = table.shape
     trees = build_trees(torch.randn(num_reqs, depth, 3, generator=gen) * 2, budget)
-    num_draft = torch.full((num_reqs,), budget)
+    trees.num_nodes = torch.minimum(trees.num_nodes, num_draft)
     step.publish(trees.parents, trees.num_nodes, num_draft)
-    x = torch.randn(num_reqs * tokens, CHANNELS, generator=gen)
-    a = torch.randn(num_reqs * tokens, HV, generator=gen)
-    b = torch.randn(num_reqs * tokens, HV, generator=gen)
-    y = step.tree_conv(x, layer.conv_view(), layer.weight, layer.bias, "silu", table[:, 0], tokens)
+    lengths = 1 + num_draft
+    query_start = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    total = int(query_start[-1])
+    x = torch.randn(total, CHANNELS, generator=gen)
+    a = torch.randn(total, HV, generator=gen)
+    b = torch.randn(total, HV, generator=gen)
+    y = step.tree_conv(
+        x, layer.conv_view(), layer.weight, layer.bias, "silu", table[:, 0], query_start, tokens
+    )
     q, k, v = split_qkv(y)
     out, _ = step.tree_recurrence(
-        layer.A_log, a, b, layer.dt_bias, q, k, v, layer.ssm_cache, table, num_accepted, True
-    )
-    return (
-        trees,
-        num_draft,
-        x.view(num_reqs, tokens, -1),
+        layer.A_log,
         a,
         b,
-        out[0].view(num_reqs, tokens, HV, DV),
+        layer.dt_bias,
+        q,
+        k,
+        v,
+        layer.ssm_cache,
+        query_start,
+        table,
+        num_accepted,
+        True,
     )
+
+    def per_row(flat):
+        rows = flat.new_zeros((num_reqs, tokens, *flat.shape[1:]))
+        for r in range(num_reqs):
+            rows[r, : int(lengths[r])] = flat[int(query_start[r]) : int(query_start[r + 1])]
+        return rows
+
+    return trees, per_row(x), per_row(a), per_row(b), per_row(out[0])
 
 
 def test_two_tree_steps_continue_exactly_where_decoding_the_accepted_tokens_would():
@@ -108,9 +127,10 @@ def test_two_tree_steps_continue_exactly_where_decoding_the_accepted_tokens_woul
     window = [layer.conv_view()[int(table[r, 0]), :, : WIDTH - 1].clone() for r in range(num_reqs)]
     state = [layer.ssm_cache[int(table[r, 0])].transpose(-1, -2).clone() for r in range(num_reqs)]
     num_accepted = torch.ones(num_reqs, dtype=torch.int32)
-    for _ in range(2):
-        trees, num_draft, x, a, b, out = tree_step(
-            step, layer, table, num_accepted, gen, budget, depth
+    # Step 1: full rows; step 2: request 1 gets 2 drafts fewer than the budget.
+    for num_draft in (torch.tensor([budget, budget]), torch.tensor([budget, budget - 2])):
+        trees, x, a, b, out = tree_step(
+            step, layer, table, num_accepted, gen, budget, depth, num_draft
         )
         # Accept a path per request (the walk's output format): request 0 the path to its
         # last node (a side branch), the others the path to their deepest node.
@@ -133,8 +153,8 @@ def test_two_tree_steps_continue_exactly_where_decoding_the_accepted_tokens_woul
                 window[r],
                 state[r],
                 x[r, rows],
-                a.view(num_reqs, tokens, HV)[r, rows],
-                b.view(num_reqs, tokens, HV)[r, rows],
+                a[r, rows],
+                b[r, rows],
             )
             torch.testing.assert_close(out[r, rows], want, atol=1e-5, rtol=1e-5)
             window[r], state[r] = want_window, want_state
@@ -173,6 +193,7 @@ def test_install_routes_only_the_speculative_gdn_calls(monkeypatch):
     conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], **speculative)
     rec(q=1, ssm_state_indices=indices[:, 0], num_accepted_tokens=None)  # plain decode
     rec(
+        cu_seqlens=indices[0],
         A_log=1,
         a=2,
         b=3,

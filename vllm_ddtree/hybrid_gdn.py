@@ -117,18 +117,52 @@ class HybridTreeStep:
             self.layers[key] = layer
         return layer
 
-    def tree_conv(self, x, conv_state, weight, bias, activation, conv_state_indices, max_query_len):
-        """vLLM's speculative ``causal_conv1d_update`` over trees: ``x`` ``[S * T, C]`` (rows
-        of ``T = max_query_len`` tokens), ``conv_state`` ``[blocks, C, K - 1 + B]``."""
-        num_rows, tokens = conv_state_indices.shape[0], int(max_query_len)
-        assert tokens == self.tokens_per_row, "DDTree verify rows are 1 + tree_budget tokens"
+    def _token_index(self, query_start_loc: torch.Tensor, num_rows: int, total: int):
+        """long ``[S, T]``: the flat token of each row's tree index, ``total`` (a spare slot)
+        past a row's end (vLLM may schedule fewer drafts than the budget, e.g. near
+        ``max_model_len``; the trees were cut to match)."""
+        starts = query_start_loc[: num_rows + 1].long()
+        offsets = torch.arange(self.tokens_per_row, device=starts.device)
+        index = starts[:num_rows, None] + offsets[None, :]
+        inside = offsets[None, :] < (starts[1:] - starts[:-1])[:, None]
+        return torch.where(inside, index, total)
+
+    @staticmethod
+    def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``flat`` ``[n, ...]`` -> ``[S, T, ...]`` (zeros at the spare index ``n``)."""
+        padded = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
+        return padded[index]
+
+    @staticmethod
+    def _scatter(rows: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
+        """``rows`` ``[S, T, ...]`` -> ``[total, ...]`` (what lies past a row's end dropped)."""
+        out = rows.new_zeros((total + 1, *rows.shape[2:]))
+        out.index_copy_(0, index.flatten(), rows.flatten(0, 1))
+        return out[:total]
+
+    def tree_conv(
+        self,
+        x,
+        conv_state,
+        weight,
+        bias,
+        activation,
+        conv_state_indices,
+        query_start_loc,
+        max_query_len,
+    ):
+        """vLLM's speculative ``causal_conv1d_update`` over trees: ``x`` ``[n, C]`` (row ``s``
+        from ``query_start_loc[s]``), ``conv_state`` ``[blocks, C, K - 1 + B]``; returns
+        ``[n, C]``."""
+        num_rows, total = conv_state_indices.shape[0], x.shape[0]
+        assert int(max_query_len) == self.tokens_per_row, "verify rows are 1 + tree_budget"
         width = weight.shape[-1]
         layer = self._layer(conv_state, x, width)
-        layer.inputs[:num_rows].copy_(x[: num_rows * tokens].reshape(num_rows, tokens, -1))
+        index = self._token_index(query_start_loc, num_rows, total)
+        layer.inputs[:num_rows].copy_(self._gather(x, index))
         layer.conv_blocks[:num_rows].copy_(conv_state_indices)
-        out = torch.zeros_like(x)
         conv = tree_causal_conv1d if use_triton(x.device) else tree_causal_conv1d_ref
-        out[: num_rows * tokens] = conv(
+        rows = conv(
             layer.inputs[:num_rows],
             self.parents[:num_rows],
             self.num_tokens[:num_rows],
@@ -137,9 +171,9 @@ class HybridTreeStep:
             weight,
             bias,
             activation="silu" if activation in (True, "silu", "swish") else None,
-        ).reshape(num_rows * tokens, -1)
+        )
         self._conv_layer = layer
-        return out
+        return self._scatter(rows, index, total)
 
     def tree_recurrence(
         self,
@@ -151,20 +185,22 @@ class HybridTreeStep:
         k,
         v,
         initial_state,
+        cu_seqlens,
         ssm_state_indices,
         num_accepted_tokens,
         use_qk_l2norm_in_kernel,
     ):
         """vLLM's speculative ``fused_sigmoid_gating_delta_rule_update`` over trees: ``q``/``k``
-        ``[1, S * T, Hk, K]``, ``v`` ``[1, S * T, Hv, V]``, ``a``/``b`` ``[>= S * T, Hv]``,
-        ``initial_state`` float32 ``[blocks, Hv, V, K]``, ``ssm_state_indices`` ``[S, T]``.
-        Returns ``(out [1, tokens, Hv, V], initial_state)`` like vLLM's function."""
-        num_rows, tokens = ssm_state_indices.shape
-        count = num_rows * tokens
+        ``[1, n, Hk, K]``, ``v`` ``[1, n, Hv, V]`` (row ``s`` from ``cu_seqlens[s]``),
+        ``a``/``b`` ``[>= n, Hv]``, ``initial_state`` float32 ``[blocks, Hv, V, K]``,
+        ``ssm_state_indices`` ``[S, 1 + B]``. Returns ``(out [1, n, Hv, V], initial_state)``
+        like vLLM's function."""
+        num_rows = ssm_state_indices.shape[0]
+        total = q.shape[1]
         num_k_heads, head_k = q.shape[-2:]
         num_v_heads, head_v = v.shape[-2:]
         on_gpu = use_triton(q.device)
-        a, b = a[:count].contiguous(), b[:count].contiguous()  # Qwen3-Next's are split views
+        a, b = a[:total].contiguous(), b[:total].contiguous()  # Qwen3-Next's are split views
         if on_gpu:
             from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
                 fused_gdn_gating,
@@ -174,20 +210,21 @@ class HybridTreeStep:
         else:
             gate, _ = gdn_gates_ref(A_log, a, b, dt_bias)
         beta = torch.sigmoid(b.float())  # in float32, as vLLM's fused kernels do
+        index = self._token_index(cu_seqlens, num_rows, total)
 
         def rows_of(t, heads, dim):
-            return t.reshape(-1, heads, dim)[:count].reshape(num_rows, tokens, heads, dim)
+            return self._gather(t.reshape(total, heads, dim), index).contiguous()
 
         start = ssm_state_indices.long().gather(
             1, (num_accepted_tokens[:num_rows].long() - 1).clamp(min=0).unsqueeze(1)
         )
         recurrence = tree_gated_delta if on_gpu else tree_gated_delta_ref
         out = recurrence(
-            rows_of(q, num_k_heads, head_k).contiguous(),
-            rows_of(k, num_k_heads, head_k).contiguous(),
-            rows_of(v, num_v_heads, head_v).contiguous(),
-            gate.reshape(num_rows, tokens, num_v_heads).contiguous(),
-            beta.reshape(num_rows, tokens, num_v_heads).contiguous(),
+            rows_of(q, num_k_heads, head_k),
+            rows_of(k, num_k_heads, head_k),
+            rows_of(v, num_v_heads, head_v),
+            self._gather(gate[0], index).contiguous(),
+            self._gather(beta, index).contiguous(),
             self.parents[:num_rows],
             self.num_tokens[:num_rows],
             initial_state.transpose(-1, -2),
@@ -200,12 +237,10 @@ class HybridTreeStep:
         if layer.ssm_blocks is None:
             layer.ssm_state = initial_state
             layer.ssm_blocks = torch.zeros(
-                self.max_rows + 1, tokens, dtype=torch.int32, device=q.device
+                self.max_rows + 1, self.tokens_per_row, dtype=torch.int32, device=q.device
             )
         layer.ssm_blocks[:num_rows].copy_(ssm_state_indices)
-        full = torch.zeros((1, q.shape[1], num_v_heads, head_v), dtype=v.dtype, device=v.device)
-        full[0, :count] = out.reshape(count, num_v_heads, head_v)
-        return full, initial_state
+        return self._scatter(out, index, total).unsqueeze(0), initial_state
 
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor):
         """After the walk: ``accepted`` long ``[R, L + 1]`` (tree indices, root first),
@@ -270,7 +305,10 @@ def _is_tree_conv_call(kwargs: dict) -> bool:
 def _is_tree_recurrence_call(kwargs: dict) -> bool:
     indices = kwargs.get("ssm_state_indices")
     return (
-        kwargs.get("num_accepted_tokens") is not None and indices is not None and indices.dim() == 2
+        kwargs.get("num_accepted_tokens") is not None
+        and kwargs.get("cu_seqlens") is not None
+        and indices is not None
+        and indices.dim() == 2
     )
 
 
@@ -288,6 +326,7 @@ def _conv_dispatcher(original):
             given.get("bias"),
             given.get("activation"),
             given["conv_state_indices"],
+            given["query_start_loc"],
             given["max_query_len"],
         )
 
@@ -309,6 +348,7 @@ def _recurrence_dispatcher(original):
             kwargs["k"],
             kwargs["v"],
             kwargs["initial_state"],
+            kwargs["cu_seqlens"],
             kwargs["ssm_state_indices"],
             kwargs["num_accepted_tokens"],
             kwargs.get("use_qk_l2norm_in_kernel", False),
