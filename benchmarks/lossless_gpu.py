@@ -218,6 +218,8 @@ def main() -> int:
         # vLLM's speculative GDN layout keeps 1 + budget state blocks per sequence.
         base["kv_cache_bytes"] = 12 << 30
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
+    if args.tp > 1:
+        os.environ["VLLM_DDTREE_CHECK_RANKS"] = "1"  # every step: all ranks' trees agree
     if args.hybrid:
         # The experimental GDN tree path: float32 node states, no prefix caching (vLLM's
         # "align" state layout), Triton GDN prefill (the host has no FlashInfer).

