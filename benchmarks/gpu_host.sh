@@ -96,8 +96,9 @@ case "$STEP" in
     (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200 ;;
   tp-pair)
-    # Two GPUs: the lossless grid at tensor parallel 2, beside the real pair in bf16 against the
-    # target alone (lossless_pair.py; needs prepare's checkpoint, DRAFTER and the prompts).
+    # Two GPUs: the lossless grid at tensor parallel 2, beside the real pair against the target
+    # alone (lossless_pair.py, PAIR_DTYPES="bfloat16 float32"; needs prepare's checkpoint,
+    # DRAFTER and the prompts).
     [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
     # TP_PARALLEL / 2 engines at once (the budget-8 engine of a run with 3 at once died in vLLM's
     # custom all-reduce while capturing graphs; 2 = one engine at a time).
@@ -105,10 +106,12 @@ case "$STEP" in
       --budgets "${TP_BUDGETS:-8,64}" \
       --modes graphs --out "$OUT" > "$OUT/lossless_gpu_tp2.log" 2>&1 &
     TP=$!
-    timeout 420 python3 benchmarks/lossless_pair.py --target /tmp/train/SmolLM2-135M-Instruct \
-      --drafter "${DRAFTER:-/tmp/drafter}" --prompts /tmp/prompts.json --out "$OUT" \
-      > "$OUT/lossless_pair.log" 2>&1
-    echo "pair rc=$?"; grep -E '^\{' "$OUT/lossless_pair.log" | cut -c1-300
+    for dtype in ${PAIR_DTYPES:-bfloat16}; do
+      timeout 420 python3 benchmarks/lossless_pair.py --target /tmp/train/SmolLM2-135M-Instruct \
+        --drafter "${DRAFTER:-/tmp/drafter}" --prompts /tmp/prompts.json --out "$OUT" \
+        --dtype "$dtype" --work "/tmp/vllm-ddtree-pair-$dtype" > "$OUT/lossless_pair_$dtype.log" 2>&1
+      echo "pair $dtype rc=$?"; grep -E '^\{' "$OUT/lossless_pair_$dtype.log" | cut -c1-300
+    done
     wait $TP; echo "tp rc=$?"
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_tp2.log" | cut -c1-300 ;;
   hybrid)

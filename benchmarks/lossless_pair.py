@@ -6,7 +6,8 @@ forward (1 token for AR, a 16-token chain, a 65-node tree), so near-ties can fli
 separates the two causes: DDTree (TREE_ATTN) is compared with the target alone through TREE_ATTN
 (the same attention kernel) and with the target alone on vLLM's default backend, batch 1 and
 16, and every divergence is reported with the target's float32 top-2 logit gap there (a gap near
-zero is a bf16 tie, a large gap is a bug).
+zero is a bf16 tie, a large gap is a bug). With ``--dtype float32`` DDTree and the target alone
+through TREE_ATTN should agree token for token (results ``lossless_pair_float32.json``).
 
     python benchmarks/lossless_pair.py --target DIR --drafter DIR --prompts prompts.json --out DIR
 """
@@ -51,7 +52,9 @@ def main() -> int:
     parser.add_argument("--per-dataset", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--budgets", default="16,64")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="float32: the pair's exactness check (fewer ties)"
+    )
     parser.add_argument("--parallel", type=int, default=4)
     args = parser.parse_args()
 
@@ -131,7 +134,8 @@ def main() -> int:
         "wall_seconds": time.time() - started,
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "lossless_pair.json"), "w") as f:
+    suffix = "" if args.dtype == "bfloat16" else f"_{args.dtype}"
+    with open(os.path.join(args.out, f"lossless_pair{suffix}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps({"ar_tree_attn_vs_ar_default": backends}))
     return 0 if rows and not any("error" in r for r in rows) else 1
