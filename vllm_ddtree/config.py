@@ -133,6 +133,7 @@ def check_target_is_supported(
     architectures: Iterable[str] | None,
     has_recurrent_layers: bool,
     mamba_ssm_cache_dtype: str | None = None,
+    prefix_caching: bool = False,
 ) -> None:
     """Raise for a target DDTree cannot verify losslessly (yet).
 
@@ -140,7 +141,8 @@ def check_target_is_supported(
     a recurrent layer (GatedDeltaNet, Mamba: vLLM's hybrid and state-space models) would carry
     one branch's state into its siblings. GatedDeltaNet targets get per-node states through
     ``vllm_ddtree.hybrid_gdn`` (experimental: ``VLLM_DDTREE_HYBRID=1``), with float32 SSM
-    states; other recurrent targets are refused before any engine process starts.
+    states and without prefix caching (vLLM's "align"/"all" state layouts move states between
+    blocks); other recurrent targets are refused before any engine process starts.
     """
     if not has_recurrent_layers:
         return
@@ -162,6 +164,11 @@ def check_target_is_supported(
             "method 'ddtree' on a GatedDeltaNet target keeps tree node states in float32: "
             f"start the engine with --mamba-ssm-cache-dtype float32 (it is "
             f"{mamba_ssm_cache_dtype!r})"
+        )
+    if prefix_caching:
+        raise DDTreeConfigError(
+            "method 'ddtree' on a GatedDeltaNet target needs vLLM's plain state layout "
+            "(mamba_cache_mode 'none'): start the engine with --no-enable-prefix-caching"
         )
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError
+from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_build import build_trees_triton
 from vllm_ddtree.tree import DDTreeBatch, build_trees
@@ -100,15 +100,11 @@ class DDTreeProposer(DFlashProposer):
             hybrid_gdn.uninstall()  # an earlier engine of this process may have installed it
 
     def _install_hybrid_tree_path(self, vllm_config, device) -> None:
-        """GatedDeltaNet layers verify trees (``hybrid_gdn``); before any graph is captured."""
+        """GatedDeltaNet layers verify trees (``hybrid_gdn``); before any graph is captured.
+        (The float32 states and plain state layout it needs were checked before the engine
+        started: ``config.check_target_is_supported``.)"""
         from vllm_ddtree import hybrid_gdn
 
-        mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
-        if mode not in (None, "none"):
-            raise DDTreeConfigError(
-                f"method 'ddtree' on a hybrid target needs mamba_cache_mode 'none' (it is "
-                f"{mode!r}): start the engine with --no-enable-prefix-caching"
-            )
         hybrid_gdn.install(
             max_rows=vllm_config.scheduler_config.max_num_seqs,
             tokens_per_row=self.ddtree.tree_budget + 1,

@@ -164,6 +164,8 @@ def _wrap_create_speculative_config(original):
                         or target_model_config.is_attention_free
                     ),
                     getattr(self, "mamba_ssm_cache_dtype", None),
+                    bool(getattr(self, "enable_prefix_caching", False))
+                    or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
                 )
                 ddtree = parsed
                 _choose_attention_backends(self, vllm_dict)
