@@ -212,8 +212,8 @@ class HybridTreeStep:
         beta = torch.sigmoid(b.float())  # in float32, as vLLM's fused kernels do
         index = self._token_index(cu_seqlens, num_rows, total)
 
-        def rows_of(t, heads, dim):
-            return self._gather(t.reshape(total, heads, dim), index).contiguous()
+        def rows_of(t, heads, dim):  # gathered copies are contiguous
+            return self._gather(t.reshape(total, heads, dim), index)
 
         start = ssm_state_indices.long().gather(
             1, (num_accepted_tokens[:num_rows].long() - 1).clamp(min=0).unsqueeze(1)
@@ -223,8 +223,8 @@ class HybridTreeStep:
             rows_of(q, num_k_heads, head_k),
             rows_of(k, num_k_heads, head_k),
             rows_of(v, num_v_heads, head_v),
-            self._gather(gate[0], index).contiguous(),
-            self._gather(beta, index).contiguous(),
+            self._gather(gate[0], index),
+            self._gather(beta, index),
             self.parents[:num_rows],
             self.num_tokens[:num_rows],
             initial_state.transpose(-1, -2),

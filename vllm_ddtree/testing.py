@@ -61,18 +61,24 @@ def tiny_qwen3_config(spec: TinyQwen3Spec = TinyQwen3Spec()):
     return Qwen3Config(**_config_fields(spec))
 
 
-def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
-    """Save a random-weight Qwen3ForCausalLM checkpoint (bf16 safetensors) under ``path``."""
-    from transformers import Qwen3ForCausalLM
-
+def _save_random(path: str, model_class, config, seed: int) -> str:
+    """Random weights for ``config`` (seeded), saved as bf16 safetensors with no special tokens
+    in the generation config; a checkpoint already at ``path`` is kept."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(spec)).to(torch.bfloat16)
+    model = model_class(config).to(torch.bfloat16)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     model.save_pretrained(path)
     return path
+
+
+def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+    """Save a random-weight Qwen3ForCausalLM checkpoint (bf16 safetensors) under ``path``."""
+    from transformers import Qwen3ForCausalLM
+
+    return _save_random(path, Qwen3ForCausalLM, tiny_qwen3_config(spec), seed)
 
 
 def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
@@ -82,8 +88,6 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
     layers), untied embeddings (vLLM ignores tying for Qwen3-Next)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
     config = Qwen3NextConfig(
         **_config_fields(spec),
         moe_intermediate_size=spec.intermediate_size // 4,
@@ -97,12 +101,7 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
         full_attention_interval=4,
         architectures=["Qwen3NextForCausalLM"],
     )
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    model.save_pretrained(path)
-    return path
+    return _save_random(path, Qwen3NextForCausalLM, config, seed)
 
 
 def tiny_drafter_config(
