@@ -117,9 +117,12 @@ case "$STEP" in
   hybrid)
     # The experimental GDN tree path on a tiny Qwen3-Next (needs bundle part 3: MoE ops): the
     # lossless grid and the sampling check (lossless_gpu.py --hybrid; LOSSLESS_ARGS adds options).
-    timeout 560 python3 benchmarks/lossless_gpu.py --hybrid --parallel "${PARALLEL:-6}" \
-      ${LOSSLESS_ARGS:-} --out "$OUT" > "$OUT/lossless_gpu_hybrid.log" 2>&1
-    echo "hybrid rc=$?"; (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/hybrid_logs.tgz" ./*.log)
+    # Its own work folder, so that it can run beside `train` (which runs the dense grid) on
+    # another GPU of the host (CUDA_VISIBLE_DEVICES).
+    timeout "${HYBRID_TIMEOUT:-560}" python3 benchmarks/lossless_gpu.py --hybrid \
+      --parallel "${PARALLEL:-6}" --work /tmp/vllm-ddtree-hybrid ${LOSSLESS_ARGS:-} --out "$OUT" \
+      > "$OUT/lossless_gpu_hybrid.log" 2>&1
+    echo "hybrid rc=$?"; (cd /tmp/vllm-ddtree-hybrid && tar czf "$OUT/hybrid_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_hybrid.log" | cut -c1-300 ;;
   tp-steps)
     # Wall time per target forward at tensor parallel TP (default 2) of AR, the DFlash chain and
