@@ -21,7 +21,9 @@ Writes JSON; exits non-zero on any divergence, failed engine or failed sampling 
 
 ``--hybrid``: the target is a tiny Qwen3-Next (GatedDeltaNet + attention, GDN heads of 128),
 run through the experimental GDN tree path (``VLLM_DDTREE_HYBRID=1``, float32 SSM states, no
-prefix caching, Triton GDN prefill); budgets 8/64/256; needs vLLM's MoE ops.
+prefix caching, Triton GDN prefill); bf16 activations (vLLM's chunked GDN prefill has no
+float32 path), so a divergence's logit gap tells a bf16 near-tie from a wrong state; budgets
+8/64/256; needs vLLM's MoE ops.
 """
 
 from __future__ import annotations
@@ -215,8 +217,10 @@ def main() -> int:
         sampling["top_p"] = args.top_p
     base = {"target": target, "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": 16}
     if args.hybrid:
-        # vLLM's speculative GDN layout keeps 1 + budget state blocks per sequence.
+        # vLLM's speculative GDN layout keeps 1 + budget state blocks per sequence. bf16
+        # activations: vLLM's chunked GDN prefill refuses float32 (the states stay float32).
         base["kv_cache_bytes"] = 12 << 30
+        base["dtype"] = "bfloat16"
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
     if args.tp > 1:
         os.environ["VLLM_DDTREE_CHECK_RANKS"] = "1"  # every step: all ranks' trees agree

@@ -85,3 +85,5 @@ def test_the_tiny_hybrid_target_is_a_qwen3_next_with_real_gdn_head_shapes(tmp_pa
     assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     shapes = GDNStateShapes.from_hf_config(config)
     assert (shapes.num_gdn_layers, shapes.head_k_dim, shapes.head_v_dim) == (3, 128, 128)
+    # vLLM's packed GDN decode needs more value heads than key heads (contiguous a/b rows).
+    assert config.linear_num_value_heads == 2 * config.linear_num_key_heads

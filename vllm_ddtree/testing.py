@@ -83,9 +83,13 @@ def make_tiny_qwen3(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int 
 
 def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
     """Save a random-weight hybrid target, ``Qwen3NextForCausalLM``, under ``path``: the spec's
-    vocabulary, hidden size and attention heads, GatedDeltaNet layers with 2 key / 2 value heads
+    vocabulary, hidden size and attention heads, GatedDeltaNet layers with 2 key / 4 value heads
     of 128 (one full-attention layer in 4, the last), 4 experts (vLLM's Qwen3-Next needs MoE
-    layers), untied embeddings (vLLM ignores tying for Qwen3-Next)."""
+    layers), untied embeddings (vLLM ignores tying for Qwen3-Next).
+
+    Two value heads per key head, as in the real checkpoints: with one, vLLM 0.26.0's packed
+    decode kernel rejects the ``a``/``b`` views its Qwen3-Next layer hands it ("must be
+    contiguous in the last dim"). Serve it in bf16: vLLM's chunked GDN prefill refuses float32."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
@@ -95,7 +99,7 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
         num_experts=4,
         num_experts_per_tok=2,
         linear_num_key_heads=2,
-        linear_num_value_heads=2,
+        linear_num_value_heads=4,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         full_attention_interval=4,
