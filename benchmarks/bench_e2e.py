@@ -290,7 +290,13 @@ def write_report(summary: dict, out: str) -> None:
         "# End-to-end speed: AR vs DFlash chain vs DDTree",
         "",
         f"Commit {summary['commit']}, {summary['gpu']}, target {summary['target_name']}, drafter "
-        f"{summary['drafter_name']}; bf16, {COMPILE_NOTES[summary.get('compile', 'graphs')]}, "
+        f"{summary['drafter_name']}"
+        + (
+            f" (weights sha256 {summary['drafter_sha256'][:12]})"
+            if summary.get("drafter_sha256")
+            else ""
+        )
+        + f"; bf16, {COMPILE_NOTES[summary.get('compile', 'graphs')]}, "
         f"median of {summary['repeats']} runs, up to {summary['max_tokens']} new tokens.",
         "",
         summary.get("note", ""),
@@ -531,6 +537,20 @@ def collect(args) -> int:
     return 0
 
 
+def weights_sha256(checkpoint: str) -> str | None:
+    """sha256 of a checkpoint folder's ``model.safetensors`` (None when there is none)."""
+    import hashlib
+
+    path = os.path.join(checkpoint, "model.safetensors")
+    if not os.path.isfile(path):
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def compare_with_ar(engines: dict[str, dict]) -> dict[str, str]:
     """T = 0 outputs of every engine vs AR's, prompt by prompt."""
     from vllm_ddtree.demo import first_divergence
@@ -574,6 +594,8 @@ def summarize(engines, args, budgets, batches, started, note: str = "") -> list[
         "note": note,
         "target_name": os.path.basename(os.path.normpath(args.target)),
         "drafter_name": os.path.basename(os.path.normpath(args.drafter)),
+        # Which weights were measured (the drafter may sit in a scratch folder on the host).
+        "drafter_sha256": weights_sha256(args.drafter),
         "budgets": budgets,
         "batches": batches,
         "repeats": args.repeats,
