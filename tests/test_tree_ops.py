@@ -248,17 +248,49 @@ def test_kernel_path_rows_match_reference(case):
     num_reqs, width = tree.token_ids.shape
     root = torch.arange(num_reqs) * (width + 1) + 2  # two prefill rows before the first tree
     total = num_reqs * (width + 1) + 2
+    num_draft = torch.full((num_reqs,), width)
+    num_draft[0] = 0  # a request without drafts: its root row only
     gen = torch.Generator().manual_seed(3)
     input_ids = torch.randint(0, 1000, (total,), generator=gen, dtype=torch.int32)
     positions = torch.randint(0, 1000, (total,), generator=gen)
     hidden = [torch.randn(total, 40, generator=gen) for _ in range(3)]
     want = [t.clone() for t in (input_ids, positions, *hidden)]
-    move_path_rows_ref(want[0], want[1], want[2:], root, accepted, num_accepted)
+    move_path_rows_ref(want[0], want[1], want[2:], root, accepted, num_accepted, num_draft, width)
     if width > 1:
         assert not torch.equal(want[2], hidden[0])  # some path was not contiguous
     got = [t.to(DEVICE) for t in (input_ids, positions, *hidden)]
     move_path_rows_triton(
-        got[0], got[1], got[2:], root.to(DEVICE), accepted.to(DEVICE), num_accepted.to(DEVICE)
+        got[0],
+        got[1],
+        got[2:],
+        root.to(DEVICE),
+        accepted.to(DEVICE),
+        num_accepted.to(DEVICE),
+        num_draft.to(DEVICE),
+        width,
     )
     for w, g in zip(want, got, strict=True):
         assert torch.equal(g.cpu(), w)
+
+
+def test_drafter_context_rows_are_the_path_then_fresh_positions():
+    """After the walk each request's rows hold the accepted path in order, and every row from
+    the root on has its own position (root, root + 1, ...): other branches' rows, which share
+    depths with the path, must not share its positions (the drafter stores context K/V by
+    position). Rows of requests without drafts and rows before the first root stay put."""
+    from vllm_ddtree.ops.path_rows import move_path_rows_ref
+
+    # Request 0: a prefill chunk (rows 0-1) then its root (row 2), no drafts. Request 1: root
+    # at row 3 with a tree of 4 nodes in rows 4-7: node 1 and 2 at depth 1, node 3 under 2,
+    # node 4 under 1; accepted path root -> 2 -> 3.
+    positions = torch.tensor([10, 11, 12, 40, 41, 41, 42, 42])
+    hidden = [torch.arange(8.0).unsqueeze(1).repeat(1, 3)]
+    input_ids = torch.arange(100, 108, dtype=torch.int32)
+    root = torch.tensor([2, 3])
+    accepted = torch.tensor([[0, -1, -1], [0, 2, 3]])
+    num_accepted = torch.tensor([0, 2])
+    num_draft = torch.tensor([0, 4])
+    move_path_rows_ref(input_ids, positions, hidden, root, accepted, num_accepted, num_draft, 4)
+    assert input_ids.tolist()[:6] == [100, 101, 102, 103, 105, 106]
+    assert hidden[0][:, 0].tolist()[:6] == [0, 1, 2, 3, 5, 6]
+    assert positions.tolist() == [10, 11, 12, 40, 41, 42, 43, 44]

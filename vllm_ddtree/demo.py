@@ -96,6 +96,18 @@ def humaneval_prompts(n: int) -> list[str]:
     return [p["prompt"] for p in problems[HELD_OUT_HUMANEVAL_FROM:][:n]]
 
 
+def humaneval_chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The first ``n`` held-out HumanEval prompts as chat-template token ids (the demo's)."""
+    prompts = []
+    for text in humaneval_prompts(n):
+        messages = [{"role": "user", "content": "Complete this Python function:\n" + text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        prompts.append(list(ids))
+    return prompts
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -155,14 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths: list[int] = []
     all_identical = True
     worst_gap = float("inf")
-    for i, text in enumerate(humaneval_prompts(args.num_prompts)):
-        messages = [{"role": "user", "content": "Complete this Python function:\n" + text}]
-        prompt_ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
-            prompt_ids = prompt_ids["input_ids"]
-        prompt_ids = list(prompt_ids)
+    for i, prompt_ids in enumerate(humaneval_chat_prompts(tokenizer, args.num_prompts)):
         t0 = time.perf_counter()
         ar = autoregressive_generate(
             target, prompt_ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id

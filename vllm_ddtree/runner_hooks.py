@@ -464,8 +464,9 @@ def _wrap_propose(original):
 
 def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
     """Rows root + accepted[j] of each request move to rows root + j (j = 0..num_accepted) in
-    the token ids, positions and feature-layer hidden states the drafter reads next
-    (``ops/path_rows.py``; no host synchronisation)."""
+    the token ids and feature-layer hidden states the drafter reads next, and every row after
+    the root gets the next position in turn, so that no other branch's row shares a path row's
+    position (and drafter KV slot) (``ops/path_rows.py``; no host synchronisation)."""
     hidden = list(aux_hidden_states or [])
     rows_ok = all(h.dim() == 2 and h.stride(-1) == 1 for h in hidden)
     use_kernel = use_triton(step.accepted.device) and rows_ok
@@ -477,6 +478,8 @@ def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
         step.query_start,
         step.accepted,
         step.num_accepted,
+        step.num_draft,
+        step.trees.token_ids.shape[1],
     )
 
 

@@ -3,13 +3,22 @@
 vLLM's DFlash drafter reads, for each request, the step's rows from the root on: token ids,
 positions and the target's hidden states of the feature layers. After a tree walk the committed
 tokens are the accepted path, so rows ``root + accepted[r, j]`` move to rows ``root + j``
-(``j = 1..num_accepted[r]``), in every one of those tensors. ``accepted`` increases along a
+(``j = 1..num_accepted[r]``) in the token ids and hidden states. ``accepted`` increases along a
 path, so moving in increasing ``j`` never overwrites a row before it is read (as in the KV
 commit).
 
+Positions are rewritten, not moved: every row ``root + j`` (``j = 0..num_draft[r]``) gets
+``positions[root] + j``. The drafter stores every row's context K/V at the slot of the row's
+position and attends only up to the end of the accepted path. A tree's rows carry depth
+positions, so the rows left after the path (siblings, other branches) share positions with
+path rows: kept, they would overwrite the path's context with another branch's (greedy output
+unchanged, acceptance lower). Past the path they land where nothing reads them until later
+steps overwrite them, as a chain's rejected tokens do.
+
 Shapes: ``input_ids`` int ``[T]``, ``positions`` long ``[T]``, ``hidden`` a list of ``[T, H]``
 tensors (the feature layers' hidden states); ``root`` long ``[R]`` (the row of each request's
-root); ``accepted`` long ``[R, L + 1]``; ``num_accepted`` long ``[R]``.
+root); ``accepted`` long ``[R, L + 1]``; ``num_accepted`` long ``[R]``; ``num_draft`` long
+``[R]`` (tree nodes scheduled after each root, at most ``max_nodes``).
 """
 
 from __future__ import annotations
@@ -32,11 +41,14 @@ def move_path_rows_ref(
     root: torch.Tensor,
     accepted: torch.Tensor,
     num_accepted: torch.Tensor,
+    num_draft: torch.Tensor,
+    max_nodes: int,
 ) -> None:
-    """PyTorch reference: one gather and one scatter per tensor (in place).
+    """PyTorch reference: one gather and one scatter per tensor (in place), then the
+    sequential positions.
 
-    Entries past a request's path copy its root row onto itself (a no-op), so there is no
-    boolean indexing and no host synchronisation.
+    Entries past a request's path (or its rows) write its root row onto itself (a no-op), so
+    there is no boolean indexing and no host synchronisation.
     """
     device = accepted.device
     depth = accepted.shape[1]
@@ -45,8 +57,14 @@ def move_path_rows_ref(
     start = root.unsqueeze(1)
     src = torch.where(keep, start + accepted.clamp(min=0), start).flatten()
     dst = torch.where(keep, start + j, start).flatten()
-    for tensor in (input_ids, positions, *hidden):
+    for tensor in (input_ids, *hidden):
         tensor[dst] = tensor[src]
+    rows = torch.arange(max_nodes + 1, device=device).unsqueeze(0)
+    inside = rows <= num_draft.unsqueeze(1)
+    root_position = positions[root].unsqueeze(1)
+    positions[torch.where(inside, start + rows, start).flatten()] = torch.where(
+        inside, root_position + rows, root_position
+    ).flatten()
 
 
 if HAS_TRITON:
@@ -74,6 +92,15 @@ if HAS_TRITON:
                 row = tl.load(data_ptr + (root + node) * stride_row + cols, mask=in_row)
                 tl.store(data_ptr + (root + j) * stride_row + cols, row, mask=in_row)
 
+    @triton.jit
+    def _sequential_positions_kernel(positions_ptr, root_ptr, num_draft_ptr, BLOCK: tl.constexpr):
+        req = tl.program_id(0)
+        root = tl.load(root_ptr + req)
+        count = tl.load(num_draft_ptr + req)
+        base = tl.load(positions_ptr + root)
+        j = tl.arange(0, BLOCK)
+        tl.store(positions_ptr + root + j, base + j, mask=(j >= 1) & (j <= count))
+
 
 def move_path_rows_triton(
     input_ids: torch.Tensor,
@@ -82,13 +109,21 @@ def move_path_rows_triton(
     root: torch.Tensor,
     accepted: torch.Tensor,
     num_accepted: torch.Tensor,
+    num_draft: torch.Tensor,
+    max_nodes: int,
 ) -> None:
-    """``move_path_rows_ref`` with one launch per tensor (``R x column blocks`` programs each),
-    no index tensors and no host synchronisation; rows must have a contiguous last dim."""
+    """``move_path_rows_ref`` with one launch per tensor (``R x column blocks`` programs each)
+    and one for the positions, no index tensors and no host synchronisation; rows must have a
+    contiguous last dim."""
     num_reqs, path_len = accepted.shape
-    if num_reqs == 0 or path_len <= 1:
+    if num_reqs == 0:
         return
-    for tensor in (input_ids.view(-1, 1), positions.view(-1, 1), *hidden):
+    _sequential_positions_kernel[(num_reqs,)](
+        positions, root, num_draft, BLOCK=triton.next_power_of_2(max_nodes + 1)
+    )
+    if path_len <= 1:
+        return
+    for tensor in (input_ids.view(-1, 1), *hidden):
         assert tensor.dim() == 2 and tensor.stride(-1) == 1, "rows need a contiguous last dim"
         width = tensor.shape[1]
         block = min(1024, max(16, triton.next_power_of_2(width)))
