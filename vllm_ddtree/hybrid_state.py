@@ -15,12 +15,18 @@ accepted path is then replayed from the committed state as a chain (at most ``de
 tokens per layer) from the node inputs kept for the step, so the committed state is exactly the
 one target-only decoding reaches. ``check_scratch_fits`` names the budget that fits.
 
+``check_slot_layout_fits`` runs before the engine starts (``vllm_patches``), for the layout in
+use: with vLLM's default ``max_num_seqs`` a real hybrid's ``1 + budget`` blocks per request
+exceed any GPU (Qwen3-Next-80B: 36 GDN layers x 32 heads of 128 x 128 float32 = 75 MB per
+block), which vLLM would otherwise meet with a shrunken batch or a late error.
+
 Sizes are per tensor-parallel rank (heads sharded). SSM states in float32: bf16 node states
 drift along deep paths and would break exactness.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,17 +111,51 @@ def scratch_layout_bytes(
     return states + nodes * inputs_per_node * activation_bytes
 
 
+def _largest_budget(bytes_at: Callable[[int], int], available_bytes: int) -> int:
+    """The largest budget in 1..MAX_TREE_BUDGET with ``bytes_at(budget) <= available_bytes``
+    (0 when none); ``bytes_at`` grows with the budget, so bisect."""
+    low, high = 0, MAX_TREE_BUDGET
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if bytes_at(middle) <= available_bytes else (low, middle - 1)
+    return low
+
+
 def largest_fitting_budget(
     shapes: GDNStateShapes, max_num_seqs: int, available_bytes: int, activation_bytes: int = 2
 ) -> int:
     """The largest ``tree_budget`` (1..MAX_TREE_BUDGET) whose scratch fits ``available_bytes``
     at ``max_num_seqs``; 0 when not even budget 1 fits."""
-    low, high = 0, MAX_TREE_BUDGET
-    while low < high:  # the cost grows with the budget: bisect
-        middle = (low + high + 1) // 2
-        need = scratch_layout_bytes(shapes, max_num_seqs, middle, activation_bytes)
-        low, high = (middle, high) if need <= available_bytes else (low, middle - 1)
-    return low
+    return _largest_budget(
+        lambda budget: scratch_layout_bytes(shapes, max_num_seqs, budget, activation_bytes),
+        available_bytes,
+    )
+
+
+def check_slot_layout_fits(
+    shapes: GDNStateShapes, max_num_seqs: int, budget: int, available_bytes: int
+) -> None:
+    """Before the engine starts: raise ``DDTreeConfigError`` when the states of the layout the
+    tree path uses now (``slot_layout_bytes``: ``1 + budget`` blocks per request) cannot fit the
+    ``available_bytes`` vLLM may use at all, naming the ``tree_budget`` that fits at this
+    ``max_num_seqs`` and the ``max_num_seqs`` that fits at this budget. A necessary condition
+    only (weights, activations and attention KV come out of the same memory), so it refuses
+    only what can never run; vLLM's own KV-cache sizing decides the rest."""
+    need = slot_layout_bytes(shapes, max_num_seqs, budget)
+    if need <= available_bytes:
+        return
+    fits = _largest_budget(lambda b: slot_layout_bytes(shapes, max_num_seqs, b), available_bytes)
+    seqs = available_bytes // slot_layout_bytes(shapes, 1, budget)
+    options = [f"tree_budget <= {fits}" if fits else "no tree_budget fits this max_num_seqs"]
+    if seqs:
+        options.append(f"max_num_seqs <= {seqs} at tree_budget={budget}")
+    raise DDTreeConfigError(
+        f"tree_budget={budget} with max_num_seqs={max_num_seqs} keeps "
+        f"{need / GIB:.1f} GiB of GatedDeltaNet state per GPU (1 + tree_budget state blocks per "
+        f"request, each {shapes.num_gdn_layers} layers x {shapes.num_v_heads} value heads of "
+        f"{shapes.head_k_dim}x{shapes.head_v_dim} float32 plus the conv window), more than the "
+        f"{available_bytes / GIB:.1f} GiB vLLM may use: {' or '.join(options)}."
+    )
 
 
 def check_scratch_fits(

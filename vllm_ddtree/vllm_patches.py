@@ -199,6 +199,41 @@ def _wrap_create_speculative_config(original):
     return create_speculative_config
 
 
+def check_hybrid_state_memory(vllm_config) -> None:
+    """A DDTree engine on a GatedDeltaNet target: its tree states must fit the memory vLLM may
+    use (``hybrid_state.check_slot_layout_fits``), checked on the final config (``max_num_seqs``
+    is resolved after the speculative config)."""
+    ddtree = get_ddtree_config(vllm_config.speculative_config)
+    model_config = vllm_config.model_config
+    if ddtree is None or model_config is None or not model_config.is_hybrid:
+        return
+    from vllm_ddtree.hybrid_state import GDNStateShapes, check_slot_layout_fits
+
+    cache = vllm_config.cache_config
+    available = cache.kv_cache_memory_bytes
+    if not available:
+        from vllm.platforms import current_platform
+
+        available = int(current_platform.get_device_total_memory() * cache.gpu_memory_utilization)
+    shapes = GDNStateShapes.from_hf_config(
+        model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size
+    )
+    check_slot_layout_fits(
+        shapes, vllm_config.scheduler_config.max_num_seqs, ddtree.tree_budget, available
+    )
+
+
+def _wrap_create_engine_config(original):
+    """``EngineArgs.create_engine_config``: the checks that need the resolved config."""
+
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        check_hybrid_state_memory(config)
+        return config
+
+    return create_engine_config
+
+
 TREE_ATTN_NAME = "TREE_ATTN"
 TREE_ATTN_PATH = "tree_attn_backend.backend.TreeAttentionBackend"
 
@@ -423,3 +458,4 @@ def apply() -> None:
     EngineArgs.create_speculative_config = _wrap_create_speculative_config(
         EngineArgs.create_speculative_config
     )
+    _wrap_function(EngineArgs, "create_engine_config", "EngineArgs", _wrap_create_engine_config)
