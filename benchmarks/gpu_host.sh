@@ -134,9 +134,10 @@ case "$STEP" in
     echo "steps rc=$?"; grep '^{' "$OUT/profile_step_tp.log" | cut -c1-300 ;;
   profile)
     # Per-step time split of AR, the DFlash chain (V2 and V1 runners) and DDTree (SmolLM2 shapes,
-    # random weights: step costs, not acceptance).
-    timeout 560 python3 benchmarks/profile_step.py --target synthetic --out "$OUT" \
-      --methods "${METHODS:-ar,ar_v1,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
+    # random weights: step costs, not acceptance). COMPILE: graphs (default) or default (vLLM's
+    # torch.compile + CUDA graphs, as bench-e2e measures).
+    timeout "${PROFILE_TIMEOUT:-560}" python3 benchmarks/profile_step.py --target synthetic \
+      --out "$OUT" --compile "${COMPILE:-graphs}" --methods "${METHODS:-ar,ar_v1,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
     echo "profile rc=$?"; grep '^{' "$OUT/profile_step.log" | cut -c1-400 ;;
   bench-e2e)
     [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
