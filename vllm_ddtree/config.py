@@ -129,6 +129,15 @@ GDN_TREE_ARCHITECTURES = (
 HYBRID_ENV = "VLLM_DDTREE_HYBRID"
 
 
+RUNNER_ENV = "VLLM_DDTREE_RUNNER"
+
+
+def v2_requested() -> bool:
+    """``VLLM_DDTREE_RUNNER=v2``: DDTree on vLLM's V2 model runner (experimental,
+    ``runner_v2.py``); otherwise the V1 runner, the tested default."""
+    return os.environ.get(RUNNER_ENV, "").lower() == "v2"
+
+
 def check_target_is_supported(
     architectures: Iterable[str] | None,
     has_recurrent_layers: bool,

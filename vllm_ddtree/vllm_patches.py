@@ -47,12 +47,14 @@ import sys
 
 from vllm_ddtree.config import (
     DDTREE_METHOD,
+    RUNNER_ENV,
     DDTreeConfig,
     DDTreeConfigError,
     check_drafter_is_dflash,
     check_sampling_params,
     check_target_is_supported,
     split_speculative_config,
+    v2_requested,
 )
 
 logger = logging.getLogger("vllm.ddtree")
@@ -122,10 +124,10 @@ def _choose_attention_backends(engine_args, speculative: dict) -> None:
             "['attention_backend'] chooses the drafter's backend)."
         )
     runner_choice = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if runner_choice not in (None, "", "0", "false", "False"):
+    if runner_choice not in (None, "", "0", "false", "False") and not v2_requested():
         raise DDTreeConfigError(
             "method 'ddtree' runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
-            f"(it is {runner_choice!r})"
+            f"(it is {runner_choice!r}), or set {RUNNER_ENV}=v2 for the experimental V2 path"
         )
     if speculative.get("attention_backend") is None:
         # TRITON_ATTN: non-causal, every dtype (FLASH_ATTN refuses float32).
@@ -188,10 +190,11 @@ def _wrap_create_speculative_config(original):
             setattr(spec, DDTREE_ATTR, ddtree)
             logger.info(
                 "vllm-ddtree: method 'ddtree' (tree_budget=%d, tree_top_k=%d, depth=%d) on the "
-                "V1 model runner with TREE_ATTN",
+                "%s model runner with TREE_ATTN",
                 ddtree.tree_budget,
                 ddtree.tree_top_k,
                 ddtree.depth,
+                "V2 (experimental)" if v2_requested() else "V1",
             )
         return spec
 
@@ -317,8 +320,8 @@ def _patch_model_runner_choice() -> None:
 
     def wrap(original):
         def use_v2_model_runner(self) -> bool:
-            if get_ddtree_config(self.speculative_config) is not None:
-                return False
+            if get_ddtree_config(self.speculative_config) is not None and not v2_requested():
+                return False  # DDTree's tested path: the V1 runner hooks
             return original(self)
 
         return use_v2_model_runner
@@ -424,11 +427,19 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _patch_when_imported(name: str, callback) -> None:
+    if name in sys.modules:
+        callback(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
 def _patch_model_runner_when_imported() -> None:
-    if RUNNER_MODULE in sys.modules:
-        _patch_model_runner(sys.modules[RUNNER_MODULE])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(RUNNER_MODULE, _patch_model_runner))
+    _patch_when_imported(RUNNER_MODULE, _patch_model_runner)
+    if v2_requested():
+        from vllm_ddtree import runner_v2
+
+        _patch_when_imported(runner_v2.RUNNER_MODULE, runner_v2.install)
 
 
 def apply() -> None:

