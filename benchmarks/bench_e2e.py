@@ -250,7 +250,7 @@ def headline_table(summary: dict) -> str:
     ]
     for dataset in DATASETS:
         ar, chain = row_of("ar", dataset), row_of("dflash", dataset)
-        trees = [(name, row_of(name, dataset)) for name in engines if name.startswith("ddtree_b")]
+        trees = [(name, row_of(name, dataset)) for name in engines if name.startswith("ddtree_")]
         trees = [(name, r) for name, r in trees if r is not None]
         if ar is None or chain is None or not trees:
             continue
@@ -264,7 +264,8 @@ def headline_table(summary: dict) -> str:
 
         lines.append(
             f"| {dataset} | {ar['tok_per_s']:.0f} | {cell(chain, ar)} | "
-            f"{cell(best, ar)}, budget {name.removeprefix('ddtree_b')} | "
+            f"{cell(best, ar)}, budget {name.rsplit('_b', 1)[1]}"
+            f"{' (V2 runner)' if name.startswith('ddtree_v2_') else ''} | "
             f"{best['tok_per_s'] / chain['tok_per_s']:.2f} |"
         )
     return "\n".join(lines)
@@ -404,6 +405,13 @@ def main() -> int:
     parser.add_argument("--deadline", type=int, default=540, help="seconds for all engines")
     parser.add_argument("--compile", choices=sorted(COMPILE_NOTES), default="default")
     parser.add_argument("--skip", default="", help="engine names to leave out, e.g. dflash_v1")
+    parser.add_argument(
+        "--ddtree-runner",
+        choices=("v1", "v2", "both"),
+        default="v1",
+        help="vLLM runner of the DDTree engines (v2: experimental; both: ddtree_bN on V1 and "
+        "ddtree_v2_bN on V2)",
+    )
     parser.add_argument("--readme", help="rewrite this file's headline block from --readme-from")
     parser.add_argument("--readme-from", default="benchmarks/results/bench_e2e.json")
     parser.add_argument(
@@ -479,7 +487,16 @@ def main() -> int:
         }
         for b in budgets
     ]
-    # DDTree runs on vLLM's V1 model runner; the chain also on V1, for a same-runner ratio.
+    # DDTree runs on vLLM's V1 model runner (or, experimental, V2); the chain also on V1, for a
+    # same-runner ratio.
+    v2_env = {"VLLM_DDTREE_RUNNER": "v2"}
+    if args.ddtree_runner == "v2":
+        ddtree = [{**job, "env": v2_env} for job in ddtree]
+    elif args.ddtree_runner == "both":
+        ddtree += [
+            {**job, "name": job["name"].replace("ddtree_", "ddtree_v2_"), "env": v2_env}
+            for job in ddtree
+        ]
     chain_v1 = {**jobs[1], "name": "dflash_v1", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
     jobs = jobs + ddtree + [chain_v1]
     skipped = set(args.skip.split(",")) if args.skip else set()

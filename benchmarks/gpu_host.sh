@@ -15,6 +15,7 @@
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
 #       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
+#       v2       - lossless_gpu.py --runner v2: the experimental V2-runner path
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
 STEP=$1
@@ -124,6 +125,15 @@ case "$STEP" in
       > "$OUT/lossless_gpu_hybrid.log" 2>&1
     echo "hybrid rc=$?"; (cd /tmp/vllm-ddtree-hybrid && tar czf "$OUT/hybrid_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_hybrid.log" | cut -c1-300 ;;
+  v2)
+    # The experimental V2-runner path (VLLM_DDTREE_RUNNER=v2): the oracle grid with CUDA graphs
+    # (lossless_gpu.py --runner v2; its own work folder); bench-e2e DDTREE_RUNNER=v2|both
+    # measures its speed on the real pair.
+    timeout "${V2_TIMEOUT:-420}" python3 benchmarks/lossless_gpu.py --runner v2 --modes graphs \
+      --budgets "${V2_BUDGETS:-8,64}" --parallel "${PARALLEL:-6}" --work /tmp/vllm-ddtree-v2 \
+      ${LOSSLESS_ARGS:-} --out "$OUT" > "$OUT/lossless_gpu_v2.log" 2>&1
+    echo "v2 rc=$?"; (cd /tmp/vllm-ddtree-v2 && tar czf "$OUT/v2_logs.tgz" ./*.log)
+    grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_v2.log" | cut -c1-300 ;;
   tp-steps)
     # Wall time per target forward at tensor parallel TP (default 2) of AR, the DFlash chain and
     # DDTree on a random Qwen3 that shards (profile_step.py --target synthetic-tp): step costs,
@@ -147,6 +157,7 @@ case "$STEP" in
       --compile "${COMPILE:-default}" --skip "${SKIP:-}" --budgets "${BUDGETS:-64,16,256}" \
       --batches "${BATCHES:-1,16,64}" --temperatures "${TEMPS:-0,1}" \
       --max-tokens "${MAX_TOKENS:-256}" --engine-timeout "${ENGINE_TIMEOUT:-110}" \
+      --ddtree-runner "${DDTREE_RUNNER:-v1}" \
       > "$OUT/bench_e2e.log" 2>&1
     echo "bench rc=$?"; (cd /tmp/vllm-ddtree-bench && tar czf "$OUT/bench_logs.tgz" ./*.log)
     cat "$OUT/bench_e2e.md" ;;

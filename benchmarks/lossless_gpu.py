@@ -165,6 +165,12 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, help="top_k of the sampling check (default: off)")
     parser.add_argument("--top-p", type=float, help="top_p of the sampling check (default: off)")
     parser.add_argument("--tag", default="", help="suffix of the result file's name")
+    parser.add_argument(
+        "--runner",
+        choices=("v1", "v2"),
+        default="v1",
+        help="vLLM model runner of the DDTree engines (v2: experimental, VLLM_DDTREE_RUNNER=v2)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -234,6 +240,8 @@ def main() -> int:
             additional_config={"gdn_prefill_backend": "triton"},
         )
 
+    if args.runner == "v2":
+        os.environ["VLLM_DDTREE_RUNNER"] = "v2"  # the engines' processes inherit it
     reference_kwargs = {"attention_backend": "TREE_ATTN", "enforce_eager": False, **engine_extra}
     jobs = {"reference": {**base, "kwargs": reference_kwargs}}
     if not args.no_sampling:
@@ -313,9 +321,10 @@ def main() -> int:
                         else None
                     ),
                     "mean_acceptance_length": mean_length,
-                    # Guard against measuring something else: the DDTree path runs on V1 and
-                    # the oracle drafter is accepted deeply (budget 1 is a chain of one).
-                    "ddtree_path_ran": result["runner"] == "V1"
+                    # Guard against measuring something else: the DDTree path runs on the
+                    # runner asked for and the oracle drafter is accepted deeply (budget 1 is a
+                    # chain of one).
+                    "ddtree_path_ran": result["runner"] == args.runner.upper()
                     and (budget == 1 or mean_length > 1.5),
                 }
             )
@@ -364,6 +373,7 @@ def main() -> int:
         "tensor_parallel_size": args.tp,
         "target": {**spec.__dict__, "hybrid": "Qwen3NextForCausalLM" if args.hybrid else None},
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",
+        "ddtree_runner": args.runner.upper(),
         "reference": "target alone, TREE_ATTN, CUDA graphs, 16 requests at once",
         "runs": sorted(rows, key=lambda r: (r["budget"], r["mode"], r["batch"])),
         "sampling": {
@@ -378,6 +388,7 @@ def main() -> int:
     }
     suffix = ("_quick" if args.quick else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
     suffix += "_hybrid" if args.hybrid else ""
+    suffix += "_v2" if args.runner == "v2" else ""
     suffix += f"_{args.tag}" if args.tag else ""
     with open(os.path.join(args.out, f"lossless_gpu{suffix}.json"), "w") as f:
         json.dump(summary, f, indent=1)
