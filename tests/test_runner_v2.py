@@ -86,3 +86,123 @@ def test_the_v2_runner_is_opt_in(monkeypatch, tmp_path, tiny_target_path, tiny_d
     config = engine_config(tiny_target_path, spec)
     assert config.use_v2_model_runner is False  # vLLM's choice on the CPU platform
     assert config.speculative_config.num_speculative_tokens == 8
+
+
+def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
+    """prepare_attn -> sample -> propose's row move, with stand-ins for vLLM's runner, sampler
+    and speculator (PyTorch references): a prefill chunk and two trees in one batch, requests
+    stored at other state slots than their batch rows. Checks the depth positions and masks the
+    forward gets, the sampler rows (path + bonus, vLLM's num_sampled / num_rejected) and the
+    drafter's context rows afterwards."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from tree_attn_backend import tree_verify
+    from vllm_ddtree import runner_v2
+    from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
+    from vllm_ddtree.tree import build_trees
+
+    budget, depth, vocab = 6, 4, 40
+    gen = torch.Generator().manual_seed(5)
+    proposed = build_trees(torch.randn(2, depth, vocab, generator=gen) * 3, budget)
+    # State slots: request A (batch row 1) at slot 3, B (row 2) at slot 0; row 0 is a prefill.
+    state = runner_v2.DDTreeBatch(
+        token_ids=torch.full((4, budget), -1),
+        parents=torch.zeros(4, budget, dtype=torch.long),
+        depths=torch.zeros(4, budget, dtype=torch.long),
+        scores=torch.full((4, budget), float("-inf")),
+        num_nodes=torch.zeros(4, dtype=torch.long),
+        max_depth=depth,
+    )
+    for slot, row in ((3, 0), (0, 1)):
+        for name in ("token_ids", "parents", "depths", "scores", "num_nodes"):
+            getattr(state, name)[slot] = getattr(proposed, name)[row]
+    speculator = SimpleNamespace(
+        ddtree=SimpleNamespace(tree_budget=budget, depth=depth), state_trees=state, step=None
+    )
+    counts = np.array([5, 1 + budget, 1 + 4], dtype=np.int32)  # B's tree cut to 4 nodes
+    num_draft = np.array([0, budget, 4], dtype=np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    total = int(counts.sum())
+    positions = torch.cat(
+        [torch.arange(5) + 20, torch.arange(1 + budget) + 50, torch.arange(5) + 80]
+    )
+    batch = SimpleNamespace(
+        num_reqs=3,
+        num_tokens=total,
+        num_draft_tokens=int(num_draft.sum()),
+        num_draft_tokens_per_req=num_draft,
+        num_scheduled_tokens=counts,
+        query_start_loc_np=starts,
+        idx_mapping=torch.tensor([1, 3, 0], dtype=torch.int32),
+        idx_mapping_np=np.array([1, 3, 0]),
+        positions=positions.clone(),
+        input_ids=torch.arange(total, dtype=torch.int32),
+        # logits rows: the prefill's last token, then every tree token
+        logits_indices=torch.tensor([4, *range(5, total)]),
+        cu_num_logits=torch.tensor([0, 1, 2 + budget, 2 + budget + 5]),
+        expanded_idx_mapping=None,
+        expanded_local_pos=None,
+        seq_lens=torch.tensor([30, 60, 90]),
+    )
+    slot_mapping = torch.arange(total) + 1000
+    runner = SimpleNamespace(speculator=speculator)
+    prepare_attn = runner_v2._wrap_prepare_attn(lambda self, ib: ("tables", slot_mapping[None]))
+    tables, slots = prepare_attn(runner, batch)
+    assert tables == "tables" and torch.equal(slots, slot_mapping[None])
+
+    step = speculator.step
+    assert step.root_row.tolist() == [4, 5, 5 + 1 + budget]
+    assert step.trees.num_nodes.tolist() == [0, int(proposed.num_nodes[0]), 4]
+    # The forward's positions: root + depth for every node, sequential elsewhere.
+    want = positions.clone()
+    for r, root in ((0, 5), (1, 5 + 1 + budget)):
+        n = int(step.trees.num_nodes[r + 1])
+        want[root + 1 : root + 1 + n] = positions[root] + proposed.depths[r, :n]
+    assert torch.equal(batch.positions, want)
+    published = tree_verify.current()
+    assert published.is_tree.tolist() == [0, 1, 1]
+    masks = packed_ancestor_mask_ref(step.trees)
+    assert torch.equal(published.tree_mask[5 : 5 + 1 + budget], masks[1])
+
+    # The target's choices: follow each tree to a leaf where possible, then a fresh token.
+    chosen = torch.full((total,), 7)
+    rows = {}
+    for r, root in ((1, 5), (2, 5 + 1 + budget)):
+        tree, node, path = step.trees, 0, []
+        while True:
+            kids = [i for i in range(int(tree.num_nodes[r])) if int(tree.parents[r, i]) == node]
+            if not kids:
+                break
+            child = kids[-1]
+            chosen[root + node] = tree.token_ids[r, child]
+            path.append(child + 1)
+            node = child + 1
+        chosen[root + node] = 3  # the bonus
+        rows[r] = [int(tree.token_ids[r, i - 1]) for i in path] + [3]
+    logit_rows = chosen[batch.logits_indices]
+
+    def get_num_sampled_and_rejected(num_sampled, seq_lens, cu, idx, prefill):
+        return num_sampled, (cu[1:] - cu[:-1]) - num_sampled  # no chunked prefill here
+
+    monkeypatch.setattr(
+        "vllm.v1.worker.gpu.input_batch.get_num_sampled_and_rejected",
+        get_num_sampled_and_rejected,
+    )
+    runner.model = SimpleNamespace(compute_logits=lambda h: h)
+    runner.sampler = SimpleNamespace(
+        sample=lambda logits, *a: (logits, None),
+        req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=None)),
+    )
+    runner.compilation_config = SimpleNamespace(static_forward_context={})  # no KV layers
+    sample = runner_v2._wrap_sample(lambda *a: pytest.fail("the tree path must run"))
+    hidden = torch.zeros(total, dtype=torch.long)
+    hidden[batch.logits_indices] = logit_rows
+    output, num_sampled, num_rejected = sample(runner, hidden, batch, None)
+    assert num_sampled.tolist() == [1, len(rows[1]), len(rows[2])]
+    assert num_rejected.tolist() == [0, 1 + budget - len(rows[1]), 5 - len(rows[2])]
+    assert output.sampled_token_ids[0, 0] == 7  # the prefill's next token
+    for r in (1, 2):
+        assert output.sampled_token_ids[r, : len(rows[r])].tolist() == rows[r]
+    assert min(len(rows[1]), len(rows[2])) >= 2  # both walks accepted nodes
