@@ -269,3 +269,17 @@ def test_cuda_matches_cpu():
     gpu_tree = build_trees(logits.cuda(), 64, 16).to("cpu")
     assert torch.equal(cpu_tree.token_ids, gpu_tree.token_ids)
     assert torch.equal(cpu_tree.parents, gpu_tree.parents)
+
+
+def test_select_trees_reorders_rows_and_cuts_them_to_a_prefix_of_nodes():
+    """Rows picked by index (a request's tree follows it to its new batch row) and cut to the
+    scheduled nodes: the first nodes in best-first order, which are still a tree."""
+    from vllm_ddtree.tree import select_trees
+
+    trees = build_trees(torch.randn(3, 4, 30, generator=torch.Generator().manual_seed(1)), 8)
+    picked = select_trees(trees, torch.tensor([2, 0]), torch.tensor([8, 3]))
+    assert torch.equal(picked.token_ids[0], trees.token_ids[2])
+    assert picked.num_nodes.tolist() == [int(trees.num_nodes[2]), 3]
+    assert torch.equal(picked.token_ids[1, :3], trees.token_ids[0, :3])
+    assert (picked.token_ids[1, 3:] == -1).all() and (picked.parents[1, 3:] == 0).all()
+    assert (picked.parents[1, :3] <= torch.arange(3)).all()  # parents come first: a tree

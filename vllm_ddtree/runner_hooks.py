@@ -40,7 +40,7 @@ from vllm_ddtree.ops.kv_commit import (
 from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
-from vllm_ddtree.tree import DDTreeBatch, empty_batch
+from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
 
 _PATCHED = "__vllm_ddtree_runner_hook__"
 
@@ -187,18 +187,7 @@ def _align_trees(
     )
     if steady:  # same rows, every tree scheduled whole: nothing to move or cut
         return trees
-    index = source_on_device.clamp(min=0)
-    num_nodes = torch.minimum(trees.num_nodes.index_select(0, index), num_draft_on_device)
-    slots = torch.arange(budget, device=device).unsqueeze(0)
-    keep = slots < num_nodes.unsqueeze(1)
-    return DDTreeBatch(
-        token_ids=torch.where(keep, trees.token_ids.index_select(0, index), -1),
-        parents=torch.where(keep, trees.parents.index_select(0, index), 0),
-        depths=torch.where(keep, trees.depths.index_select(0, index), 0),
-        scores=torch.where(keep, trees.scores.index_select(0, index), float("-inf")),
-        num_nodes=num_nodes,
-        max_depth=trees.max_depth,
-    )
+    return select_trees(trees, source_on_device.clamp(min=0), num_draft_on_device)
 
 
 def _wrap_prepare_inputs(original):
@@ -426,25 +415,42 @@ def _kv_layer_groups(runner) -> list[PagedKVLayers]:
     return groups
 
 
-def _commit_kv(runner, step: StepTrees) -> None:
-    """Move accepted nodes' K/V to contiguous slots in every TREE_ATTN layer."""
-    recorded = tree_verify.last_step()
-    if recorded is None:
-        return
-    slot_mapping = recorded.slot_mapping
-    width = step.trees.width
-    rows = step.query_start.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
+def commit_tree_kv(
+    runner,
+    slot_mapping: torch.Tensor,
+    root_row: torch.Tensor,
+    width: int,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Move accepted nodes' K/V to contiguous slots in every TREE_ATTN layer of ``runner``
+    (V1 or V2): ``slot_mapping`` ``[T]`` the step's KV slots, ``root_row`` long ``[R]`` each
+    request's root row, ``width`` the trees' width, ``accepted`` / ``num_accepted`` the walk's."""
+    rows = root_row.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
     rows = rows.clamp(max=slot_mapping.shape[0] - 1)
     verify_slots = slot_mapping[rows].long()
     if not use_triton(slot_mapping.device):
         for kv_cache in _tree_attention_kv_caches(runner):
             key_cache, value_cache = kv_cache.unbind(0)
-            commit_accepted_kv_torch(
-                key_cache, value_cache, verify_slots, step.accepted, step.num_accepted
-            )
+            commit_accepted_kv_torch(key_cache, value_cache, verify_slots, accepted, num_accepted)
         return
     for layers in _kv_layer_groups(runner):
-        commit_accepted_kv_layers(layers, verify_slots, step.accepted, step.num_accepted)
+        commit_accepted_kv_layers(layers, verify_slots, accepted, num_accepted)
+
+
+def _commit_kv(runner, step: StepTrees) -> None:
+    """Move accepted nodes' K/V to contiguous slots (the slots TREE_ATTN's builder saw)."""
+    recorded = tree_verify.last_step()
+    if recorded is None:
+        return
+    commit_tree_kv(
+        runner,
+        recorded.slot_mapping,
+        step.query_start,
+        step.trees.width,
+        step.accepted,
+        step.num_accepted,
+    )
 
 
 def _wrap_propose(original):

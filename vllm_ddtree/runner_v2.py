@@ -40,7 +40,7 @@ from vllm_ddtree.ops.tree_build import build_trees_triton
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
 from vllm_ddtree.runner_hooks import StepTableUpload
-from vllm_ddtree.tree import DDTreeBatch, build_trees
+from vllm_ddtree.tree import DDTreeBatch, build_trees, select_trees
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
@@ -149,24 +149,17 @@ def _speculator_class():
             self.batch_trees.num_nodes[:num_reqs].copy_(trees.num_nodes)
             return torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
 
-        def propose(
-            self,
-            input_batch,
-            attn_metadata,
-            slot_mappings,
-            last_hidden_states,
-            aux_hidden_states,
-            num_sampled,
-            num_rejected,
-            *args,
-            dummy_run: bool = False,
-            **kwargs,
-        ) -> torch.Tensor:
-            """vLLM's DFlash proposal on the accepted path's rows; returns the node tokens
-            ``[R, budget]`` (padding: token 0), keeping each request's tree for its next step."""
-            step = self.step
+        def propose(self, input_batch, *args, **kwargs) -> torch.Tensor:
+            """vLLM's DFlash proposal (its arguments: ``input_batch, attn_metadata,
+            slot_mappings, last_hidden_states, aux_hidden_states, num_sampled, ...``) on the
+            accepted path's rows; returns the node tokens ``[R, budget]`` (padding: token 0),
+            keeping each request's tree for its next step."""
+            dummy_run = kwargs.get("dummy_run", False)
+            step, self.step = self.step, None
             if not dummy_run and step is not None and step.accepted is not None:
-                hidden = list(aux_hidden_states or [last_hidden_states])
+                last = kwargs.get("last_hidden_states", args[2] if len(args) > 2 else None)
+                aux = kwargs.get("aux_hidden_states", args[3] if len(args) > 3 else None)
+                hidden = list(aux or [last])
                 rows_ok = all(h.dim() == 2 and h.stride(-1) == 1 for h in hidden)
                 kernel = use_triton(step.accepted.device) and rows_ok
                 move = move_path_rows_triton if kernel else move_path_rows_ref
@@ -180,19 +173,7 @@ def _speculator_class():
                     step.num_draft,
                     self.ddtree.tree_budget,
                 )
-            self.step = None
-            super().propose(
-                input_batch,
-                attn_metadata,
-                slot_mappings,
-                last_hidden_states,
-                aux_hidden_states,
-                num_sampled,
-                num_rejected,
-                *args,
-                dummy_run=dummy_run,
-                **kwargs,
-            )
+            super().propose(input_batch, *args, **kwargs)
             num_reqs = input_batch.num_reqs
             if not dummy_run:
                 index = input_batch.idx_mapping[:num_reqs].long()
@@ -237,18 +218,7 @@ def _step_trees(speculator, input_batch):
         starts + counts - 1 - num_draft_np, num_draft_np, counts
     )
     index = input_batch.idx_mapping[:num_reqs].long()
-    state = speculator.state_trees
-    num_nodes = torch.minimum(state.num_nodes.index_select(0, index), num_draft)
-    slots = torch.arange(state.token_ids.shape[1], device=device).unsqueeze(0)
-    keep = slots < num_nodes.unsqueeze(1)
-    trees = DDTreeBatch(
-        token_ids=torch.where(keep, state.token_ids.index_select(0, index), -1),
-        parents=torch.where(keep, state.parents.index_select(0, index), 0),
-        depths=torch.where(keep, state.depths.index_select(0, index), 0),
-        scores=torch.where(keep, state.scores.index_select(0, index), float("-inf")),
-        num_nodes=num_nodes,
-        max_depth=state.max_depth,
-    )
+    trees = select_trees(speculator.state_trees, index, num_draft)
     return trees, root_row, num_draft, counts
 
 
@@ -333,27 +303,15 @@ def _wrap_sample(original):
 
 
 def _commit_kv_v2(runner, step: TreeStepV2) -> None:
-    """Accepted nodes' K/V to the slots of rows root + 1.. in every TREE_ATTN layer (the
-    V1 launch tables, ``runner_hooks._kv_layer_groups``)."""
-    from vllm_ddtree.ops.kv_commit import commit_accepted_kv_layers, commit_accepted_kv_torch
-    from vllm_ddtree.runner_hooks import _kv_layer_groups, _tree_attention_kv_caches
+    """Accepted nodes' K/V to the slots of rows root + 1.. in every TREE_ATTN layer, at the
+    slots TREE_ATTN's builder saw for the target (else the first KV cache group's)."""
+    from vllm_ddtree.runner_hooks import commit_tree_kv
 
-    # The slots TREE_ATTN's builder saw for the target (V1's source too), else the first KV
-    # cache group's.
     recorded = tree_verify.last_step()
     slot_mapping = recorded.slot_mapping if recorded is not None else step.slot_mapping
-    width = step.trees.width
-    rows = step.root_row.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
-    verify_slots = slot_mapping[rows.clamp(max=slot_mapping.shape[0] - 1)].long()
-    if not use_triton(slot_mapping.device):
-        for kv_cache in _tree_attention_kv_caches(runner):
-            key_cache, value_cache = kv_cache.unbind(0)
-            commit_accepted_kv_torch(
-                key_cache, value_cache, verify_slots, step.accepted, step.num_accepted
-            )
-        return
-    for layers in _kv_layer_groups(runner):
-        commit_accepted_kv_layers(layers, verify_slots, step.accepted, step.num_accepted)
+    commit_tree_kv(
+        runner, slot_mapping, step.root_row, step.trees.width, step.accepted, step.num_accepted
+    )
 
 
 EXPECTED_SIGNATURES = {

@@ -216,6 +216,22 @@ def empty_batch(num_reqs: int, width: int, depth_limit: int, device) -> DDTreeBa
     )
 
 
+def select_trees(trees: DDTreeBatch, index: torch.Tensor, max_nodes: torch.Tensor) -> DDTreeBatch:
+    """The trees of rows ``index`` (long ``[R']``), each cut to its first ``max_nodes[r]``
+    nodes (long ``[R']``; best-first order keeps a cut tree a tree). No host synchronisation."""
+    num_nodes = torch.minimum(trees.num_nodes.index_select(0, index), max_nodes)
+    slots = torch.arange(trees.width, device=index.device).unsqueeze(0)
+    keep = slots < num_nodes.unsqueeze(1)
+    return DDTreeBatch(
+        token_ids=torch.where(keep, trees.token_ids.index_select(0, index), PAD_TOKEN),
+        parents=torch.where(keep, trees.parents.index_select(0, index), 0),
+        depths=torch.where(keep, trees.depths.index_select(0, index), 0),
+        scores=torch.where(keep, trees.scores.index_select(0, index), float("-inf")),
+        num_nodes=num_nodes,
+        max_depth=trees.max_depth,
+    )
+
+
 def ancestor_mask(tree: DDTreeBatch) -> torch.Tensor:
     """Ancestor-only visibility inside each tree.
 
