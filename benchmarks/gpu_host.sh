@@ -13,6 +13,7 @@
 #                  options, SKIP_LOSSLESS=1 leaves the grid out)
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
+#       pair     - lossless_pair.py on one GPU (PAIR_DTYPES, default float32)
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
 #       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
 #       v2       - lossless_gpu.py --runner v2: the experimental V2-runner path
@@ -115,6 +116,17 @@ case "$STEP" in
     done
     wait $TP; echo "tp rc=$?"
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_tp2.log" | cut -c1-300 ;;
+  pair)
+    # The real pair against the target alone on one GPU (lossless_pair.py; PAIR_DTYPES, e.g.
+    # "float32": the exactness check with far fewer ties than bf16; needs prepare's checkpoint).
+    [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
+    for dtype in ${PAIR_DTYPES:-float32}; do
+      timeout "${PAIR_TIMEOUT:-420}" python3 benchmarks/lossless_pair.py \
+        --target /tmp/train/SmolLM2-135M-Instruct --drafter "${DRAFTER:-/tmp/drafter}" \
+        --prompts /tmp/prompts.json --out "$OUT" --dtype "$dtype" \
+        --work "/tmp/vllm-ddtree-pair-$dtype" > "$OUT/lossless_pair_$dtype.log" 2>&1
+      echo "pair $dtype rc=$?"; grep -E '^\{' "$OUT/lossless_pair_$dtype.log" | cut -c1-300
+    done ;;
   hybrid)
     # The experimental GDN tree path on a tiny Qwen3-Next (needs bundle part 3: MoE ops): the
     # lossless grid and the sampling check (lossless_gpu.py --hybrid; LOSSLESS_ARGS adds options).
