@@ -2,6 +2,7 @@
 vLLM's speculative GDN calls routed to the trees, then the commit, give exactly the states and
 outputs of decoding the accepted tokens one by one (what the target alone does)."""
 
+import pytest
 import torch
 
 from vllm_ddtree.hybrid_gdn import HybridTreeStep, gdn_gates_ref
@@ -211,3 +212,27 @@ def test_install_routes_only_the_speculative_gdn_calls(monkeypatch):
     hybrid_gdn.uninstall()
     conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], **speculative)
     assert calls[-1] == "conv"
+
+
+def test_every_hybrid_architecture_accepted_uses_the_gdn_layer_the_tree_path_routes():
+    """The hybrid targets DDTree accepts (Qwen3-Next, Qwen3.5 dense and MoE) are vLLM 0.26.0
+    models whose GatedDeltaNet layer is ``QwenGatedDeltaNetAttention`` from the module whose
+    speculative calls ``hybrid_gdn`` routes to the tree kernels; a vLLM that moves the layer
+    fails here instead of silently verifying trees as chains."""
+    import importlib.util
+
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
+    from vllm_ddtree.hybrid_gdn import GDN_MODULE
+
+    for architecture in GDN_TREE_ARCHITECTURES:
+        module_name, class_name = _VLLM_MODELS[architecture]
+        # Read, not imported: the Qwen3.5 modules import torchvision, absent on the CPU.
+        spec = importlib.util.find_spec(f"vllm.model_executor.models.{module_name}")
+        with open(spec.origin) as f:
+            source = f.read()
+        assert f"class {class_name}(" in source, architecture
+        assert f"from {GDN_MODULE} import" in source, architecture
+        assert "QwenGatedDeltaNetAttention(" in source, architecture

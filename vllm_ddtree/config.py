@@ -121,9 +121,7 @@ def check_drafter_is_dflash(drafter_config: Mapping[str, Any], model: str) -> No
 # routes (vllm_ddtree.hybrid_gdn), behind VLLM_DDTREE_HYBRID=1 until checked on a GPU.
 GDN_TREE_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
-    "Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForCausalLM",
     "Qwen3_5MoeForConditionalGeneration",
 )
 HYBRID_ENV = "VLLM_DDTREE_HYBRID"
