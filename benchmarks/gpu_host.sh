@@ -17,6 +17,7 @@
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
 #       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
 #       v2       - lossless_gpu.py --runner v2: the experimental V2-runner path
+#       hybrid-steps - GDN tree verify cost on Qwen3.5-27B-like shapes (profile_step.py)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
 STEP=$1
@@ -146,6 +147,15 @@ case "$STEP" in
       ${LOSSLESS_ARGS:-} --out "$OUT" > "$OUT/lossless_gpu_v2.log" 2>&1
     echo "v2 rc=$?"; (cd /tmp/vllm-ddtree-v2 && tar czf "$OUT/v2_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_v2.log" | cut -c1-300 ;;
+  hybrid-steps)
+    # The GDN tree verify's cost on Qwen3.5-27B-like layer shapes (profile_step.py --target
+    # synthetic-hybrid; V1 runner, float32 states; needs part 3): the DFlash chain step against
+    # DDTree at budgets 16/64/256 (random drafter: step costs, not acceptance).
+    timeout "${PROFILE_TIMEOUT:-560}" python3 benchmarks/profile_step.py --target synthetic-hybrid \
+      --compile "${COMPILE:-default}" --work /tmp/vllm-ddtree-profile-hybrid \
+      --methods "${METHODS:-dflash,ddtree_b16,ddtree_b64,ddtree_b256}" \
+      --out "$OUT" > "$OUT/profile_step_hybrid.log" 2>&1
+    echo "steps rc=$?"; grep '^{' "$OUT/profile_step_hybrid.log" | cut -c1-300 ;;
   tp-steps)
     # Wall time per target forward at tensor parallel TP (default 2) of AR, the DFlash chain and
     # DDTree on a random Qwen3 that shards (profile_step.py --target synthetic-tp): step costs,

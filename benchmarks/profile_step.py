@@ -11,6 +11,8 @@ synchronisations (device-to-host copies, stream/device synchronise calls).
         [--methods ar,dflash_v1,ddtree_b64] [--tokens 128]
     python benchmarks/profile_step.py --target synthetic --out DIR   # SmolLM2 shapes, random
     python benchmarks/profile_step.py --target synthetic-tp --tp 2 --out DIR  # timing only
+    python benchmarks/profile_step.py --target synthetic-hybrid --out DIR \
+        --methods dflash,ddtree_b16,ddtree_b64,ddtree_b256   # GDN verify-step cost (V1 runner)
 
 With ``--tp`` > 1 the model runs in worker processes: wall time per target forward only.
 """
@@ -38,10 +40,34 @@ def synthetic_config(name: str):
     """The random targets' configs: ``synthetic`` has SmolLM2-135M's shapes (Llama, 30 layers,
     hidden 576, 9 heads); ``synthetic-tp`` is a Qwen3 with Qwen3-0.6B's layer shapes (28 layers,
     hidden 1024, 16 query / 8 KV heads of 128; SmolLM2's vocabulary) that shards over 2 or 4 GPUs
-    (SmolLM2's 9 heads do not)."""
-    from transformers import LlamaConfig, Qwen3Config
+    (SmolLM2's 9 heads do not); ``synthetic-hybrid`` is a Qwen3-Next with Qwen3.5-27B-like layer
+    shapes (hidden 5120; GatedDeltaNet 16 key / 48 value heads of 128, attention 24 query / 4 KV
+    heads of 256) in 8 layers (6 GDN, 2 attention), small MoE feed-forwards (vLLM's Qwen3-Next
+    needs MoE): the GDN tree verify's cost on realistic head shapes."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
 
     shared = dict(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+    if name == "synthetic-hybrid":
+        return Qwen3NextConfig(
+            hidden_size=5120,
+            num_hidden_layers=8,
+            full_attention_interval=4,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            intermediate_size=4096,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_experts=8,
+            num_experts_per_tok=2,
+            architectures=["Qwen3NextForCausalLM"],
+            **{**shared, "tie_word_embeddings": False},
+        )
     if name == "synthetic":
         return LlamaConfig(
             hidden_size=576,
@@ -109,6 +135,16 @@ def engine_kwargs(method: str, drafter: str) -> tuple[dict, dict]:
     )
 
 
+def is_hybrid(target: str) -> bool:
+    """Whether the checkpoint at ``target`` is a GatedDeltaNet hybrid (Qwen3-Next, Qwen3.5)."""
+    try:
+        with open(os.path.join(target, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except OSError:
+        return False
+    return any(name.startswith(("Qwen3Next", "Qwen3_5")) for name in architectures)
+
+
 def profile_method(args, method: str) -> dict:
     import torch
     from vllm import LLM, SamplingParams
@@ -116,6 +152,14 @@ def profile_method(args, method: str) -> dict:
 
     kwargs, env = engine_kwargs(method, args.drafter)
     os.environ.update(env)
+    if is_hybrid(args.target):
+        # Every method with the settings the GDN tree path needs (same cache layout for all).
+        os.environ["VLLM_DDTREE_HYBRID"] = "1"
+        kwargs.update(
+            mamba_ssm_cache_dtype="float32",
+            enable_prefix_caching=False,
+            additional_config={"gdn_prefill_backend": "triton"},
+        )
     cuda = torch.cuda.is_available()
     llm = LLM(
         model=args.target,
@@ -210,7 +254,9 @@ def profile_method(args, method: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--target", required=True, help="a checkpoint, 'synthetic' or 'synthetic-tp'"
+        "--target",
+        required=True,
+        help="a checkpoint, 'synthetic', 'synthetic-tp' or 'synthetic-hybrid'",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (no profiler)")
     parser.add_argument("--drafter", default="", help="(not with --target synthetic)")
@@ -225,7 +271,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.makedirs(args.out, exist_ok=True)
-    if args.target in ("synthetic", "synthetic-tp"):
+    if args.target in ("synthetic", "synthetic-tp", "synthetic-hybrid"):
         args.target, args.drafter = synthetic_pair(args.work, args.target)
     if args.method:  # child: one engine per process
         result = profile_method(args, args.method)
