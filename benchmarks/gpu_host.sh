@@ -17,7 +17,7 @@
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
 #       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
 #       v2       - lossless_gpu.py --runner v2: the experimental V2-runner path
-#       hybrid-steps - GDN tree verify cost on Qwen3.5-27B-like shapes (profile_step.py)
+#       hybrid-steps - GDN tree verify cost on large-model layer shapes (profile_step.py)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 set -uo pipefail
 STEP=$1
@@ -148,7 +148,7 @@ case "$STEP" in
     echo "v2 rc=$?"; (cd /tmp/vllm-ddtree-v2 && tar czf "$OUT/v2_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_v2.log" | cut -c1-300 ;;
   hybrid-steps)
-    # The GDN tree verify's cost on Qwen3.5-27B-like layer shapes (profile_step.py --target
+    # The GDN tree verify's cost on large-model layer shapes (profile_step.py --target
     # synthetic-hybrid; V1 runner, float32 states; needs part 3): the DFlash chain step against
     # DDTree at budgets 16/64/256 (random drafter: step costs, not acceptance).
     timeout "${PROFILE_TIMEOUT:-560}" python3 benchmarks/profile_step.py --target synthetic-hybrid \

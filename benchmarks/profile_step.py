@@ -40,10 +40,11 @@ def synthetic_config(name: str):
     """The random targets' configs: ``synthetic`` has SmolLM2-135M's shapes (Llama, 30 layers,
     hidden 576, 9 heads); ``synthetic-tp`` is a Qwen3 with Qwen3-0.6B's layer shapes (28 layers,
     hidden 1024, 16 query / 8 KV heads of 128; SmolLM2's vocabulary) that shards over 2 or 4 GPUs
-    (SmolLM2's 9 heads do not); ``synthetic-hybrid`` is a Qwen3-Next with Qwen3.5-27B-like layer
-    shapes (hidden 5120; GatedDeltaNet 16 key / 48 value heads of 128, attention 24 query / 4 KV
-    heads of 256) in 8 layers (6 GDN, 2 attention), small MoE feed-forwards (vLLM's Qwen3-Next
-    needs MoE): the GDN tree verify's cost on realistic head shapes."""
+    (SmolLM2's 9 heads do not); ``synthetic-hybrid`` is a Qwen3-Next with large-model layer
+    shapes in 8 layers (6 GDN, 2 attention): hidden 5120 (as in Qwen3.6-27B's DFlash drafter
+    config), GatedDeltaNet 16 key / 48 value heads of 128 and attention 24 query / 4 KV heads of
+    256 (Qwen3.5-style sizes, chosen here, not read from a checkpoint), small MoE feed-forwards
+    (vLLM's Qwen3-Next needs MoE): the GDN tree verify's cost on realistic head shapes."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
 
     shared = dict(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
