@@ -37,7 +37,7 @@ from vllm_ddtree.ops.kv_commit import (
     commit_accepted_kv_layers,
     commit_accepted_kv_torch,
 )
-from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
+from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
 from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
@@ -231,21 +231,34 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     query_start_d, num_draft_d, counts_d, source_d = _upload(runner).send(
         query_start, num_draft, counts, source
     )
-    device = query_start_d.device
     trees = _align_trees(drafter, source, num_draft, source_d, num_draft_d)
     step = StepTrees(trees=trees, query_start=query_start_d, num_draft=num_draft_d)
     runner._ddtree_step = step
 
-    total_tokens = int(counts.sum())
-    # Depth-based RoPE positions for node tokens (in place; slots stay one per node) and one
-    # packed ancestor row per query token for TREE_ATTN.
-    fill = tree_step_inputs_triton if use_triton(device) else tree_step_inputs_ref
-    tree_mask = fill(trees, query_start_d, num_draft_d, counts_d, runner.positions, total_tokens)
-    is_tree = (num_draft_d > 0).to(torch.int32)
-    tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
+    set_tree_step_inputs(
+        trees, query_start_d, num_draft_d, counts_d, runner.positions, int(counts.sum())
+    )
     gdn = hybrid_gdn.active_step()
     if gdn is not None:  # hybrid target: the GDN layers read the same trees
         gdn.publish(trees.parents, trees.num_nodes, num_draft_d)
+
+
+def set_tree_step_inputs(
+    trees: DDTreeBatch,
+    root_row: torch.Tensor,
+    num_draft: torch.Tensor,
+    num_scheduled: torch.Tensor,
+    positions: torch.Tensor,
+    total_tokens: int,
+) -> None:
+    """Before a verify forward (V1 or V2 runner): depth-based RoPE positions for the node
+    tokens, in ``positions`` in place (slots stay one per node), and one packed ancestor row
+    per query token published for TREE_ATTN. ``root_row``, ``num_draft``, ``num_scheduled``:
+    long ``[R]``; ``total_tokens``: the step's unpadded token count."""
+    fill = tree_step_inputs_triton if use_triton(root_row.device) else tree_step_inputs_ref
+    tree_mask = fill(trees, root_row, num_draft, num_scheduled, positions, total_tokens)
+    is_tree = (num_draft > 0).to(torch.int32)
+    tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
 
 
 def _refuse_unsupported(sampling_metadata) -> None:
@@ -473,14 +486,10 @@ def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
     the token ids and feature-layer hidden states the drafter reads next, and every row after
     the root gets the next position in turn, so that no other branch's row shares a path row's
     position (and drafter KV slot) (``ops/path_rows.py``; no host synchronisation)."""
-    hidden = list(aux_hidden_states or [])
-    rows_ok = all(h.dim() == 2 and h.stride(-1) == 1 for h in hidden)
-    use_kernel = use_triton(step.accepted.device) and rows_ok
-    move = move_path_rows_triton if use_kernel else move_path_rows_ref
-    move(
+    move_path_rows(
         runner.input_ids.gpu,
         runner.positions,
-        hidden,
+        list(aux_hidden_states or []),
         step.query_start,
         step.accepted,
         step.num_accepted,

@@ -35,12 +35,11 @@ import torch
 from tree_attn_backend import tree_verify
 from vllm_ddtree.config import RUNNER_ENV, v2_requested
 from vllm_ddtree.ops import use_triton
-from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
+from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_trees_triton
-from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
-from vllm_ddtree.runner_hooks import StepTableUpload
-from vllm_ddtree.tree import DDTreeBatch, build_trees, select_trees
+from vllm_ddtree.runner_hooks import StepTableUpload, set_tree_step_inputs
+from vllm_ddtree.tree import DDTreeBatch, build_trees, empty_batch, select_trees
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
@@ -110,30 +109,11 @@ def _speculator_class():
             drafter_config.speculative_config = drafter_spec
             super().__init__(drafter_config, device)
             self.ddtree = ddtree
-            budget = ddtree.tree_budget
-            rows = self.max_num_reqs
-
-            def table(dtype, fill=0):
-                return torch.full((rows, budget), fill, dtype=dtype, device=device)
-
-            # The last proposal of each batch row (written inside the drafter's graph) ...
-            self.batch_trees = DDTreeBatch(
-                token_ids=table(torch.long, -1),
-                parents=table(torch.long),
-                depths=table(torch.long),
-                scores=table(torch.float32, float("-inf")),
-                num_nodes=torch.zeros(rows, dtype=torch.long, device=device),
-                max_depth=ddtree.depth,
-            )
-            # ... and of each request state (vLLM's req_state index), read at the next step.
-            self.state_trees = dataclasses.replace(
-                self.batch_trees,
-                token_ids=table(torch.long, -1),
-                parents=table(torch.long),
-                depths=table(torch.long),
-                scores=table(torch.float32, float("-inf")),
-                num_nodes=torch.zeros(rows, dtype=torch.long, device=device),
-            )
+            rows, budget = self.max_num_reqs, ddtree.tree_budget
+            # The last proposal of each batch row (written inside the drafter's graph), and of
+            # each request state (vLLM's req_state index), read at the request's next step.
+            self.batch_trees = empty_batch(rows, budget, ddtree.depth, device)
+            self.state_trees = empty_batch(rows, budget, ddtree.depth, device)
             self.step: TreeStepV2 | None = None
 
         def sample_draft(self, hidden_states, *args, **kwargs):
@@ -159,14 +139,10 @@ def _speculator_class():
             if not dummy_run and step is not None and step.accepted is not None:
                 last = kwargs.get("last_hidden_states", args[2] if len(args) > 2 else None)
                 aux = kwargs.get("aux_hidden_states", args[3] if len(args) > 3 else None)
-                hidden = list(aux or [last])
-                rows_ok = all(h.dim() == 2 and h.stride(-1) == 1 for h in hidden)
-                kernel = use_triton(step.accepted.device) and rows_ok
-                move = move_path_rows_triton if kernel else move_path_rows_ref
-                move(
+                move_path_rows(
                     input_batch.input_ids,
                     input_batch.positions,
-                    hidden,
+                    list(aux or [last]),
                     step.root_row,
                     step.accepted,
                     step.num_accepted,
@@ -233,13 +209,9 @@ def _wrap_prepare_attn(original):
             return block_tables, slot_mappings
         with torch.profiler.record_function("ddtree::prepare_tree_inputs"):
             trees, root_row, num_draft, counts = _step_trees(speculator, input_batch)
-            device = num_draft.device
-            fill = tree_step_inputs_triton if use_triton(device) else tree_step_inputs_ref
-            tree_mask = fill(
+            set_tree_step_inputs(
                 trees, root_row, num_draft, counts, input_batch.positions, input_batch.num_tokens
             )
-            is_tree = (num_draft > 0).to(torch.int32)
-            tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
             speculator.step = TreeStepV2(
                 trees=trees, root_row=root_row, num_draft=num_draft, slot_mapping=slot_mappings[0]
             )

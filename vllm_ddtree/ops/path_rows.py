@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.ops import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -138,3 +140,20 @@ def move_path_rows_triton(
             MAX_DEPTH=path_len - 1,
             BLOCK=block,
         )
+
+
+def move_path_rows(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    hidden: list[torch.Tensor],
+    root: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+    num_draft: torch.Tensor,
+    max_nodes: int,
+) -> None:
+    """``move_path_rows_triton`` on CUDA when every hidden tensor has rows with a contiguous
+    last dim, else ``move_path_rows_ref`` (same arguments, in place)."""
+    rows_ok = all(h.dim() == 2 and h.stride(-1) == 1 for h in hidden)
+    move = move_path_rows_triton if use_triton(accepted.device) and rows_ok else move_path_rows_ref
+    move(input_ids, positions, hidden, root, accepted, num_accepted, num_draft, max_nodes)
