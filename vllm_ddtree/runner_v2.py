@@ -34,6 +34,7 @@ import torch
 
 from tree_attn_backend import tree_verify
 from vllm_ddtree.config import RUNNER_ENV, v2_requested
+from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_trees_triton
@@ -359,6 +360,7 @@ def install(module) -> None:
     runner = module.GPUModelRunner
     _wrap_function(runner, "prepare_attn", "GPUModelRunner", _wrap_prepare_attn)
     _wrap_function(runner, "sample", "GPUModelRunner", _wrap_sample)
+    _wrap_function(runner, "get_kv_cache_spec", "GPUModelRunner", wrap_get_kv_cache_spec)
     _wrap_function(module, "init_speculator", RUNNER_MODULE, _wrap_init_speculator)
 
 

@@ -14,6 +14,9 @@ Patches:
 * ``vllm.v1.worker.gpu_model_runner``: ``DFlashProposer`` is replaced by ``DDTreeProposer`` and
   ``runner_hooks.install`` wraps the V1 runner's ``_prepare_inputs``, ``_sample`` and
   ``propose_draft_token_ids`` (inert unless DDTree is configured), when that module is imported.
+* ``GPUModelRunner.get_kv_cache_spec`` (V1 and V2 runners): every attention layer's spec gets
+  the same ``indexes_kv_by_block_stride`` (``kv_specs.py``), so that on hybrid targets the
+  drafter's layers share one KV-cache group with the target's TREE_ATTN layers.
 * ``vllm.config.vllm.VllmConfig.use_v2_model_runner``: False when DDTree is configured (its
   hooks live in the V1 runner; vLLM 0.26.0 would pick V2 for dense targets on GPUs).
 * ``vllm.renderers.hf.resolve_chat_template_kwargs``: chat-template switches sent as the
@@ -56,6 +59,7 @@ from vllm_ddtree.config import (
     split_speculative_config,
     v2_requested,
 )
+from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -399,6 +403,9 @@ def _patch_model_runner(module) -> None:
     if getattr(module, "DFlashProposer", None) is not DDTreeProposer:
         module.DFlashProposer = DDTreeProposer
     runner_hooks.install()
+    _wrap_function(
+        module.GPUModelRunner, "get_kv_cache_spec", "GPUModelRunner", wrap_get_kv_cache_spec
+    )
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
