@@ -7,18 +7,12 @@ logits ``[R, depth, V]`` go through ``build_trees`` on the device, and the ``bud
 (node order, padding as token 0) are what vLLM schedules for verification. The trees are kept,
 keyed by request id, for the runner hooks (``runner_hooks.py``) of the next step.
 
-Test-only mode (never on by default): ``VLLM_DDTREE_TEST_ORACLE`` names a JSON file
-``{"p_top": float, "seed": int, "sequences": [[token, ...], ...]}`` of target-only greedy
-sequences (prompt + continuation). For a request whose prompt starts one of them, the drafter's
-logits are replaced by noise in which the target's own future token is ranked first with
-probability ``p_top`` and second otherwise, so the tree paths are exercised deeply even with
-random weights.
+Test-only mode: ``VLLM_DDTREE_TEST_ORACLE`` (``oracle.py``) replaces the drafter's logits by
+target-future noise, so the tree paths are exercised deeply even with random weights.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +21,8 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_build import build_trees_triton
+from vllm_ddtree.oracle import HostOracle, oracle_path
 from vllm_ddtree.tree import DDTreeBatch, build_trees
-
-TEST_ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"
 
 
 @dataclass
@@ -41,39 +34,6 @@ class ProposedTrees:
 
     def row_of(self) -> dict[str, int]:
         return {req_id: row for row, req_id in enumerate(self.req_ids)}
-
-
-class _Oracle:
-    """Target-future drafter logits for tests (see the module docstring)."""
-
-    def __init__(self, path: str, vocab_size: int):
-        with open(path) as f:
-            spec = json.load(f)
-        self.sequences = [list(s) for s in spec["sequences"]]
-        self.p_top = float(spec.get("p_top", 1.0))
-        self.gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
-        self.vocab_size = vocab_size
-
-    def logits(self, prompts: list[list[int]], bonus_positions: list[int], depth: int):
-        out = torch.randn(len(prompts), depth, self.vocab_size, generator=self.gen)
-        for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
-            sequence = next((s for s in self.sequences if s[: len(prompt)] == list(prompt)), None)
-            if sequence is None:
-                continue
-            for d in range(depth):
-                index = position + 1 + d
-                if index >= len(sequence):
-                    break
-                row = out[r, d]
-                top = float(row.max())
-                truth = sequence[index]
-                if torch.rand(1, generator=self.gen).item() < self.p_top:
-                    row[truth] = top + 8.0
-                else:
-                    rival = int(row.argmax()) if int(row.argmax()) != truth else (truth + 1)
-                    row[rival % self.vocab_size] = top + 8.0
-                    row[truth] = top + 7.0
-        return out
 
 
 class DDTreeProposer(DFlashProposer):
@@ -88,10 +48,9 @@ class DDTreeProposer(DFlashProposer):
         if self.ddtree is not None and self.ddtree.depth > self.num_speculative_tokens:
             self._size_query_buffers(1 + self.ddtree.depth)
         self.proposed: ProposedTrees | None = None
-        self._oracle: _Oracle | None = None
-        oracle_path = os.environ.get(TEST_ORACLE_ENV)
-        if self.ddtree is not None and oracle_path:
-            self._oracle = _Oracle(oracle_path, vllm_config.model_config.get_vocab_size())
+        self._oracle: HostOracle | None = None
+        if self.ddtree is not None and oracle_path():
+            self._oracle = HostOracle(oracle_path(), vllm_config.model_config.get_vocab_size())
         if self.ddtree is not None and vllm_config.model_config.is_hybrid:
             self._install_hybrid_tree_path(vllm_config, device)
         else:

@@ -39,6 +39,7 @@ from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_trees_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
+from vllm_ddtree.oracle import DeviceOracle, oracle_path
 from vllm_ddtree.runner_hooks import StepTableUpload, set_tree_step_inputs
 from vllm_ddtree.tree import DDTreeBatch, build_trees, empty_batch, select_trees
 
@@ -116,13 +117,23 @@ def _speculator_class():
             self.batch_trees = empty_batch(rows, budget, ddtree.depth, device)
             self.state_trees = empty_batch(rows, budget, ddtree.depth, device)
             self.step: TreeStepV2 | None = None
+            self.oracle: DeviceOracle | None = None
+            if oracle_path():
+                vocab_size = vllm_config.model_config.get_vocab_size()
+                self.oracle = DeviceOracle(oracle_path(), vocab_size, rows, device)
 
-        def sample_draft(self, hidden_states, *args, **kwargs):
+        def sample_draft(self, hidden_states, positions, idx_mapping, *args, **kwargs):
             """``hidden_states`` ``[R * depth, H]`` of the mask rows -> the trees of the batch
-            rows (kept in ``batch_trees``); returns placeholder drafts ``[R * depth]``."""
+            rows (kept in ``batch_trees``); returns placeholder drafts ``[R * depth]``.
+            ``positions`` (long ``[R * depth]``) are vLLM's Gumbel keys, each mask row's
+            predicted position minus 2; ``idx_mapping`` its request state (-1: padding)."""
             depth = self.ddtree.depth
             num_reqs = hidden_states.shape[0] // depth
-            logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
+            if self.oracle is not None:
+                logits = self.oracle.logits(positions + 2, idx_mapping)
+            else:
+                logits = self.model.compute_logits(hidden_states)
+            logits = logits.view(num_reqs, depth, -1)
             build = build_trees_triton if use_triton(logits.device) else build_trees
             trees = build(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
             for name in ("token_ids", "parents", "depths", "scores"):
@@ -199,10 +210,25 @@ def _step_trees(speculator, input_batch):
     return trees, root_row, num_draft, counts
 
 
+def _bind_oracle(runner, oracle, input_batch) -> None:
+    """Test oracle only: bind this step's new requests to their sequences (host reads of
+    their prompts, before the step's proposal)."""
+    states = [int(s) for s in input_batch.idx_mapping_np[: input_batch.num_reqs]]
+    token_ids = runner.req_states.all_token_ids.gpu
+    prompt_len = runner.req_states.prompt_len.np
+
+    def prompt_of(state: int) -> list[int]:
+        return token_ids[state, : int(prompt_len[state])].tolist()
+
+    oracle.bind(states, list(input_batch.req_ids[: input_batch.num_reqs]), prompt_of)
+
+
 def _wrap_prepare_attn(original):
     def prepare_attn(self, input_batch):
         block_tables, slot_mappings = original(self, input_batch)
         speculator = _ddtree_speculator(self)
+        if getattr(speculator, "oracle", None) is not None:
+            _bind_oracle(self, speculator.oracle, input_batch)
         if speculator is None or input_batch.num_draft_tokens == 0:
             tree_verify.publish(None)
             if speculator is not None:

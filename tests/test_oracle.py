@@ -1,0 +1,77 @@
+"""The test-only controllable drafter (oracle.py): the host (V1) and device (V2) forms agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vllm_ddtree.oracle import DeviceOracle, HostOracle, match_sequence
+
+VOCAB = 50
+
+
+@pytest.fixture
+def oracle_file(tmp_path):
+    def write(p_top: float) -> str:
+        path = tmp_path / f"oracle_{p_top}.json"
+        sequences = [[1, 2, 3] + list(range(10, 30)), [4, 5] + list(range(30, 45))]
+        path.write_text(json.dumps({"p_top": p_top, "seed": 0, "sequences": sequences}))
+        return str(path)
+
+    return write
+
+
+def test_match_sequence():
+    sequences = [[1, 2, 3, 4], [1, 2, 9]]
+    assert match_sequence(sequences, [1, 2, 9]) == 1
+    assert match_sequence(sequences, [1, 2]) == 0
+    assert match_sequence(sequences, [7]) == -1
+
+
+@pytest.mark.parametrize("p_top", [1.0, 0.0])
+def test_device_oracle_ranks_the_future_like_the_host_oracle(oracle_file, p_top):
+    path = oracle_file(p_top)
+    depth, bonus_positions = 4, [5, 3]
+    prompts = [[1, 2, 3], [4, 5]]
+    host = HostOracle(path, VOCAB).logits(prompts, bonus_positions, depth)  # [2, depth, V]
+
+    device = DeviceOracle(path, VOCAB, max_num_reqs=4, device=torch.device("cpu"))
+    # Request states 2 and 0 hold the two prompts (the batch's rows map to states).
+    states = [2, 0]
+    device.bind(states, ["a", "b"], lambda s: {2: prompts[0], 0: prompts[1]}[s])
+    predicted = torch.tensor([p + 1 + d for p in bonus_positions for d in range(depth)])
+    row_states = torch.tensor([s for s in states for _ in range(depth)])
+    logits = device.logits(predicted, row_states).view(2, depth, VOCAB)
+
+    for r in range(2):
+        sequence = device.sequences[device.sequence_of_state[states[r]]]
+        for d in range(depth):
+            truth = sequence[bonus_positions[r] + 1 + d]
+            for out in (host[r, d], logits[r, d]):
+                ranked = out.argsort(descending=True)
+                expected_rank = 0 if p_top == 1.0 else 1
+                assert int(ranked[expected_rank]) == truth
+
+
+def test_rows_past_the_sequence_padding_and_unmatched_requests_are_noise(oracle_file):
+    device = DeviceOracle(oracle_file(1.0), VOCAB, max_num_reqs=3, device=torch.device("cpu"))
+    device.bind([0, 1], ["a", "b"], lambda s: {0: [4, 5], 1: [9, 9]}[s])
+    assert device.sequence_of_state.tolist() == [1, -1, -1]
+    predicted = torch.tensor([2, 500, 2, 2])  # in range, past the end, unmatched, padding
+    states = torch.tensor([0, 0, 1, -1])
+    logits = device.logits(predicted, states)
+    assert int(logits[0].argmax()) == 30
+    margin = logits.max(dim=-1).values - logits.topk(2, dim=-1).values[:, 1]
+    assert float(margin[0]) >= 7.9
+    assert (margin[1:] < 7.9).all()  # plain noise: no token lifted 8 above the rest
+
+
+def test_a_reused_request_state_is_bound_again(oracle_file):
+    device = DeviceOracle(oracle_file(1.0), VOCAB, max_num_reqs=2, device=torch.device("cpu"))
+    device.bind([0], ["a"], lambda s: [1, 2, 3])
+    assert int(device.sequence_of_state[0]) == 0
+    device.bind([0], ["a"], lambda s: pytest.fail("bound twice"))
+    device.bind([0], ["b"], lambda s: [4, 5])
+    assert int(device.sequence_of_state[0]) == 1

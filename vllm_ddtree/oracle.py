@@ -1,0 +1,126 @@
+"""The test-only controllable drafter: target-future logits in place of the drafter's.
+
+Never on by default. ``VLLM_DDTREE_TEST_ORACLE`` names a JSON file
+``{"p_top": float, "seed": int, "sequences": [[token, ...], ...]}`` of target-only greedy
+sequences (prompt + continuation). For a request whose prompt starts one of them, the logits of
+the drafter's mask position predicting sequence index ``i`` become noise in which
+``sequence[i]`` is ranked first with probability ``p_top`` and second otherwise, so the tree
+paths are exercised deeply even with random weights (``benchmarks/lossless_gpu.py``).
+
+Two forms of the same rule:
+- ``HostOracle`` (V1 runner): per step on the host, from the requests' prompts and positions.
+- ``DeviceOracle`` (V2 runner): tensors only, no host synchronisation, so it runs inside the
+  speculator's CUDA graph; each request state is bound to its sequence once, on the host, when
+  the request first appears (``bind``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+TEST_ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"
+TRUTH_MARGIN = 8.0  # the ranked-first token's lead over the noise's maximum
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        spec = json.load(f)
+    spec["sequences"] = [list(s) for s in spec["sequences"]]
+    return spec
+
+
+def oracle_path() -> str | None:
+    """The oracle file named by ``VLLM_DDTREE_TEST_ORACLE``, or None (the normal case)."""
+    return os.environ.get(TEST_ORACLE_ENV) or None
+
+
+def match_sequence(sequences: list[list[int]], prompt: list[int]) -> int:
+    """Index of the first sequence that starts with ``prompt``, or -1."""
+    return next((i for i, s in enumerate(sequences) if s[: len(prompt)] == list(prompt)), -1)
+
+
+class HostOracle:
+    """Target-future drafter logits computed on the host (V1 runner)."""
+
+    def __init__(self, path: str, vocab_size: int):
+        spec = _load(path)
+        self.sequences = spec["sequences"]
+        self.p_top = float(spec.get("p_top", 1.0))
+        self.gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
+        self.vocab_size = vocab_size
+
+    def logits(self, prompts: list[list[int]], bonus_positions: list[int], depth: int):
+        """float32 ``[R, depth, V]``: row ``r``, depth ``d`` predicts sequence index
+        ``bonus_positions[r] + 1 + d``."""
+        out = torch.randn(len(prompts), depth, self.vocab_size, generator=self.gen)
+        for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
+            index = match_sequence(self.sequences, prompt)
+            if index < 0:
+                continue
+            sequence = self.sequences[index]
+            for d in range(depth):
+                at = position + 1 + d
+                if at >= len(sequence):
+                    break
+                row = out[r, d]
+                top = float(row.max())
+                truth = sequence[at]
+                if torch.rand(1, generator=self.gen).item() < self.p_top:
+                    row[truth] = top + TRUTH_MARGIN
+                else:
+                    rival = int(row.argmax()) if int(row.argmax()) != truth else (truth + 1)
+                    row[rival % self.vocab_size] = top + TRUTH_MARGIN
+                    row[truth] = top + TRUTH_MARGIN - 1.0
+        return out
+
+
+class DeviceOracle:
+    """Target-future drafter logits from device tensors only (V2 runner, CUDA-graph safe)."""
+
+    def __init__(self, path: str, vocab_size: int, max_num_reqs: int, device: torch.device):
+        spec = _load(path)
+        self.sequences = spec["sequences"]
+        self.p_top = float(spec.get("p_top", 1.0))
+        self.vocab_size = vocab_size
+        longest = max((len(s) for s in self.sequences), default=1)
+        table = torch.full((max(1, len(self.sequences)), longest), -1, dtype=torch.long)
+        for i, sequence in enumerate(self.sequences):
+            table[i, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        self.tokens = table.to(device)  # long [S, L]: -1 past a sequence's end
+        self.sequence_of_state = torch.full((max_num_reqs,), -1, dtype=torch.long, device=device)
+        self.bound: dict[int, str] = {}  # request-state index -> request id
+
+    def bind(self, states: list[int], req_ids: list[str], prompt_of) -> None:
+        """Point each request state at its sequence (host side, once per new request);
+        ``prompt_of(state)`` returns that request's prompt token ids."""
+        for state, req_id in zip(states, req_ids, strict=True):
+            if self.bound.get(state) == req_id:
+                continue
+            self.bound[state] = req_id
+            self.sequence_of_state[state] = match_sequence(self.sequences, prompt_of(state))
+
+    def logits(self, predicted_positions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, V]`` for ``n`` mask rows: row ``i`` predicts index
+        ``predicted_positions[i]`` (long ``[n]``) of the sequence bound to request state
+        ``states[i]`` (``[n]``, -1 for padding rows: pure noise)."""
+        n = predicted_positions.shape[0]
+        device = self.tokens.device
+        out = torch.randn(n, self.vocab_size, device=device, dtype=torch.float32)
+        sequence = self.sequence_of_state[states.long().clamp(min=0)]
+        at = predicted_positions.long().clamp(0, self.tokens.shape[1] - 1)
+        truth = self.tokens[sequence.clamp(min=0), at]
+        valid = (states >= 0) & (sequence >= 0) & (predicted_positions < self.tokens.shape[1])
+        valid &= truth >= 0
+        truth = truth.clamp(min=0)
+        top, argmax = out.max(dim=-1)
+        first = torch.rand(n, device=device) < self.p_top
+        rival = torch.where(argmax == truth, (truth + 1) % self.vocab_size, argmax)
+        rows = torch.arange(n, device=device)
+        demoted = valid & ~first
+        out[rows, rival] = torch.where(demoted, top + TRUTH_MARGIN, out[rows, rival])
+        truth_value = torch.where(first, top + TRUTH_MARGIN, top + TRUTH_MARGIN - 1.0)
+        out[rows, truth] = torch.where(valid, truth_value, out[rows, truth])
+        return out
