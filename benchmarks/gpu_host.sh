@@ -8,6 +8,7 @@
 #       engines  - benchmarks/tree_attn_vllm_gpu.py (vLLM engines with TREE_ATTN)
 #       dense    - benchmarks/lossless_gpu.py (full grid) and serve_check.py side by side
 #       train    - benchmarks/train_dflash.py (SmolLM2 drafter) and the lossless grid
+#       checkpoint - only the SmolLM2 checkpoint from the GGUF pieces (what bench-e2e and pair need)
 #       prepare  - SmolLM2 checkpoint from the GGUF pieces, the tree/KV/GDN kernel tests on CUDA, and
 #                  the lossless grid with CUDA graphs (lossless_gpu.py; env LOSSLESS_ARGS adds
 #                  options, SKIP_LOSSLESS=1 leaves the grid out)
@@ -77,6 +78,12 @@ case "$STEP" in
     (cd /tmp/vllm-ddtree-lossless && tar czf "$OUT/lossless_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200
     grep -E "generated|trained" "$OUT/train.log"; tail -2 "$OUT/train.log" ;;
+  checkpoint)
+    cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
+    echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
+    timeout 120 python3 -c "from vllm_ddtree.demo import prepare_smollm2; \
+      print(prepare_smollm2('/tmp/train', '$SMOLLM2_GGUF'))" > "$OUT/prepare.log" 2>&1
+    echo "checkpoint rc=$?" ;;
   prepare)
     cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
     echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4

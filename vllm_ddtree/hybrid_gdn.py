@@ -25,6 +25,7 @@ graph replays, which skip this Python, still fill them). SSM states must be floa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
 
+logger = logging.getLogger("vllm.ddtree")
 GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 NULL_BLOCK = 0  # vLLM's reserved block: writes there are harmless
 
@@ -82,6 +84,7 @@ class HybridTreeStep:
         self.num_tokens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
         self.layers: dict[int, GDNLayerStep] = {}
         self._conv_layer: GDNLayerStep | None = None
+        self.routed_calls = 0  # speculative GDN calls sent to the tree kernels
 
     def _rows_of(self, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch row -> speculative row (requests with drafts, in order; others -> the spare
@@ -156,6 +159,15 @@ class HybridTreeStep:
         ``[n, C]``."""
         num_rows, total = conv_state_indices.shape[0], x.shape[0]
         assert int(max_query_len) == self.tokens_per_row, "verify rows are 1 + tree_budget"
+        if self.routed_calls == 0:
+            logger.info(
+                "vllm-ddtree: GatedDeltaNet tree path active (first speculative conv call: "
+                "%d rows, %d tokens, conv state %s)",
+                num_rows,
+                total,
+                tuple(conv_state.shape),
+            )
+        self.routed_calls += 1
         width = weight.shape[-1]
         layer = self._layer(conv_state, x, width)
         index = self._token_index(query_start_loc, num_rows, total)
