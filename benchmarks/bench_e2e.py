@@ -286,7 +286,10 @@ def update_readme(readme: str, summary: dict) -> None:
 def write_report(summary: dict, out: str) -> None:
     """Markdown tables and PNG plots from the JSON summary."""
     engines = summary["engines"]
-    ar = {(r["dataset"], r["batch"], r["temperature"]): r for r in engines["ar"]["rows"]}
+    ar = {
+        (r["dataset"], r["batch"], r["temperature"]): r
+        for r in engines.get("ar", {}).get("rows", [])
+    }
     lines = [
         "# End-to-end speed: AR vs DFlash chain vs DDTree",
         "",
@@ -339,7 +342,11 @@ def write_report(summary: dict, out: str) -> None:
     ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         keys = sorted(
-            {(r["dataset"], r["batch"]) for r in engines["ar"]["rows"] if r["temperature"] == 0}
+            {
+                (r["dataset"], r["batch"])
+                for r in engines.get("ar", {}).get("rows", [])
+                if r["temperature"] == 0
+            }
         )
         for dataset, batch in keys:
             ys = []
