@@ -66,6 +66,42 @@ def test_llm_style_config_keeps_vllm_on_dflash_and_carries_the_tree(
     assert get_ddtree_config(pickle.loads(pickle.dumps(config)).speculative_config) == ddtree
 
 
+def test_auto_budget_chooses_for_the_engines_max_num_seqs(
+    tiny_target_path, tiny_drafter_path, tmp_path
+):
+    from vllm_ddtree.cost_model import CostProfile, StepCost
+
+    def engine(tree_base_ms):
+        profile = CostProfile(
+            source="test",
+            depth=15,
+            chain=StepCost(3.0, 0.01),
+            tree=StepCost(tree_base_ms, 0.01),
+            chain_acceptance=1.8,
+            tree_acceptance={16: 2.5, 64: 3.0},
+            max_batch=16,
+        )
+        path = tmp_path / f"profile_{tree_base_ms}.json"
+        path.write_text(json.dumps(profile.to_dict()))
+        spec = {
+            "method": "ddtree",
+            "model": tiny_drafter_path,
+            "num_speculative_tokens": 15,
+            "tree_budget": "auto",
+            "cost_profile": str(path),
+        }
+        return engine_config(tiny_target_path, spec, max_num_seqs=4)
+
+    config = engine(3.0)  # cheap tree steps: a tree
+    ddtree = get_ddtree_config(config.speculative_config)
+    assert ddtree is not None and 16 <= ddtree.tree_budget <= 64
+    assert config.speculative_config.num_speculative_tokens == ddtree.tree_budget
+    config = engine(9.0)  # costly tree steps: vLLM's DFlash chain at the drafter's depth
+    assert get_ddtree_config(config.speculative_config) is None
+    sc = config.speculative_config
+    assert sc.method == "dflash" and sc.num_speculative_tokens == 15
+
+
 def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
     config = engine_config(
         tiny_target_path,

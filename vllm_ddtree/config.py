@@ -10,10 +10,13 @@ pure Python (no vLLM import), so it is testable anywhere and raises before any e
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+logger = logging.getLogger("vllm.ddtree")
 
 DDTREE_METHOD = "ddtree"
 DFLASH_METHOD = "dflash"
@@ -29,9 +32,15 @@ DEFAULT_TREE_BUDGET = 64
 # bounds the tree builder's work at budget x 16 candidates per depth.
 DEFAULT_TOP_K_CAP = 16
 
+AUTO_BUDGET = "auto"
+
 DDTREE_KEYS: dict[str, str] = {
     "tree_budget": f"int in {MIN_TREE_BUDGET}..{MAX_TREE_BUDGET} (default {DEFAULT_TREE_BUDGET}):"
-    " draft tree nodes verified per step, root excluded",
+    " draft tree nodes verified per step, root excluded; or 'auto': the budget a measured cost"
+    " profile predicts fastest at max_num_seqs, or the DFlash chain when it predicts the chain"
+    " faster (vllm_ddtree.cost_model)",
+    "cost_profile": "path of a cost profile JSON for tree_budget 'auto' (default: the packaged"
+    " H200 SmolLM2-135M profile)",
     "tree_top_k": f"int in 1..tree_budget (default min(tree_budget, {DEFAULT_TOP_K_CAP})):"
     " most probable tokens considered at each depth",
 }
@@ -211,10 +220,40 @@ def check_sampling_params(params: Any) -> None:
         )
 
 
+def _automatic_budget(profile_path: str | None, max_num_seqs: int | None, depth: int):
+    """``"tree_budget": "auto"``: the budget the cost profile predicts fastest at
+    ``max_num_seqs`` requests (1 when unset), or None when it predicts the DFlash chain at
+    least as fast (logged with the predictions either way)."""
+    from vllm_ddtree.cost_model import choose_budget, load_profile
+
+    if profile_path is not None and not os.path.isfile(str(profile_path)):
+        raise DDTreeConfigError(
+            f"speculative_config['cost_profile'] = {profile_path!r} is not a file (a JSON "
+            "written by python -m vllm_ddtree.cost_model BENCH_JSON --out PATH)"
+        )
+    profile = load_profile(profile_path)
+    batch = max_num_seqs or 1
+    budget, predicted = choose_budget(profile, batch)
+    shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
+    choice = "the DFlash chain" if budget is None else f"tree_budget {budget}"
+    logger.warning(
+        "vllm-ddtree: tree_budget 'auto' at max_num_seqs=%d chose %s (predicted tok/s: %s; "
+        "profile: %s, drafter depth there %d, here %d)",
+        batch,
+        choice,
+        shown,
+        profile.source,
+        profile.depth,
+        depth,
+    )
+    return budget
+
+
 def split_speculative_config(
     raw: Mapping[str, Any],
     vllm_fields: Iterable[str],
     drafter_config: Mapping[str, Any] | None = None,
+    max_num_seqs: int | None = None,
 ) -> tuple[dict[str, Any], DDTreeConfig | None]:
     """Split a user's speculative config into vLLM's part and DDTree's part.
 
@@ -222,13 +261,17 @@ def split_speculative_config(
         raw: the user's ``--speculative-config`` dict (keys may use ``-`` or ``_``).
         vllm_fields: the field names vLLM's ``SpeculativeConfig`` accepts.
         drafter_config: the drafter's ``config.json`` when known (else read from ``model``).
+        max_num_seqs: the engine's request limit when set (``"tree_budget": "auto"`` chooses
+            for it).
 
     Returns:
         ``(vllm_dict, ddtree)``: for ``method == "ddtree"``, ``vllm_dict`` is the request vLLM's
         DFlash path gets (``method`` ``"dflash"``, ``num_speculative_tokens`` = the tree budget,
         no DDTree keys), and ``ddtree`` the validated settings (``depth`` = the user's
         ``num_speculative_tokens``);
-        for any other method, ``(raw, None)`` after checking no DDTree key was given.
+        for any other method, ``(raw, None)`` after checking no DDTree key was given; for
+        ``"tree_budget": "auto"`` when the cost profile predicts the chain faster, the DFlash
+        chain request (``num_speculative_tokens`` = the depth) and None.
     """
     config = {str(k).replace("-", "_"): v for k, v in raw.items()}
     method = config.get("method")
@@ -241,6 +284,10 @@ def split_speculative_config(
             )
         return config, None
 
+    if "cost_profile" in config and config.get("tree_budget") != AUTO_BUDGET:
+        raise DDTreeConfigError(
+            'speculative_config[\'cost_profile\'] is only used with "tree_budget": "auto"'
+        )
     allowed = set(vllm_fields) | set(DDTREE_KEYS)
     unknown = sorted(k for k in config if k not in allowed)
     if unknown:
@@ -278,6 +325,18 @@ def split_speculative_config(
         depth = _check_int("num_speculative_tokens", depth, 1, None, " (the tree depth limit)")
 
     budget = config.pop("tree_budget", DEFAULT_TREE_BUDGET)
+    if isinstance(budget, str) and budget != AUTO_BUDGET:
+        raise DDTreeConfigError(
+            f"speculative_config['tree_budget'] must be an int in {MIN_TREE_BUDGET}.."
+            f"{MAX_TREE_BUDGET} or 'auto', got {budget!r}"
+        )
+    if budget == AUTO_BUDGET:
+        budget = _automatic_budget(config.pop("cost_profile", None), max_num_seqs, depth)
+        if budget is None:
+            config.pop("tree_top_k", None)
+            config["method"] = DFLASH_METHOD
+            config["num_speculative_tokens"] = depth
+            return config, None
     budget = _check_int("tree_budget", budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
     top_k = config.pop("tree_top_k", min(budget, DEFAULT_TOP_K_CAP))
     top_k = _check_int("tree_top_k", top_k, 1, budget)

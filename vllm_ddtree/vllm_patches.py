@@ -160,7 +160,11 @@ def _wrap_create_speculative_config(original):
                 merged["model"] = self.spec_model
             if getattr(self, "spec_tokens", None) is not None:
                 merged.setdefault("num_speculative_tokens", self.spec_tokens)
-            vllm_dict, parsed = split_speculative_config(merged, _speculative_config_fields())
+            vllm_dict, parsed = split_speculative_config(
+                merged,
+                _speculative_config_fields(),
+                max_num_seqs=getattr(self, "max_num_seqs", None),
+            )
             if parsed is not None:
                 check_target_is_supported(
                     getattr(target_model_config.hf_config, "architectures", None),
@@ -175,11 +179,13 @@ def _wrap_create_speculative_config(original):
                 )
                 ddtree = parsed
                 _choose_attention_backends(self, vllm_dict)
-                # Flags folded above must not be applied twice by vLLM.
+                self._ddtree_config = ddtree
+            if merged.get("method") == DDTREE_METHOD:
+                # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
+                # chose); flags folded above must not be applied twice by vLLM.
                 self.spec_model = None
                 self.spec_tokens = None
                 self.speculative_config = vllm_dict
-                self._ddtree_config = ddtree
         spec = original(self, target_model_config, target_parallel_config)
         if ddtree is not None and spec is not None:
             hf_config = spec.draft_model_config.hf_config if spec.draft_model_config else None

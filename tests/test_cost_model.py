@@ -1,0 +1,127 @@
+"""The step-cost model and "tree_budget": "auto" (cost_model.py; pure Python, no engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from vllm_ddtree.config import DDTreeConfigError, split_speculative_config
+from vllm_ddtree.cost_model import (
+    CostProfile,
+    StepCost,
+    choose_budget,
+    fit_profile,
+    load_profile,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "results", "bench_e2e.json")
+VLLM_FIELDS = ["method", "model", "num_speculative_tokens"]
+DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
+
+
+def profile(tree_base_ms: float, max_batch: int = 16) -> CostProfile:
+    """Chain: 3 ms + 0.01 ms/token, 1.8 tokens per step; trees: 2.5 tokens at budget 16,
+    3.0 at budget 64."""
+    return CostProfile(
+        source="test",
+        depth=15,
+        chain=StepCost(3.0, 0.01),
+        tree=StepCost(tree_base_ms, 0.01),
+        chain_acceptance=1.8,
+        tree_acceptance={16: 2.5, 64: 3.0},
+        max_batch=max_batch,
+    )
+
+
+def test_the_packaged_profile_is_the_fit_of_the_committed_bench():
+    with open(BENCH) as f:
+        fitted = fit_profile(json.load(f))
+    assert fitted.to_dict() == load_profile().to_dict()
+
+
+def test_the_fit_reproduces_the_measured_acceptance_and_a_sane_step_cost():
+    with open(BENCH) as f:
+        bench = json.load(f)
+    fitted = fit_profile(bench)
+    rows = [r for r in bench["engines"]["ddtree_b16"]["rows"] if r["temperature"] == 0]
+    mean = sum(r["mean_acceptance_length"] for r in rows) / len(rows)
+    assert fitted.acceptance(16) == pytest.approx(mean)
+    for cost in (fitted.chain, fitted.tree):
+        assert cost.base_ms > 0 and cost.per_token_ms >= 0
+    # Each measured row's step time within a factor 1.5 of the fitted line.
+    for r in rows:
+        measured = 1000 * r["batch"] * r["mean_acceptance_length"] / r["tok_per_s"]
+        predicted = fitted.tree.step_ms(r["batch"] * 17)
+        assert 1 / 1.5 < predicted / measured < 1.5
+
+
+def test_acceptance_is_interpolated_in_log_budget_and_not_extrapolated():
+    p = profile(3.0)
+    assert p.acceptance(32) == pytest.approx(2.75)
+    assert p.acceptance(8) == 2.5 and p.acceptance(256) == 3.0
+
+
+def test_a_cheap_tree_step_picks_a_budget_and_an_expensive_one_the_chain():
+    budget, predicted = choose_budget(profile(3.0), batch=1)
+    # Only budgets inside the measured range are candidates.
+    assert set(predicted) == {"chain", "b16", "b32", "b64"}
+    trees = {k: v for k, v in predicted.items() if k != "chain"}
+    assert f"b{budget}" == max(trees, key=trees.get) and trees[f"b{budget}"] > predicted["chain"]
+    budget, predicted = choose_budget(profile(6.0), batch=1)
+    assert budget is None and predicted["chain"] > max(predicted["b16"], predicted["b64"])
+
+
+def test_batches_past_the_measured_ones_are_judged_at_the_largest_measured():
+    p = profile(6.0, max_batch=4)
+    assert choose_budget(p, batch=256) == choose_budget(p, batch=4)
+
+
+def write_profile(tmp_path, tree_base_ms: float) -> str:
+    path = tmp_path / f"profile_{tree_base_ms}.json"
+    path.write_text(json.dumps(profile(tree_base_ms).to_dict()))
+    return str(path)
+
+
+def split(raw, max_num_seqs=None):
+    return split_speculative_config(raw, VLLM_FIELDS, DFLASH, max_num_seqs=max_num_seqs)
+
+
+def test_auto_budget_serves_the_tree_the_profile_predicts_fastest(tmp_path):
+    raw = {
+        "method": "ddtree",
+        "model": "d",
+        "tree_budget": "auto",
+        "cost_profile": write_profile(tmp_path, 3.0),
+    }
+    vllm_part, ddtree = split(raw, max_num_seqs=1)
+    expected, _ = choose_budget(profile(3.0), batch=1)
+    assert expected is not None
+    assert ddtree.tree_budget == expected and vllm_part["num_speculative_tokens"] == expected
+    assert "cost_profile" not in vllm_part and "tree_budget" not in vllm_part
+
+
+def test_auto_budget_serves_the_chain_when_the_profile_predicts_it_faster(tmp_path):
+    raw = {
+        "method": "ddtree",
+        "model": "d",
+        "tree_budget": "auto",
+        "cost_profile": write_profile(tmp_path, 6.0),
+    }
+    vllm_part, ddtree = split(raw, max_num_seqs=4)
+    assert ddtree is None
+    assert vllm_part == {"method": "dflash", "model": "d", "num_speculative_tokens": 15}
+
+
+def test_auto_budget_inputs_are_checked(tmp_path):
+    with pytest.raises(DDTreeConfigError, match="cost_profile.*only used with"):
+        split({"method": "ddtree", "model": "d", "tree_budget": 8, "cost_profile": "p.json"})
+    with pytest.raises(DDTreeConfigError, match="cost_profile.*is not a file"):
+        split({"method": "ddtree", "model": "d", "tree_budget": "auto", "cost_profile": "nope"})
+    with pytest.raises(DDTreeConfigError, match="tree_budget.*1..1024 or 'auto'"):
+        split({"method": "ddtree", "model": "d", "tree_budget": "many"})
+    # The packaged profile serves when none is named.
+    vllm_part, _ = split({"method": "ddtree", "model": "d", "tree_budget": "auto"})
+    assert vllm_part["method"] == "dflash"
