@@ -167,8 +167,13 @@ case "$STEP" in
     # Wall time per target forward at tensor parallel TP (default 2) of AR, the DFlash chain and
     # DDTree on a random Qwen3 that shards (profile_step.py --target synthetic-tp): step costs,
     # not acceptance (random drafter).
-    timeout 560 python3 benchmarks/profile_step.py --target synthetic-tp --tp "${TP:-2}" \
-      --compile "${COMPILE:-default}" --methods "${METHODS:-ar,dflash,ddtree_b16,ddtree_b64}" \
+    # KV_CACHE_BYTES (e.g. 4294967296) skips vLLM's memory-profiling forward; TP_DEBUG=1
+    # reports CUDA errors where they happen (CUDA_LAUNCH_BLOCKING=1; slower, not for timing).
+    [ -n "${TP_DEBUG:-}" ] && export CUDA_LAUNCH_BLOCKING=1
+    timeout "${PROFILE_TIMEOUT:-560}" python3 benchmarks/profile_step.py --target synthetic-tp \
+      --tp "${TP:-2}" --compile "${COMPILE:-default}" \
+      --methods "${METHODS:-ar,dflash,dflash_v1,ddtree_b16,ddtree_b64}" \
+      ${KV_CACHE_BYTES:+--kv-cache-bytes "$KV_CACHE_BYTES"} \
       --out "$OUT" > "$OUT/profile_step_tp.log" 2>&1
     echo "steps rc=$?"; grep '^{' "$OUT/profile_step_tp.log" | cut -c1-300 ;;
   profile)

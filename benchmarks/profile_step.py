@@ -175,6 +175,7 @@ def profile_method(args, method: str) -> dict:
         # On the CPU backend this is the share of host memory each engine reserves.
         gpu_memory_utilization=0.92 if cuda else 0.3,
         enforce_eager=not cuda,  # a CPU run is a smoke test: no torch.compile
+        **({"kv_cache_memory_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}),
         **kwargs,
     )
     prompt = [TokensPrompt(prompt_token_ids=list(range(100, 164)))]
@@ -260,6 +261,12 @@ def main() -> int:
         help="a checkpoint, 'synthetic', 'synthetic-tp' or 'synthetic-hybrid'",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (no profiler)")
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        help="fixed KV cache size: vLLM then skips its memory-profiling forward (at TP = 2 the "
+        "DDTree engines died in that forward, the oracle grid, which sets this, did not)",
+    )
     parser.add_argument("--drafter", default="", help="(not with --target synthetic)")
     parser.add_argument("--work", default="/tmp/vllm-ddtree-profile")
     parser.add_argument("--out", default="benchmarks/results")
