@@ -130,6 +130,10 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
         verify(SamplingParams(repetition_penalty=1.2, logprobs=2))
     with pytest.raises(DDTreeConfigError, match="presence_penalty"):
         verify(SamplingParams(presence_penalty=0.5))
+    from vllm.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(DDTreeConfigError, match="structured_outputs"):
+        verify(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
     chain = engine_config(
         tiny_target_path,
         {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},

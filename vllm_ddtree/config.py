@@ -206,6 +206,9 @@ def unsupported_sampling_params(params: Any) -> list[str]:
             names.append(name)
     if getattr(params, "thinking_token_budget", None) is not None:
         names.append("thinking_token_budget")
+    # vLLM's grammar checks drafts as one chain: tree nodes would be masked by the wrong prefix.
+    if getattr(params, "structured_outputs", None) is not None:
+        names.append("structured_outputs")
     return names
 
 

@@ -26,7 +26,8 @@ Patches:
 * ``vllm.sampling_params.SamplingParams._validate_spec_decode`` (run when vLLM validates a
   request, in the API / ``LLM`` process): with DDTree configured, a request asking for what the
   tree sampler cannot apply yet (penalties, logprobs, allowed_token_ids, bad_words, thinking
-  budgets) is refused with an error naming the fields, instead of failing inside the engine.
+  budgets, structured outputs) is refused with an error naming the fields, instead of failing
+  inside the engine.
 * ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
   CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
 
