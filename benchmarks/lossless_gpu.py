@@ -21,9 +21,11 @@ Writes JSON; exits non-zero on any divergence, failed engine or failed sampling 
 
 ``--hybrid``: the target is a tiny Qwen3-Next (GatedDeltaNet + attention, GDN heads of 128),
 run through the experimental GDN tree path (``VLLM_DDTREE_HYBRID=1``, float32 SSM states, no
-prefix caching, Triton GDN prefill); bf16 activations (vLLM's chunked GDN prefill has no
-float32 path), so a divergence's logit gap tells a bf16 near-tie from a wrong state; budgets
-8/64/256; needs vLLM's MoE ops.
+prefix caching, Triton GDN prefill); float32 activations by default, with vLLM's chunked GDN
+prefill (which refuses float32) replaced in every engine by the test-only chain prefill
+(``VLLM_DDTREE_TEST_FLOAT32_GDN=1``, ``vllm_ddtree/float32_gdn_prefill.py``): in bf16 the target
+alone and any speculative path, vLLM's own chain included, part at near-ties within a few
+tokens (``--hybrid-dtype bfloat16``); budgets 8/64/256; needs vLLM's MoE ops.
 """
 
 from __future__ import annotations
@@ -166,6 +168,14 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, help="top_p of the sampling check (default: off)")
     parser.add_argument("--tag", default="", help="suffix of the result file's name")
     parser.add_argument(
+        "--hybrid-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="--hybrid activations: float32 (GDN prefill through the test-only chain) or "
+        "bfloat16 (vLLM's kernels; the target alone and any speculative path part at bf16 "
+        "near-ties)",
+    )
+    parser.add_argument(
         "--runner",
         choices=("v1", "v2"),
         default="v1",
@@ -223,10 +233,13 @@ def main() -> int:
         sampling["top_p"] = args.top_p
     base = {"target": target, "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": 16}
     if args.hybrid:
-        # vLLM's speculative GDN layout keeps 1 + budget state blocks per sequence. bf16
-        # activations: vLLM's chunked GDN prefill refuses float32 (the states stay float32).
+        # vLLM's speculative GDN layout keeps 1 + budget state blocks per sequence.
         base["kv_cache_bytes"] = 12 << 30
-        base["dtype"] = "bfloat16"
+        base["dtype"] = args.hybrid_dtype
+        if args.hybrid_dtype == "float32":
+            # vLLM's chunked GDN prefill refuses float32: the test-only chain prefill
+            # (vllm_ddtree/float32_gdn_prefill.py), in every engine, reference included.
+            os.environ["VLLM_DDTREE_TEST_FLOAT32_GDN"] = "1"
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
     if args.tp > 1:
         os.environ["VLLM_DDTREE_CHECK_RANKS"] = "1"  # every step: all ranks' trees agree
@@ -371,6 +384,7 @@ def main() -> int:
         "prompts": num_prompts,
         "max_tokens": max_tokens,
         "tensor_parallel_size": args.tp,
+        "dtype": base.get("dtype", "float32"),
         "target": {**spec.__dict__, "hybrid": "Qwen3NextForCausalLM" if args.hybrid else None},
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",
         "ddtree_runner": args.runner.upper(),

@@ -31,6 +31,9 @@ Patches:
 * ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
   CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
 
+* Test-only, with ``VLLM_DDTREE_TEST_FLOAT32_GDN=1``: float32 calls of vLLM's GDN
+  ``ChunkGatedDeltaRule`` run as a chain through the tree op (``float32_gdn_prefill.py``).
+
 * ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (called by
   ``create_engine_config`` in the API / ``LLM`` process, before any engine process starts): a
   ``"method": "ddtree"`` request is validated and rewritten to vLLM's DFlash request, and the
@@ -450,6 +453,10 @@ def _patch_when_imported(name: str, callback) -> None:
 
 def _patch_model_runner_when_imported() -> None:
     _patch_when_imported(RUNNER_MODULE, _patch_model_runner)
+    from vllm_ddtree import float32_gdn_prefill
+
+    if float32_gdn_prefill.requested():  # test-only, see float32_gdn_prefill.py
+        _patch_when_imported(float32_gdn_prefill.GDN_MODULE, float32_gdn_prefill.install)
     if v2_requested():
         from vllm_ddtree import runner_v2
 
