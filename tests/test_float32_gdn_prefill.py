@@ -3,6 +3,7 @@ token, and only float32 calls leave vLLM's kernel."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_ddtree.float32_gdn_prefill import _wrap_forward, chunk_gated_delta_rule_as_chain
@@ -89,3 +90,17 @@ def test_install_wraps_both_forwards_of_vllms_op_once(monkeypatch):
     float32_gdn_prefill.install(module)
     for name, fn in originals.items():
         assert getattr(op, name).ddtree_original is fn
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton path needs a GPU")
+def test_on_gpu_the_kernel_chain_equals_token_by_token_decoding():
+    lengths = [37, 1, 64, 5]
+    case = [t.cuda() for t in packed_case(lengths, seed=3)]
+    o, final = chunk_gated_delta_rule_as_chain(*case, True)
+    q, k, v, g, beta, state, cu = (t.cpu() for t in case)
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        want, want_state = sequential(
+            q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b], state[s]
+        )
+        torch.testing.assert_close(o[0, a:b].cpu().double(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(final[s].cpu().double(), want_state, atol=1e-4, rtol=1e-4)

@@ -50,7 +50,8 @@ def chunk_gated_delta_rule_as_chain(
     starts = [int(s) for s in cu_seqlens.tolist()]
     num_seqs = len(starts) - 1
     lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    width = max(max(lengths, default=1), 1)
+    # Padded to a power of two: the kernel is compiled once per width, not per prompt length.
+    width = 1 << (max(max(lengths, default=1), 1) - 1).bit_length()
     device = q.device
     offsets = torch.arange(width, device=device)
     start = torch.tensor(starts[:-1], device=device)
@@ -64,12 +65,14 @@ def chunk_gated_delta_rule_as_chain(
         return padded[index].contiguous()
 
     num_v_heads, head_v, head_k = initial_state.shape[1:]
+    # Three state slots per sequence: the initial state, then tokens alternate between two
+    # (a chain's token reads only its predecessor's slot).
     pool = torch.zeros(
-        num_seqs * (width + 1), num_v_heads, head_k, head_v, dtype=torch.float32, device=device
+        num_seqs * 3, num_v_heads, head_k, head_v, dtype=torch.float32, device=device
     )
-    initial_slots = torch.arange(num_seqs, device=device) * (width + 1)
+    initial_slots = torch.arange(num_seqs, device=device) * 3
     pool[initial_slots] = initial_state.float().transpose(-1, -2)
-    state_slots = initial_slots[:, None] + 1 + offsets[None, :]
+    state_slots = (initial_slots[:, None] + 1 + offsets[None, :] % 2).contiguous()
     parents = (offsets - 1).expand(num_seqs, width).contiguous()
     num_tokens = torch.tensor(lengths, device=device)
     op = tree_gated_delta if use_triton(device) else tree_gated_delta_ref
