@@ -99,6 +99,7 @@ case "$STEP" in
     echo "checkpoint rc=$?"
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py tests/test_tree_ops.py \
       tests/test_kv_commit.py tests/test_tree_gated_delta.py tests/test_tree_causal_conv.py \
+      tests/test_float32_gdn_prefill.py tests/test_oracle.py \
       > "$OUT/gpu_op_tests.log" 2>&1
     echo "op tests rc=$?"; tail -2 "$OUT/gpu_op_tests.log"
     [ -n "$LOSSLESS" ] || exit 0
