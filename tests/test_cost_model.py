@@ -89,14 +89,14 @@ def split(raw, max_num_seqs=None):
     return split_speculative_config(raw, VLLM_FIELDS, DFLASH, max_num_seqs=max_num_seqs)
 
 
+def auto(tmp_path, tree_base_ms: float, model: str = "d") -> dict:
+    """A DDTree request with ``"tree_budget": "auto"`` and ``profile(tree_base_ms)``."""
+    path = write_profile(tmp_path, tree_base_ms)
+    return {"method": "ddtree", "model": model, "tree_budget": "auto", "cost_profile": path}
+
+
 def test_auto_budget_serves_the_tree_the_profile_predicts_fastest(tmp_path):
-    raw = {
-        "method": "ddtree",
-        "model": "d",
-        "tree_budget": "auto",
-        "cost_profile": write_profile(tmp_path, 3.0),
-    }
-    vllm_part, ddtree = split(raw, max_num_seqs=1)
+    vllm_part, ddtree = split(auto(tmp_path, 3.0), max_num_seqs=1)
     expected, _ = choose_budget(profile(3.0), batch=1)
     assert expected is not None
     assert ddtree.tree_budget == expected and vllm_part["num_speculative_tokens"] == expected
@@ -104,13 +104,7 @@ def test_auto_budget_serves_the_tree_the_profile_predicts_fastest(tmp_path):
 
 
 def test_auto_budget_serves_the_chain_when_the_profile_predicts_it_faster(tmp_path):
-    raw = {
-        "method": "ddtree",
-        "model": "d",
-        "tree_budget": "auto",
-        "cost_profile": write_profile(tmp_path, 6.0),
-    }
-    vllm_part, ddtree = split(raw, max_num_seqs=4)
+    vllm_part, ddtree = split(auto(tmp_path, 6.0), max_num_seqs=4)
     assert ddtree is None
     assert vllm_part == {"method": "dflash", "model": "d", "num_speculative_tokens": 15}
 

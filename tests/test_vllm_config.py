@@ -69,27 +69,10 @@ def test_llm_style_config_keeps_vllm_on_dflash_and_carries_the_tree(
 def test_auto_budget_chooses_for_the_engines_max_num_seqs(
     tiny_target_path, tiny_drafter_path, tmp_path
 ):
-    from vllm_ddtree.cost_model import CostProfile, StepCost
+    from tests.test_cost_model import auto
 
     def engine(tree_base_ms):
-        profile = CostProfile(
-            source="test",
-            depth=15,
-            chain=StepCost(3.0, 0.01),
-            tree=StepCost(tree_base_ms, 0.01),
-            chain_acceptance=1.8,
-            tree_acceptance={16: 2.5, 64: 3.0},
-            max_batch=16,
-        )
-        path = tmp_path / f"profile_{tree_base_ms}.json"
-        path.write_text(json.dumps(profile.to_dict()))
-        spec = {
-            "method": "ddtree",
-            "model": tiny_drafter_path,
-            "num_speculative_tokens": 15,
-            "tree_budget": "auto",
-            "cost_profile": str(path),
-        }
+        spec = {**auto(tmp_path, tree_base_ms, tiny_drafter_path), "num_speculative_tokens": 15}
         return engine_config(tiny_target_path, spec, max_num_seqs=4)
 
     config = engine(3.0)  # cheap tree steps: a tree
