@@ -106,8 +106,14 @@ class HybridTreeStep:
         self.parents.index_copy_(0, rows, table)
         self.num_tokens.index_copy_(0, rows, torch.where(has, num_nodes.long() + 1, 0))
 
-    def _layer(self, conv_state: torch.Tensor, x: torch.Tensor, width: int) -> GDNLayerStep:
-        key = conv_state.data_ptr()
+    def _layer(
+        self, conv_state: torch.Tensor, weight: torch.Tensor, x: torch.Tensor
+    ) -> GDNLayerStep:
+        """The calling layer's buffers, keyed by its conv weight: several GDN layers can share
+        one cache tensor (vLLM's hybrid allocator gives one tensor to a layer of each KV-cache
+        group, each addressing its own blocks), so the cache cannot tell them apart."""
+        key = weight.data_ptr()
+        width = weight.shape[-1]
         layer = self.layers.get(key)
         if layer is None:
             rows, tokens = self.max_rows + 1, self.tokens_per_row
@@ -118,6 +124,7 @@ class HybridTreeStep:
                 window=width - 1,
             )
             self.layers[key] = layer
+        layer.conv_state = conv_state  # the cache the engine uses now (not a profiling one)
         return layer
 
     def _token_index(self, query_start_loc: torch.Tensor, num_rows: int, total: int):
@@ -169,7 +176,7 @@ class HybridTreeStep:
             )
         self.routed_calls += 1
         width = weight.shape[-1]
-        layer = self._layer(conv_state, x, width)
+        layer = self._layer(conv_state, weight, x)
         index = self._token_index(query_start_loc, num_rows, total)
         layer.inputs[:num_rows].copy_(self._gather(x, index))
         layer.conv_blocks[:num_rows].copy_(conv_state_indices)
@@ -246,8 +253,8 @@ class HybridTreeStep:
         )
         layer = self._conv_layer
         assert layer is not None, "the conv call comes first in each GDN layer"
+        layer.ssm_state = initial_state
         if layer.ssm_blocks is None:
-            layer.ssm_state = initial_state
             layer.ssm_blocks = torch.zeros(
                 self.max_rows + 1, self.tokens_per_row, dtype=torch.int32, device=q.device
             )
@@ -370,11 +377,82 @@ def _recurrence_dispatcher(original):
     return fused_sigmoid_gating_delta_rule_update
 
 
+CPU_GDN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+
+
+def tree_spec_forward_cpu(
+    step: HybridTreeStep, layer, md, x, b, a, conv_buf, ssm_state
+) -> torch.Tensor:
+    """vLLM-CPU's speculative GDN rows (its ``_spec_forward``) over trees, with the same
+    conventions as the CUDA path: ``x`` ``[n, C]`` bf16, ``b``/``a`` ``[n, Hv]``, ``conv_buf``
+    ``[slots, C, K - 1 + B]`` (committed window first), ``ssm_state`` the CPU kernels' view
+    ``[slots, Hv, K, V]``; returns ``[n, Hv, V]``."""
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _unpacked_conv_weight
+
+    rows = md.num_spec_decodes
+    indices = md.spec_state_indices_tensor[:rows]
+    starts = md.spec_query_start_loc[: rows + 1]
+    y = step.tree_conv(
+        x,
+        conv_buf,
+        _unpacked_conv_weight(layer),
+        layer.conv1d.bias,
+        layer.activation,
+        indices[:, 0],
+        starts,
+        indices.shape[-1],
+    )
+    q, k, v = layer.rearrange_mixed_qkv(y)
+    out, _ = step.tree_recurrence(
+        layer.A_log,
+        a,
+        b,
+        layer.dt_bias,
+        q,
+        k,
+        v,
+        ssm_state.transpose(-1, -2),  # the [slots, Hv, V, K] view tree_recurrence expects
+        starts,
+        indices,
+        md.num_accepted_tokens[:rows],
+        True,
+    )
+    return out[0]
+
+
+def _cpu_spec_dispatcher(original):
+    def _spec_forward(layer, md, x, b, a, conv_buf, ssm_state, *args, **kwargs):
+        step = _ACTIVE
+        if step is None:
+            return original(layer, md, x, b, a, conv_buf, ssm_state, *args, **kwargs)
+        return tree_spec_forward_cpu(step, layer, md, x, b, a, conv_buf, ssm_state)
+
+    _spec_forward.ddtree_original = original
+    return _spec_forward
+
+
+def _install_cpu(module_name: str = CPU_GDN_MODULE) -> None:
+    """vLLM-CPU runs its own GDN code (``forward_cpu``): route its speculative rows too."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    current = getattr(module, "_spec_forward", None)
+    if current is None:
+        raise RuntimeError(
+            f"vllm-ddtree: {module_name}._spec_forward is missing; vLLM-CPU's GatedDeltaNet "
+            "code is not the one the hybrid tree path was written for (vLLM 0.26.0)"
+        )
+    if not hasattr(current, "ddtree_original"):
+        module._spec_forward = _cpu_spec_dispatcher(current)
+
+
 def install(max_rows: int, tokens_per_row: int, device: torch.device) -> HybridTreeStep:
     """In a worker: route vLLM's speculative GDN calls to the tree kernels (idempotent)."""
     import importlib
 
     global _ACTIVE
+    if torch.device(device).type == "cpu":
+        _install_cpu()
     module = importlib.import_module(GDN_MODULE)
     for name, make in (
         ("causal_conv1d_update", _conv_dispatcher),

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 
 def one_block_stride_indexing(specs: dict) -> dict:
     """``{layer name: KVCacheSpec}`` with ``indexes_kv_by_block_stride`` False on every
@@ -48,3 +50,39 @@ def wrap_get_kv_cache_spec(original):
         return one_block_stride_indexing(original(self, *args, **kwargs))
 
     return get_kv_cache_spec
+
+
+def zero_attention_blocks(runner, block_ids: list[int]) -> None:
+    """vLLM-CPU's ``CPUModelRunner._zero_block_ids`` with each layer's block dimension taken
+    from its backend (vLLM's reads ``kv[block_id]``, blocks first, while TREE_ATTN's cache is
+    ``(2, num_blocks, ...)``; vLLM's GPU runner already asks the backend). Zeroes the blocks
+    of every full-attention layer's cache once."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    seen: set[int] = set()
+    context = runner.compilation_config.static_forward_context
+    for group in runner.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            continue
+        for name in group.layer_names:
+            layer = context.get(name)
+            kv = getattr(layer, "kv_cache", None)
+            if not isinstance(kv, torch.Tensor) or kv.data_ptr() in seen:
+                continue
+            seen.add(kv.data_ptr())
+            dim = layer.get_attn_backend().get_kv_cache_block_dim(
+                spec.block_size, spec.num_kv_heads, spec.head_size
+            )
+            index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+            kv.index_fill_(dim, index, 0)
+
+
+def wrap_zero_block_ids(original):
+    """``CPUModelRunner._zero_block_ids`` through ``zero_attention_blocks``."""
+
+    def _zero_block_ids(self, block_ids):
+        zero_attention_blocks(self, block_ids)
+
+    _zero_block_ids.ddtree_original = original
+    return _zero_block_ids

@@ -17,6 +17,9 @@ Patches:
 * ``GPUModelRunner.get_kv_cache_spec`` (V1 and V2 runners): every attention layer's spec gets
   the same ``indexes_kv_by_block_stride`` (``kv_specs.py``), so that on hybrid targets the
   drafter's layers share one KV-cache group with the target's TREE_ATTN layers.
+* ``vllm.v1.worker.cpu_model_runner.CPUModelRunner._zero_block_ids``: new KV blocks are zeroed
+  along each backend's block dimension (vLLM-CPU assumes blocks first; TREE_ATTN's cache is
+  ``(2, num_blocks, ...)``; reached on hybrid targets).
 * ``vllm.config.vllm.VllmConfig.use_v2_model_runner``: False when DDTree is configured (its
   hooks live in the V1 runner; vLLM 0.26.0 would pick V2 for dense targets on GPUs).
 * ``vllm.renderers.hf.resolve_chat_template_kwargs``: chat-template switches sent as the
@@ -451,8 +454,15 @@ def _patch_when_imported(name: str, callback) -> None:
         sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
+def _patch_cpu_model_runner(module) -> None:
+    from vllm_ddtree.kv_specs import wrap_zero_block_ids
+
+    _wrap_function(module.CPUModelRunner, "_zero_block_ids", "CPUModelRunner", wrap_zero_block_ids)
+
+
 def _patch_model_runner_when_imported() -> None:
     _patch_when_imported(RUNNER_MODULE, _patch_model_runner)
+    _patch_when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_model_runner)
     from vllm_ddtree import float32_gdn_prefill
 
     if float32_gdn_prefill.requested():  # test-only, see float32_gdn_prefill.py
