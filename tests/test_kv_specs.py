@@ -80,3 +80,14 @@ def test_both_runners_get_the_wrapper():
     runner_v2.install(model_runner)
     for runner in (gpu_model_runner.GPUModelRunner, model_runner.GPUModelRunner):
         assert getattr(runner.get_kv_cache_spec, vllm_patches._PATCHED_FLAG, False)
+
+
+def test_engines_without_ddtree_keep_vllms_specs():
+    from types import SimpleNamespace
+
+    from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
+
+    specs = _hybrid_specs()
+    get_kv_cache_spec = wrap_get_kv_cache_spec(lambda self: specs)
+    runner = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=None))
+    assert get_kv_cache_spec(runner) is specs
