@@ -1,4 +1,6 @@
-"""One KV-cache spec for the target's TREE_ATTN layers and the drafter's attention layers.
+"""TREE_ATTN's KV-cache layout, ``(2, num_blocks, ...)``, where vLLM assumes another.
+
+1. One KV-cache spec for the target's TREE_ATTN layers and the drafter's attention layers.
 
 vLLM 0.26.0 stamps every attention layer's ``KVCacheSpec`` with its backend's
 ``indexes_kv_by_block_stride()`` (whether ``num_blocks`` is the outermost physical dimension).
@@ -14,6 +16,9 @@ False is the conservative value of the flag for any backend (vLLM uses it when a
 declares no layered stride order): it only turns off page-size padding and the cross-layer
 uniform layout. ``wrap_get_kv_cache_spec`` therefore gives every attention layer False as soon
 as one layer says False, on the V1 and the V2 runner, in engines with DDTree configured.
+
+2. vLLM-CPU zeroes new KV blocks as ``kv[block_id]`` (blocks first): for TREE_ATTN caches
+``zero_attention_blocks`` zeroes along the backend's block dimension instead.
 """
 
 from __future__ import annotations
