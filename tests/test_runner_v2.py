@@ -206,3 +206,36 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     for r in (1, 2):
         assert output.sampled_token_ids[r, : len(rows[r])].tolist() == rows[r]
     assert min(len(rows[1]), len(rows[2])) >= 2  # both walks accepted nodes
+
+
+def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
+    """``DDTreeSpeculator.sample_draft`` with the test oracle: vLLM passes each mask row's
+    predicted position minus 2 and its request state; the tree's first path must be the bound
+    sequence's next tokens."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_ddtree import runner_v2
+    from vllm_ddtree.oracle import DeviceOracle
+    from vllm_ddtree.tree import empty_batch
+
+    depth, budget, vocab = 3, 6, 50
+    sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps({"p_top": 1.0, "sequences": [sequence]}))
+    oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    oracle.bind([2], ["a"], lambda s: sequence[:5])
+    speculator = SimpleNamespace(
+        ddtree=SimpleNamespace(depth=depth, tree_budget=budget, tree_top_k=budget),
+        oracle=oracle,
+        batch_trees=empty_batch(4, budget, depth, torch.device("cpu")),
+    )
+    bonus = 4  # the bonus token's position; mask d predicts position bonus + 1 + d
+    keys = torch.tensor([bonus + 1 + d for d in range(depth)]) - 2
+    draft = runner_v2._speculator_class().sample_draft
+    hidden = torch.zeros(depth, 8)
+    placeholder = draft(speculator, hidden, keys, torch.tensor([2, 2, 2], dtype=torch.int32))
+    assert placeholder.shape == (depth,)
+    trees = speculator.batch_trees
+    assert trees.token_ids[0, :depth].tolist() == sequence[5 : 5 + depth]
+    assert trees.parents[0, :depth].tolist() == list(range(depth))
