@@ -79,9 +79,9 @@ def test_only_float32_calls_leave_vllms_kernel():
 def test_install_wraps_both_forwards_of_vllms_op_once(monkeypatch):
     import importlib
 
-    from vllm_ddtree import float32_gdn_prefill
+    from vllm_ddtree import float32_gdn_prefill, hybrid_gdn
 
-    module = importlib.import_module(float32_gdn_prefill.GDN_MODULE)
+    module = importlib.import_module(hybrid_gdn.GDN_MODULE)
     op = module.ChunkGatedDeltaRule
     originals = {name: getattr(op, name) for name in ("forward_native", "forward_cuda")}
     for name, fn in originals.items():

@@ -16,11 +16,11 @@ import os
 
 import torch
 
+from vllm_ddtree.hybrid_gdn import gather_rows, row_token_index, scatter_rows
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
 
 FLOAT32_GDN_ENV = "VLLM_DDTREE_TEST_FLOAT32_GDN"
-GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 
 
 def requested() -> bool:
@@ -47,22 +47,16 @@ def chunk_gated_delta_rule_as_chain(
     Returns:
         ``o`` ``[1, T, Hv, V]`` (``v``'s dtype) and the final states float32 ``[N, Hv, V, K]``.
     """
-    starts = [int(s) for s in cu_seqlens.tolist()]
-    num_seqs = len(starts) - 1
-    lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    num_seqs, total = cu_seqlens.numel() - 1, q.shape[1]
+    num_tokens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     # Padded to a power of two: the kernel is compiled once per width, not per prompt length.
-    width = 1 << (max(max(lengths, default=1), 1) - 1).bit_length()
+    width = 1 << (max(int(num_tokens.max()) if num_seqs else 1, 1) - 1).bit_length()
     device = q.device
     offsets = torch.arange(width, device=device)
-    start = torch.tensor(starts[:-1], device=device)
-    inside = offsets[None, :] < torch.tensor(lengths, device=device)[:, None]
-    total = q.shape[1]
-    index = torch.where(inside, start[:, None] + offsets[None, :], total)  # [N, W]
+    index = row_token_index(cu_seqlens, num_seqs, width, total)  # [N, W]
 
     def rows(t: torch.Tensor) -> torch.Tensor:  # [1, T, ...] -> [N, W, ...], zeros past the end
-        flat = t[0]
-        padded = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
-        return padded[index].contiguous()
+        return gather_rows(t[0], index)
 
     num_v_heads, head_v, head_k = initial_state.shape[1:]
     # Three state slots per sequence: the initial state, then tokens alternate between two
@@ -74,7 +68,6 @@ def chunk_gated_delta_rule_as_chain(
     pool[initial_slots] = initial_state.float().transpose(-1, -2)
     state_slots = (initial_slots[:, None] + 1 + offsets[None, :] % 2).contiguous()
     parents = (offsets - 1).expand(num_seqs, width).contiguous()
-    num_tokens = torch.tensor(lengths, device=device)
     op = tree_gated_delta if use_triton(device) else tree_gated_delta_ref
     out = op(
         rows(q),
@@ -89,13 +82,12 @@ def chunk_gated_delta_rule_as_chain(
         state_slots,
         use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
     )
-    o = out.new_zeros((total + 1, num_v_heads, head_v))
-    o.index_copy_(0, index.flatten(), out.flatten(0, 1))
+    o = scatter_rows(out, index, total)
     last = state_slots.gather(1, (num_tokens - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     final = torch.where(
         (num_tokens > 0)[:, None, None, None], pool[last], pool[initial_slots]
     ).transpose(-1, -2)
-    return o[:total].unsqueeze(0), final.contiguous()
+    return o.unsqueeze(0), final.contiguous()
 
 
 def _wrap_forward(original):

@@ -49,6 +49,32 @@ def gdn_gates_ref(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
     return g.unsqueeze(0), torch.sigmoid(b.float()).unsqueeze(0)
 
 
+def row_token_index(
+    query_start_loc: torch.Tensor, num_rows: int, width: int, total: int
+) -> torch.Tensor:
+    """long ``[S, width]``: the flat token of each packed row's ``t``-th token (row ``s`` from
+    ``query_start_loc[s]``, ``S = num_rows``), ``total`` (a spare slot) past a row's end."""
+    starts = query_start_loc[: num_rows + 1].long()
+    offsets = torch.arange(width, device=starts.device)
+    index = starts[:num_rows, None] + offsets[None, :]
+    inside = offsets[None, :] < (starts[1:] - starts[:-1])[:, None]
+    return torch.where(inside, index, total)
+
+
+def gather_rows(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``flat`` ``[n, ...]`` -> ``[S, T, ...]`` by ``row_token_index`` (zeros at the spare
+    index ``n``)."""
+    padded = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
+    return padded[index]
+
+
+def scatter_rows(rows: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
+    """``rows`` ``[S, T, ...]`` -> ``[total, ...]`` (what lies past a row's end dropped)."""
+    out = rows.new_zeros((total + 1, *rows.shape[2:]))
+    out.index_copy_(0, index.flatten(), rows.flatten(0, 1))
+    return out[:total]
+
+
 @dataclass
 class GDNLayerStep:
     """One GDN layer's view of the step, in persistent buffers (rows = speculative rows).
@@ -130,27 +156,10 @@ class HybridTreeStep:
         return layer
 
     def _token_index(self, query_start_loc: torch.Tensor, num_rows: int, total: int):
-        """long ``[S, T]``: the flat token of each row's tree index, ``total`` (a spare slot)
-        past a row's end (vLLM may schedule fewer drafts than the budget, e.g. near
-        ``max_model_len``; the trees were cut to match)."""
-        starts = query_start_loc[: num_rows + 1].long()
-        offsets = torch.arange(self.tokens_per_row, device=starts.device)
-        index = starts[:num_rows, None] + offsets[None, :]
-        inside = offsets[None, :] < (starts[1:] - starts[:-1])[:, None]
-        return torch.where(inside, index, total)
-
-    @staticmethod
-    def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``flat`` ``[n, ...]`` -> ``[S, T, ...]`` (zeros at the spare index ``n``)."""
-        padded = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
-        return padded[index]
-
-    @staticmethod
-    def _scatter(rows: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
-        """``rows`` ``[S, T, ...]`` -> ``[total, ...]`` (what lies past a row's end dropped)."""
-        out = rows.new_zeros((total + 1, *rows.shape[2:]))
-        out.index_copy_(0, index.flatten(), rows.flatten(0, 1))
-        return out[:total]
+        """``row_token_index`` at this step's row width (1 + tree_budget): vLLM may schedule
+        fewer drafts than the budget, e.g. near ``max_model_len``; the trees were cut to
+        match."""
+        return row_token_index(query_start_loc, num_rows, self.tokens_per_row, total)
 
     def tree_conv(
         self,
@@ -180,7 +189,7 @@ class HybridTreeStep:
         width = weight.shape[-1]
         layer = self._layer(conv_state, weight, x)
         index = self._token_index(query_start_loc, num_rows, total)
-        layer.inputs[:num_rows].copy_(self._gather(x, index))
+        layer.inputs[:num_rows].copy_(gather_rows(x, index))
         layer.conv_blocks[:num_rows].copy_(conv_state_indices)
         conv = tree_causal_conv1d if use_triton(x.device) else tree_causal_conv1d_ref
         rows = conv(
@@ -194,7 +203,7 @@ class HybridTreeStep:
             activation="silu" if activation in (True, "silu", "swish") else None,
         )
         self._conv_layer = layer
-        return self._scatter(rows, index, total)
+        return scatter_rows(rows, index, total)
 
     def tree_recurrence(
         self,
@@ -234,7 +243,7 @@ class HybridTreeStep:
         index = self._token_index(cu_seqlens, num_rows, total)
 
         def rows_of(t, heads, dim):  # gathered copies are contiguous
-            return self._gather(t.reshape(total, heads, dim), index)
+            return gather_rows(t.reshape(total, heads, dim), index)
 
         start = ssm_state_indices.long().gather(
             1, (num_accepted_tokens[:num_rows].long() - 1).clamp(min=0).unsqueeze(1)
@@ -244,8 +253,8 @@ class HybridTreeStep:
             rows_of(q, num_k_heads, head_k),
             rows_of(k, num_k_heads, head_k),
             rows_of(v, num_v_heads, head_v),
-            self._gather(gate[0], index),
-            self._gather(beta, index),
+            gather_rows(gate[0], index),
+            gather_rows(beta, index),
             self.parents[:num_rows],
             self.num_tokens[:num_rows],
             initial_state.transpose(-1, -2),
@@ -261,7 +270,7 @@ class HybridTreeStep:
                 self.max_rows + 1, self.tokens_per_row, dtype=torch.int32, device=q.device
             )
         layer.ssm_blocks[:num_rows].copy_(ssm_state_indices)
-        return self._scatter(out, index, total).unsqueeze(0), initial_state
+        return scatter_rows(out, index, total).unsqueeze(0), initial_state
 
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor):
         """After the walk: ``accepted`` long ``[R, L + 1]`` (tree indices, root first),

@@ -463,10 +463,10 @@ def _patch_cpu_model_runner(module) -> None:
 def _patch_model_runner_when_imported() -> None:
     _patch_when_imported(RUNNER_MODULE, _patch_model_runner)
     _patch_when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_model_runner)
-    from vllm_ddtree import float32_gdn_prefill
+    from vllm_ddtree import float32_gdn_prefill, hybrid_gdn
 
     if float32_gdn_prefill.requested():  # test-only, see float32_gdn_prefill.py
-        _patch_when_imported(float32_gdn_prefill.GDN_MODULE, float32_gdn_prefill.install)
+        _patch_when_imported(hybrid_gdn.GDN_MODULE, float32_gdn_prefill.install)
     if v2_requested():
         from vllm_ddtree import runner_v2
 
