@@ -196,6 +196,7 @@ def main() -> int:
     from tree_attn_vllm_gpu import logit_gap
 
     from tests.stats import chi_square_p_value
+    from vllm_ddtree.config import HYBRID_ENGINE_ARGS
     from vllm_ddtree.demo import first_divergence
     from vllm_ddtree.testing import (
         TinyQwen3Spec,
@@ -247,11 +248,7 @@ def main() -> int:
         # The experimental GDN tree path: float32 node states, no prefix caching (vLLM's
         # "align" state layout), Triton GDN prefill (the host has no FlashInfer).
         os.environ["VLLM_DDTREE_HYBRID"] = "1"
-        engine_extra.update(
-            mamba_ssm_cache_dtype="float32",
-            enable_prefix_caching=False,
-            additional_config={"gdn_prefill_backend": "triton"},
-        )
+        engine_extra.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
 
     if args.runner == "v2":
         os.environ["VLLM_DDTREE_RUNNER"] = "v2"  # the engines' processes inherit it

@@ -137,13 +137,16 @@ def engine_kwargs(method: str, drafter: str) -> tuple[dict, dict]:
 
 
 def is_hybrid(target: str) -> bool:
-    """Whether the checkpoint at ``target`` is a GatedDeltaNet hybrid (Qwen3-Next, Qwen3.5)."""
+    """Whether the checkpoint at ``target`` is a GatedDeltaNet hybrid the tree path serves
+    (``config.GDN_TREE_ARCHITECTURES``)."""
+    from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
+
     try:
         with open(os.path.join(target, "config.json")) as f:
             architectures = json.load(f).get("architectures") or []
     except OSError:
         return False
-    return any(name.startswith(("Qwen3Next", "Qwen3_5")) for name in architectures)
+    return any(name in GDN_TREE_ARCHITECTURES for name in architectures)
 
 
 def profile_method(args, method: str) -> dict:
@@ -154,13 +157,11 @@ def profile_method(args, method: str) -> dict:
     kwargs, env = engine_kwargs(method, args.drafter)
     os.environ.update(env)
     if is_hybrid(args.target):
+        from vllm_ddtree.config import HYBRID_ENGINE_ARGS
+
         # Every method with the settings the GDN tree path needs (same cache layout for all).
         os.environ["VLLM_DDTREE_HYBRID"] = "1"
-        kwargs.update(
-            mamba_ssm_cache_dtype="float32",
-            enable_prefix_caching=False,
-            additional_config={"gdn_prefill_backend": "triton"},
-        )
+        kwargs.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
     cuda = torch.cuda.is_available()
     llm = LLM(
         model=args.target,

@@ -15,12 +15,12 @@ import os
 import pytest
 
 from tests.vllm_runs import run_engines
+from vllm_ddtree.config import HYBRID_ENGINE_ARGS
 from vllm_ddtree.testing import make_tiny_dflash, make_tiny_qwen3_next
 
 pytest.importorskip("vllm")
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25], [300] * 17]
-HYBRID = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": False}
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTS = "vllm:spec_decode_num_drafts"
 
@@ -36,7 +36,7 @@ def hybrid_pair(tmp_path_factory, tiny_spec) -> tuple[str, str]:
 def hybrid_run(drafter, name, budget, oracle=None, **kwargs):
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 4}
     spec["tree_budget"] = budget
-    entry = {"name": name, "kwargs": {**HYBRID, "speculative_config": spec, **kwargs}}
+    entry = {"name": name, "kwargs": {**HYBRID_ENGINE_ARGS, "speculative_config": spec, **kwargs}}
     if oracle:
         entry["oracle"] = {"from": oracle, "p_top": 0.7}
     return entry

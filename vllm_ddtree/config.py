@@ -134,6 +134,9 @@ GDN_TREE_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
 )
 HYBRID_ENV = "VLLM_DDTREE_HYBRID"
+# The engine arguments the GDN tree path needs (``check_target_is_supported`` refuses others):
+# float32 node states and vLLM's plain state layout.
+HYBRID_ENGINE_ARGS = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": False}
 
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"
