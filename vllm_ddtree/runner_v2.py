@@ -37,11 +37,11 @@ from vllm_ddtree.config import RUNNER_ENV, v2_requested
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.path_rows import move_path_rows
-from vllm_ddtree.ops.tree_build import build_trees_triton
+from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
 from vllm_ddtree.oracle import DeviceOracle, oracle_path
 from vllm_ddtree.runner_hooks import StepTableUpload, set_tree_step_inputs
-from vllm_ddtree.tree import DDTreeBatch, build_trees, empty_batch, select_trees
+from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
@@ -134,8 +134,7 @@ def _speculator_class():
             else:
                 logits = self.model.compute_logits(hidden_states)
             logits = logits.view(num_reqs, depth, -1)
-            build = build_trees_triton if use_triton(logits.device) else build_trees
-            trees = build(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
+            trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
             for name in ("token_ids", "parents", "depths", "scores"):
                 getattr(self.batch_trees, name)[:num_reqs].copy_(getattr(trees, name))
             self.batch_trees.num_nodes[:num_reqs].copy_(trees.num_nodes)

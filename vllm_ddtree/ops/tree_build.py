@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.ops import use_triton
 from vllm_ddtree.tree import DDTreeBatch, depth_candidates, empty_batch
 from vllm_ddtree.tree import build_trees as build_trees_ref
 
@@ -33,7 +34,7 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-__all__ = ["build_trees_ref", "build_trees_triton"]
+__all__ = ["build_draft_trees", "build_trees_ref", "build_trees_triton"]
 
 
 if HAS_TRITON:
@@ -160,3 +161,10 @@ def build_trees_triton(
         num_nodes=num_nodes,
         max_depth=depth_limit,
     )
+
+
+def build_draft_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = None):
+    """``build_trees_triton`` on CUDA, ``build_trees_ref`` elsewhere (same arguments: float
+    ``[R, L, V]`` -> a ``DDTreeBatch`` of width ``budget``)."""
+    build = build_trees_triton if use_triton(draft_logits.device) else build_trees_ref
+    return build(draft_logits, budget, top_k)
