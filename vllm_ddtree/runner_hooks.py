@@ -39,7 +39,7 @@ from vllm_ddtree.ops.kv_commit import (
 )
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
-from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
+from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
 
 _PATCHED = "__vllm_ddtree_runner_hook__"
@@ -374,9 +374,8 @@ def _wrap_sample(original):
             chosen = _target_tokens(logits, sampling_metadata, request_of_row)
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
         out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1
-        walk = walk_and_emit_triton if use_triton(device) else walk_and_emit_ref
         with torch.profiler.record_function("ddtree::follow_tree"):
-            accepted, num_accepted, _, sampled = walk(
+            accepted, num_accepted, _, sampled = walk_and_emit(
                 trees, chosen, first_row, step.num_draft, out_width
             )
         step.accepted, step.num_accepted = accepted, num_accepted

@@ -35,10 +35,9 @@ import torch
 from tree_attn_backend import tree_verify
 from vllm_ddtree.config import RUNNER_ENV, v2_requested
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
-from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees
-from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
+from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.oracle import DeviceOracle, oracle_path
 from vllm_ddtree.runner_hooks import StepTableUpload, set_tree_step_inputs
 from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
@@ -79,8 +78,9 @@ def tree_sampler_output(
         -1), ``num_sampled`` int32 ``[R]`` (accepted + 1), ``accepted`` long ``[R, L + 1]``
         (tree indices, root first) and ``num_accepted`` long ``[R]``.
     """
-    walk = walk_and_emit_triton if use_triton(chosen.device) else walk_and_emit_ref
-    accepted, num_accepted, _, sampled = walk(trees, chosen, first_row, num_draft, out_width)
+    accepted, num_accepted, _, sampled = walk_and_emit(
+        trees, chosen, first_row, num_draft, out_width
+    )
     num_sampled = (num_accepted + 1).to(torch.int32)
     return sampled.long(), num_sampled, accepted, num_accepted
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.ops import use_triton
 from vllm_ddtree.tree import DDTreeBatch
 from vllm_ddtree.tree import follow_tree as follow_tree_ref
 
@@ -28,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-__all__ = ["follow_tree_ref", "walk_and_emit_ref", "walk_and_emit_triton"]
+__all__ = ["follow_tree_ref", "walk_and_emit", "walk_and_emit_ref", "walk_and_emit_triton"]
 
 
 def walk_and_emit_ref(
@@ -169,3 +170,16 @@ def walk_and_emit_triton(
         OUT_BLOCK=max(16, triton.next_power_of_2(max(out_width, depth_limit + 1))),
     )
     return accepted, num_accepted, bonus, sampled
+
+
+def walk_and_emit(
+    tree: DDTreeBatch,
+    chosen: torch.Tensor,
+    first_row: torch.Tensor,
+    num_draft: torch.Tensor,
+    out_width: int,
+):
+    """``walk_and_emit_triton`` on CUDA, ``walk_and_emit_ref`` elsewhere (same arguments and
+    returns)."""
+    walk = walk_and_emit_triton if use_triton(chosen.device) else walk_and_emit_ref
+    return walk(tree, chosen, first_row, num_draft, out_width)
