@@ -49,6 +49,19 @@ for extra in .gguf-*/prompts.json; do [ -f "$extra" ] && cp "$extra" /tmp/prompt
 for wheel in .gguf-*/gguf-*.whl; do
   [ -f "$wheel" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheel"
 done
+# The GGUF from its pieces (exit 4 if its sha256 differs), and the HF checkpoint made from it.
+smollm2_gguf() {
+  cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
+  echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
+}
+smollm2_checkpoint() {
+  timeout 120 python3 -c "from vllm_ddtree.demo import prepare_smollm2; \
+    print(prepare_smollm2('/tmp/train', '$SMOLLM2_GGUF'))" > "$OUT/prepare.log" 2>&1
+  echo "checkpoint rc=$?"
+}
+need_checkpoint() {  # exit 5 unless an earlier call of this lease made the checkpoint
+  [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
+}
 case "$STEP" in
   pieces) ls /tmp/gguf ;;
   train)
@@ -59,8 +72,7 @@ case "$STEP" in
     cat .gguf-*/responses.jsonl.xz.part-* 2>/dev/null | xz -dc > /tmp/train/responses.jsonl \
       || rm -f /tmp/train/responses.jsonl
     [ -s /tmp/train/responses.jsonl ] || rm -f /tmp/train/responses.jsonl
-    cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
-    echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
+    smollm2_gguf
     timeout 540 python3 benchmarks/lossless_gpu.py --parallel 5 ${LOSSLESS_ARGS:-} --out "$OUT" \
       > "$OUT/lossless_gpu.log" 2>&1 &
     LOSSLESS=$!
@@ -79,14 +91,10 @@ case "$STEP" in
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu.log" | cut -c1-200
     grep -E "generated|trained" "$OUT/train.log"; tail -2 "$OUT/train.log" ;;
   checkpoint)
-    cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
-    echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
-    timeout 120 python3 -c "from vllm_ddtree.demo import prepare_smollm2; \
-      print(prepare_smollm2('/tmp/train', '$SMOLLM2_GGUF'))" > "$OUT/prepare.log" 2>&1
-    echo "checkpoint rc=$?" ;;
+    smollm2_gguf
+    smollm2_checkpoint ;;
   prepare)
-    cat /tmp/gguf/gg.* > "$SMOLLM2_GGUF"
-    echo "$SMOLLM2_SHA256  $SMOLLM2_GGUF" | sha256sum -c - || exit 4
+    smollm2_gguf
     LOSSLESS=
     if [ -z "${SKIP_LOSSLESS:-}" ]; then
       timeout 330 python3 benchmarks/lossless_gpu.py --parallel "${PARALLEL:-8}" --modes graphs \
@@ -94,9 +102,7 @@ case "$STEP" in
         > "$OUT/lossless_gpu.log" 2>&1 &
       LOSSLESS=$!
     fi
-    timeout 120 python3 -c "from vllm_ddtree.demo import prepare_smollm2; \
-      print(prepare_smollm2('/tmp/train', '$SMOLLM2_GGUF'))" > "$OUT/prepare.log" 2>&1
-    echo "checkpoint rc=$?"
+    smollm2_checkpoint
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py tests/test_tree_ops.py \
       tests/test_kv_commit.py tests/test_tree_gated_delta.py tests/test_tree_causal_conv.py \
       tests/test_float32_gdn_prefill.py tests/test_oracle.py \
@@ -110,7 +116,7 @@ case "$STEP" in
     # Two GPUs: the lossless grid at tensor parallel 2, beside the real pair against the target
     # alone (lossless_pair.py, PAIR_DTYPES="bfloat16 float32"; needs prepare's checkpoint,
     # DRAFTER and the prompts).
-    [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
+    need_checkpoint
     # TP_PARALLEL / 2 engines at once (the budget-8 engine of a run with 3 at once died in vLLM's
     # custom all-reduce while capturing graphs; 2 = one engine at a time).
     timeout 420 python3 benchmarks/lossless_gpu.py --tp 2 --parallel "${TP_PARALLEL:-6}" \
@@ -128,7 +134,7 @@ case "$STEP" in
   pair)
     # The real pair against the target alone on one GPU (lossless_pair.py; PAIR_DTYPES, e.g.
     # "float32": the exactness check with far fewer ties than bf16; needs prepare's checkpoint).
-    [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
+    need_checkpoint
     for dtype in ${PAIR_DTYPES:-float32}; do
       timeout "${PAIR_TIMEOUT:-420}" python3 benchmarks/lossless_pair.py \
         --target /tmp/train/SmolLM2-135M-Instruct --drafter "${DRAFTER:-/tmp/drafter}" \
@@ -185,7 +191,7 @@ case "$STEP" in
       --out "$OUT" --compile "${COMPILE:-graphs}" --methods "${METHODS:-ar,ar_v1,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
     echo "profile rc=$?"; grep '^{' "$OUT/profile_step.log" | cut -c1-400 ;;
   bench-e2e)
-    [ -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ] || { echo "run prepare first"; exit 5; }
+    need_checkpoint
     timeout "${BENCH_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py \
       --target /tmp/train/SmolLM2-135M-Instruct --drafter "${DRAFTER:-/tmp/drafter}" \
       --prompts /tmp/prompts.json --out "$OUT" --deadline "${DEADLINE:-540}" \
