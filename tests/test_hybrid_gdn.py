@@ -74,11 +74,17 @@ def chain_outputs(layer: Layer, window, state, x, a, b):
     return out, pool[n - 1], history
 
 
-def tree_step(step, layer, table, num_accepted, gen, budget, depth, num_draft):
+def tree_step(step, layer, table, num_accepted, gen, budget, depth, num_draft, graph_pad=0):
     """One verify forward of the layer through the step's dispatch targets. Row ``r`` has
     ``1 + num_draft[r]`` tokens (vLLM may schedule fewer drafts than the budget; the tree is
     then cut to its first ``num_draft[r]`` nodes, as the runner hooks do). Returns the trees and
-    per-row views ``[R, 1 + B, ...]`` of the inputs and outputs (zeros past a row's end)."""
+    per-row views ``[R, 1 + B, ...]`` of the inputs and outputs (zeros past a row's end).
+
+    ``graph_pad`` > 0 passes the arguments as vLLM 0.26.0's ``_forward_core`` does in a full
+    CUDA graph padded by that many requests (and as many tokens): ``query_start_loc`` of the
+    conv call and ``ssm_state_indices`` / ``num_accepted_tokens`` of the recurrence padded
+    (null block 0, one accepted), the conv's state indices and the recurrence's ``cu_seqlens``
+    for the real rows only."""
     num_reqs, tokens = table.shape
     trees = build_trees(torch.randn(num_reqs, depth, 3, generator=gen) * 2, budget)
     trees.num_nodes = torch.minimum(trees.num_nodes, num_draft)
@@ -89,22 +95,32 @@ def tree_step(step, layer, table, num_accepted, gen, budget, depth, num_draft):
     x = torch.randn(total, CHANNELS, generator=gen)
     a = torch.randn(total, HV, generator=gen)
     b = torch.randn(total, HV, generator=gen)
+    padded_start = torch.cat([query_start, query_start.new_full((graph_pad,), total)])
+    padded_table = torch.cat([table, table.new_zeros((graph_pad, tokens))])
+    padded_accepted = torch.cat([num_accepted, num_accepted.new_ones(graph_pad)])
     y = step.tree_conv(
-        x, layer.conv_view(), layer.weight, layer.bias, "silu", table[:, 0], query_start, tokens
+        torch.cat([x, x.new_zeros((graph_pad, CHANNELS))]),
+        layer.conv_view(),
+        layer.weight,
+        layer.bias,
+        "silu",
+        table[:, 0],
+        padded_start,
+        tokens,
     )
     q, k, v = split_qkv(y)
     out, _ = step.tree_recurrence(
         layer.A_log,
-        a,
-        b,
+        torch.cat([a, a.new_zeros((graph_pad, HV))]),
+        torch.cat([b, b.new_zeros((graph_pad, HV))]),
         layer.dt_bias,
         q,
         k,
         v,
         layer.ssm_cache,
         query_start,
-        table,
-        num_accepted,
+        padded_table,
+        padded_accepted,
         True,
     )
 
@@ -167,6 +183,27 @@ def test_two_tree_steps_continue_exactly_where_decoding_the_accepted_tokens_woul
             torch.testing.assert_close(got_state, state[r], atol=1e-5, rtol=1e-5)
             got_window = layer.conv_view()[int(table[r, 0]), :, : WIDTH - 1]
             torch.testing.assert_close(got_window, window[r])
+
+
+@pytest.mark.parametrize("graph_pad", [1, 3])
+def test_a_graph_padded_batch_gives_the_unpadded_outputs_and_states(graph_pad):
+    """In a full CUDA graph vLLM pads the recurrence's state-index table past the real rows
+    while ``cu_seqlens`` covers the real rows only (the padded rows once made an out-of-range
+    gather on the H200): the outputs and every cache block equal the unpadded call's."""
+    num_reqs, budget, depth = 2, 5, 3
+    tokens = budget + 1
+    results = []
+    for pad in (0, graph_pad):
+        gen = torch.Generator().manual_seed(3)
+        layer = Layer(num_reqs, budget, gen)
+        table = (1 + torch.arange(num_reqs * tokens)).view(num_reqs, tokens).to(torch.int32)
+        step = HybridTreeStep(max_rows=8, tokens_per_row=tokens, device=torch.device("cpu"))
+        num_draft = torch.tensor([budget, budget - 1])
+        accepted = torch.tensor([2, 1], dtype=torch.int32)
+        *_, out = tree_step(step, layer, table, accepted, gen, budget, depth, num_draft, pad)
+        results.append((out, layer.ssm_cache[1:].clone(), layer.conv_cache[1:].clone()))
+    for unpadded, padded in zip(*results, strict=True):
+        torch.testing.assert_close(padded, unpadded, atol=0, rtol=0)
 
 
 def test_install_routes_only_the_speculative_gdn_calls(monkeypatch):

@@ -223,9 +223,13 @@ class HybridTreeStep:
         """vLLM's speculative ``fused_sigmoid_gating_delta_rule_update`` over trees: ``q``/``k``
         ``[1, n, Hk, K]``, ``v`` ``[1, n, Hv, V]`` (row ``s`` from ``cu_seqlens[s]``),
         ``a``/``b`` ``[>= n, Hv]``, ``initial_state`` float32 ``[blocks, Hv, V, K]``,
-        ``ssm_state_indices`` ``[S, 1 + B]``. Returns ``(out [1, n, Hv, V], initial_state)``
-        like vLLM's function."""
-        num_rows = ssm_state_indices.shape[0]
+        ``ssm_state_indices`` ``[>= S, 1 + B]``. Returns ``(out [1, n, Hv, V], initial_state)``
+        like vLLM's function.
+
+        With full CUDA graphs vLLM pads ``ssm_state_indices`` to the graph's batch (null-block
+        rows) but passes ``cu_seqlens`` for the ``S`` real rows only: the rows are those."""
+        num_rows = cu_seqlens.shape[0] - 1
+        ssm_state_indices = ssm_state_indices[:num_rows]
         total = q.shape[1]
         num_k_heads, head_k = q.shape[-2:]
         num_v_heads, head_v = v.shape[-2:]
