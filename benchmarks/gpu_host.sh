@@ -186,9 +186,11 @@ case "$STEP" in
   profile)
     # Per-step time split of AR, the DFlash chain (V2 and V1 runners) and DDTree (SmolLM2 shapes,
     # random weights: step costs, not acceptance). COMPILE: graphs (default) or default (vLLM's
-    # torch.compile + CUDA graphs, as bench-e2e measures).
+    # torch.compile + CUDA graphs, as bench-e2e measures). ddtree_bN_v2 methods: the V2 runner.
+    # PROFILE_ARGS adds options (e.g. --trace --tokens 64).
     timeout "${PROFILE_TIMEOUT:-560}" python3 benchmarks/profile_step.py --target synthetic \
-      --out "$OUT" --compile "${COMPILE:-graphs}" --methods "${METHODS:-ar,ar_v1,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
+      --out "$OUT" --compile "${COMPILE:-graphs}" ${PROFILE_ARGS:-} \
+      --methods "${METHODS:-ar,ar_v1,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
     echo "profile rc=$?"; grep '^{' "$OUT/profile_step.log" | cut -c1-400 ;;
   bench-e2e)
     need_checkpoint
