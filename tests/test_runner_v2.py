@@ -101,25 +101,19 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     from tree_attn_backend import tree_verify
     from vllm_ddtree import runner_v2
     from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
+    from vllm_ddtree.proposal_store import ProposalStore
     from vllm_ddtree.tree import build_trees
 
     budget, depth, vocab = 6, 4, 40
     gen = torch.Generator().manual_seed(5)
     proposed = build_trees(torch.randn(2, depth, vocab, generator=gen) * 3, budget)
     # State slots: request A (batch row 1) at slot 3, B (row 2) at slot 0; row 0 is a prefill.
-    state = runner_v2.DDTreeBatch(
-        token_ids=torch.full((4, budget), -1),
-        parents=torch.zeros(4, budget, dtype=torch.long),
-        depths=torch.zeros(4, budget, dtype=torch.long),
-        scores=torch.full((4, budget), float("-inf")),
-        num_nodes=torch.zeros(4, dtype=torch.long),
-        max_depth=depth,
-    )
+    proposals = ProposalStore(4, budget, depth, torch.device("cpu"))
     for slot, row in ((3, 0), (0, 1)):
         for name in ("token_ids", "parents", "depths", "scores", "num_nodes"):
-            getattr(state, name)[slot] = getattr(proposed, name)[row]
+            getattr(proposals.state, name)[slot] = getattr(proposed, name)[row]
     speculator = SimpleNamespace(
-        ddtree=SimpleNamespace(tree_budget=budget, depth=depth), state_trees=state, step=None
+        ddtree=SimpleNamespace(tree_budget=budget, depth=depth), proposals=proposals, step=None
     )
     counts = np.array([5, 1 + budget, 1 + 4], dtype=np.int32)  # B's tree cut to 4 nodes
     num_draft = np.array([0, budget, 4], dtype=np.int32)
@@ -217,7 +211,7 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
 
     from vllm_ddtree import runner_v2
     from vllm_ddtree.oracle import DeviceOracle
-    from vllm_ddtree.tree import empty_batch
+    from vllm_ddtree.proposal_store import ProposalStore
 
     depth, budget, vocab = 3, 6, 50
     sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]
@@ -228,7 +222,7 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     speculator = SimpleNamespace(
         ddtree=SimpleNamespace(depth=depth, tree_budget=budget, tree_top_k=budget),
         oracle=oracle,
-        batch_trees=empty_batch(4, budget, depth, torch.device("cpu")),
+        proposals=ProposalStore(4, budget, depth, torch.device("cpu")),
     )
     bonus = 4  # the bonus token's position; mask d predicts position bonus + 1 + d
     keys = torch.tensor([bonus + 1 + d for d in range(depth)]) - 2
@@ -236,6 +230,6 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     hidden = torch.zeros(depth, 8)
     placeholder = draft(speculator, hidden, keys, torch.tensor([2, 2, 2], dtype=torch.int32))
     assert placeholder.shape == (depth,)
-    trees = speculator.batch_trees
+    trees = speculator.proposals.batch
     assert trees.token_ids[0, :depth].tolist() == sequence[5 : 5 + depth]
     assert trees.parents[0, :depth].tolist() == list(range(depth))

@@ -39,8 +39,9 @@ from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.oracle import DeviceOracle, oracle_path
+from vllm_ddtree.proposal_store import ProposalStore
 from vllm_ddtree.runner_hooks import StepTableUpload, set_tree_step_inputs
-from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
+from vllm_ddtree.tree import DDTreeBatch
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
@@ -112,10 +113,9 @@ def _speculator_class():
             super().__init__(drafter_config, device)
             self.ddtree = ddtree
             rows, budget = self.max_num_reqs, ddtree.tree_budget
-            # The last proposal of each batch row (written inside the drafter's graph), and of
-            # each request state (vLLM's req_state index), read at the request's next step.
-            self.batch_trees = empty_batch(rows, budget, ddtree.depth, device)
-            self.state_trees = empty_batch(rows, budget, ddtree.depth, device)
+            # The last proposals, per batch row (written inside the drafter's graph) and per
+            # request state (vLLM's req_state index), read at each request's next step.
+            self.proposals = ProposalStore(rows, budget, ddtree.depth, device)
             self.step: TreeStepV2 | None = None
             self.oracle: DeviceOracle | None = None
             if oracle_path():
@@ -124,7 +124,7 @@ def _speculator_class():
 
         def sample_draft(self, hidden_states, positions, idx_mapping, *args, **kwargs):
             """``hidden_states`` ``[R * depth, H]`` of the mask rows -> the trees of the batch
-            rows (kept in ``batch_trees``); returns placeholder drafts ``[R * depth]``.
+            rows (kept in ``proposals.batch``); returns placeholder drafts ``[R * depth]``.
             ``positions`` (long ``[R * depth]``) are vLLM's Gumbel keys, each mask row's
             predicted position minus 2; ``idx_mapping`` its request state (-1: padding)."""
             depth = self.ddtree.depth
@@ -135,9 +135,7 @@ def _speculator_class():
                 logits = self.model.compute_logits(hidden_states)
             logits = logits.view(num_reqs, depth, -1)
             trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
-            for name in ("token_ids", "parents", "depths", "scores"):
-                getattr(self.batch_trees, name)[:num_reqs].copy_(getattr(trees, name))
-            self.batch_trees.num_nodes[:num_reqs].copy_(trees.num_nodes)
+            self.proposals.write_batch(trees)
             return torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
 
         def propose(self, input_batch, *args, **kwargs) -> torch.Tensor:
@@ -160,14 +158,14 @@ def _speculator_class():
                     step.num_draft,
                     self.ddtree.tree_budget,
                 )
+            self.proposals.flush()  # the drafter run overwrites the per-row trees
             super().propose(input_batch, *args, **kwargs)
             num_reqs = input_batch.num_reqs
             if not dummy_run:
-                index = input_batch.idx_mapping[:num_reqs].long()
-                for name in ("token_ids", "parents", "depths", "scores", "num_nodes"):
-                    source = getattr(self.batch_trees, name)[:num_reqs]
-                    getattr(self.state_trees, name).index_copy_(0, index, source)
-            return self.batch_trees.token_ids[:num_reqs].clamp(min=0)
+                self.proposals.proposed(
+                    input_batch.idx_mapping_np[:num_reqs], input_batch.idx_mapping[:num_reqs]
+                )
+            return self.proposals.batch.token_ids[:num_reqs].clamp(min=0)
 
     return DDTreeSpeculator
 
@@ -189,11 +187,11 @@ def _ddtree_speculator(runner):
 
 
 def _step_trees(speculator, input_batch):
-    """The batch's trees from the per-request-state proposals, cut to the scheduled nodes, and
-    long ``[R]`` device tables: each request's root row, scheduled nodes and scheduled tokens
-    (sent in one non-blocking copy from pinned memory)."""
+    """The batch's trees from the last proposals (``ProposalStore.step_trees``), cut to the
+    scheduled nodes, and long ``[R]`` device tables: each request's root row, scheduled nodes
+    and scheduled tokens (sent in one non-blocking copy from pinned memory)."""
     num_reqs = input_batch.num_reqs
-    device = speculator.state_trees.token_ids.device
+    device = speculator.proposals.state.token_ids.device
     upload = getattr(speculator, "upload", None)
     if upload is None:
         upload = speculator.upload = StepTableUpload(rows=3, device=device)
@@ -204,8 +202,12 @@ def _step_trees(speculator, input_batch):
     root_row, num_draft, counts = upload.send(
         starts + counts - 1 - num_draft_np, num_draft_np, counts
     )
-    index = input_batch.idx_mapping[:num_reqs].long()
-    trees = select_trees(speculator.state_trees, index, num_draft)
+    trees = speculator.proposals.step_trees(
+        np.asarray(input_batch.idx_mapping_np[:num_reqs]),
+        input_batch.idx_mapping[:num_reqs],
+        num_draft_np,
+        num_draft,
+    )
     return trees, root_row, num_draft, counts
 
 
