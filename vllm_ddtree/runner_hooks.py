@@ -391,29 +391,51 @@ def _wrap_sample(original):
     return _sample
 
 
-def _tree_attention_kv_caches(runner) -> list[torch.Tensor]:
-    """KV cache tensors ``[2, num_blocks, block_size, Hkv, D]`` of the target's TREE_ATTN layers."""
+def _tree_attention_layers(runner) -> list:
+    """The target's TREE_ATTN layers (vLLM's ``Attention`` modules), found once per forward
+    context (the model's layers do not change while it serves)."""
     from tree_attn_backend.backend import TreeAttentionImpl
 
-    caches = []
-    for layer in runner.compilation_config.static_forward_context.values():
-        if isinstance(getattr(layer, "impl", None), TreeAttentionImpl):
-            kv_cache = layer.kv_cache
-            if isinstance(kv_cache, (list, tuple)):
-                kv_cache = kv_cache[0]
-            if kv_cache is not None and kv_cache.numel():
-                caches.append(kv_cache)
-    return caches
+    context = runner.compilation_config.static_forward_context
+    cached = getattr(runner, "_ddtree_tree_layers", None)
+    if cached is not None and cached[0] is context and cached[1] == len(context):
+        return cached[2]
+    layers = [
+        layer
+        for layer in context.values()
+        if isinstance(getattr(layer, "impl", None), TreeAttentionImpl)
+    ]
+    runner._ddtree_tree_layers = (context, len(context), layers)
+    return layers
+
+
+def _kv_cache_of(layer) -> torch.Tensor | None:
+    kv_cache = layer.kv_cache
+    if isinstance(kv_cache, (list, tuple)):
+        kv_cache = kv_cache[0]
+    return kv_cache
+
+
+def _tree_attention_kv_caches(runner) -> list[torch.Tensor]:
+    """KV cache tensors ``[2, num_blocks, block_size, Hkv, D]`` of the target's TREE_ATTN layers."""
+    caches = [_kv_cache_of(layer) for layer in _tree_attention_layers(runner)]
+    return [c for c in caches if c is not None and c.numel()]
 
 
 def _kv_layer_groups(runner) -> list[PagedKVLayers]:
     """The TREE_ATTN layers' caches as launch tables, one per cache layout (usually one),
-    rebuilt only when vLLM's cache tensors change."""
-    caches = _tree_attention_kv_caches(runner)
-    key = tuple((c.data_ptr(), tuple(c.shape), tuple(c.stride()), c.dtype) for c in caches)
+    rebuilt only when vLLM's cache tensors change: a step checks the layers' cache objects and
+    the first and last cache's addresses (a few microseconds), not every cache's layout."""
+    objects = [_kv_cache_of(layer) for layer in _tree_attention_layers(runner)]
+    live = [c for c in objects if c is not None]
+    quick_key = (
+        tuple(map(id, objects)),
+        (live[0].data_ptr(), live[-1].data_ptr()) if live else (),
+    )
     cached = getattr(runner, "_ddtree_kv_layers", None)
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == quick_key:
         return cached[1]
+    caches = [c for c in live if c.numel()]
     by_layout: dict[tuple, list[torch.Tensor]] = {}
     for cache in caches:
         by_layout.setdefault((tuple(cache.shape), tuple(cache.stride()), cache.dtype), []).append(
@@ -423,7 +445,8 @@ def _kv_layer_groups(runner) -> list[PagedKVLayers]:
         PagedKVLayers.of([c[0] for c in group], [c[1] for c in group])
         for group in by_layout.values()
     ]
-    runner._ddtree_kv_layers = (key, groups)
+    if len(caches) == len(objects):  # every cache allocated: keep the tables
+        runner._ddtree_kv_layers = (quick_key, groups)
     return groups
 
 
