@@ -95,7 +95,7 @@ def test_kernel_empty_trees_walk_nowhere():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=3 * len(CASES) + 3 + len(BUILD_CASES))
+    run_under_interpreter(__file__, "kernel_", expected=4 * len(CASES) + 3 + len(BUILD_CASES))
 
 
 def step_layout(seed):
@@ -238,7 +238,11 @@ def test_kernel_walk_and_emit_matches_reference(case):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_path_rows_match_reference(case):
+@pytest.mark.parametrize("hidden_widths", [(40, 40, 40), (40, 24, 40, 40, 40, 40)])
+def test_kernel_path_rows_match_reference(case, hidden_widths):
+    """One launch for the ids, the positions and up to four hidden tensors of a width (a
+    DFlash drafter's feature layers: four for this project's drafter); more tensors, or
+    tensors of other widths, in further launches."""
     needs_kernel()
     from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
     from vllm_ddtree.tree import follow_tree
@@ -253,7 +257,7 @@ def test_kernel_path_rows_match_reference(case):
     gen = torch.Generator().manual_seed(3)
     input_ids = torch.randint(0, 1000, (total,), generator=gen, dtype=torch.int32)
     positions = torch.randint(0, 1000, (total,), generator=gen)
-    hidden = [torch.randn(total, 40, generator=gen) for _ in range(3)]
+    hidden = [torch.randn(total, w, generator=gen) for w in hidden_widths]
     want = [t.clone() for t in (input_ids, positions, *hidden)]
     move_path_rows_ref(want[0], want[1], want[2:], root, accepted, num_accepted, num_draft, width)
     if width > 1:

@@ -72,36 +72,68 @@ def move_path_rows_ref(
 if HAS_TRITON:
 
     @triton.jit
+    def _move_row(data_ptr, stride_row, src, dst, cols, in_row):
+        """Row ``src`` of a ``[T, width]`` tensor onto row ``dst`` (this program's columns)."""
+        row = tl.load(data_ptr + src * stride_row + cols, mask=in_row)
+        tl.store(data_ptr + dst * stride_row + cols, row, mask=in_row)
+
+    @triton.jit
     def _move_path_rows_kernel(
-        data_ptr,
+        h0_ptr,
+        h1_ptr,
+        h2_ptr,
+        h3_ptr,
+        ids_ptr,
+        positions_ptr,
         root_ptr,
         accepted_ptr,
         num_accepted_ptr,
-        stride_row,
+        num_draft_ptr,
+        stride_h0,
+        stride_h1,
+        stride_h2,
+        stride_h3,
         stride_accepted,
         width,
+        NUM_HIDDEN: tl.constexpr,
+        WITH_IDS: tl.constexpr,
         MAX_DEPTH: tl.constexpr,
         BLOCK: tl.constexpr,
+        POSITIONS_BLOCK: tl.constexpr,
     ):
         req = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        column_block = tl.program_id(1)
+        cols = column_block * BLOCK + tl.arange(0, BLOCK)
         in_row = cols < width
         count = tl.load(num_accepted_ptr + req)
         root = tl.load(root_ptr + req)
+        if WITH_IDS:
+            if column_block == 0:
+                # Sequential positions from the root on (the root's own is read first).
+                base = tl.load(positions_ptr + root)
+                rows = tl.arange(0, POSITIONS_BLOCK)
+                drafted = tl.load(num_draft_ptr + req)
+                tl.store(
+                    positions_ptr + root + rows, base + rows, mask=(rows >= 1) & (rows <= drafted)
+                )
         for j in range(1, MAX_DEPTH + 1):
             node = tl.load(accepted_ptr + req * stride_accepted + j, mask=j <= count, other=j)
             if (j <= count) & (node != j):
-                row = tl.load(data_ptr + (root + node) * stride_row + cols, mask=in_row)
-                tl.store(data_ptr + (root + j) * stride_row + cols, row, mask=in_row)
+                src, dst = root + node, root + j
+                if NUM_HIDDEN > 0:
+                    _move_row(h0_ptr, stride_h0, src, dst, cols, in_row)
+                if NUM_HIDDEN > 1:
+                    _move_row(h1_ptr, stride_h1, src, dst, cols, in_row)
+                if NUM_HIDDEN > 2:
+                    _move_row(h2_ptr, stride_h2, src, dst, cols, in_row)
+                if NUM_HIDDEN > 3:
+                    _move_row(h3_ptr, stride_h3, src, dst, cols, in_row)
+                if WITH_IDS:
+                    if column_block == 0:
+                        tl.store(ids_ptr + dst, tl.load(ids_ptr + src))
 
-    @triton.jit
-    def _sequential_positions_kernel(positions_ptr, root_ptr, num_draft_ptr, BLOCK: tl.constexpr):
-        req = tl.program_id(0)
-        root = tl.load(root_ptr + req)
-        count = tl.load(num_draft_ptr + req)
-        base = tl.load(positions_ptr + root)
-        j = tl.arange(0, BLOCK)
-        tl.store(positions_ptr + root + j, base + j, mask=(j >= 1) & (j <= count))
+
+HIDDEN_PER_LAUNCH = 4  # the kernel's hidden-state pointer arguments
 
 
 def move_path_rows_triton(
@@ -114,31 +146,45 @@ def move_path_rows_triton(
     num_draft: torch.Tensor,
     max_nodes: int,
 ) -> None:
-    """``move_path_rows_ref`` with one launch per tensor (``R x column blocks`` programs each)
-    and one for the positions, no index tensors and no host synchronisation; rows must have a
-    contiguous last dim."""
+    """``move_path_rows_ref`` in one launch (``R x column blocks`` programs) for the token
+    ids, the positions and up to four hidden tensors of one row width (a DFlash drafter's
+    feature layers), one more per four further tensors; no index tensors and no host
+    synchronisation. Rows must have a contiguous last dim."""
     num_reqs, path_len = accepted.shape
     if num_reqs == 0:
         return
-    _sequential_positions_kernel[(num_reqs,)](
-        positions, root, num_draft, BLOCK=triton.next_power_of_2(max_nodes + 1)
-    )
-    if path_len <= 1:
-        return
-    for tensor in (input_ids.view(-1, 1), *hidden):
+    for tensor in hidden:
         assert tensor.dim() == 2 and tensor.stride(-1) == 1, "rows need a contiguous last dim"
-        width = tensor.shape[1]
+    ids = input_ids.view(-1)
+    by_width: dict[int, list[torch.Tensor]] = {}
+    for tensor in hidden:
+        by_width.setdefault(tensor.shape[1], []).append(tensor)
+    launches = [
+        tensors[i : i + HIDDEN_PER_LAUNCH]
+        for tensors in by_width.values()
+        for i in range(0, len(tensors), HIDDEN_PER_LAUNCH)
+    ] or [[]]
+    for index, group in enumerate(launches):
+        width = group[0].shape[1] if group else 1
         block = min(1024, max(16, triton.next_power_of_2(width)))
+        # Unused pointer slots get a tensor the kernel never reads (NUM_HIDDEN says so).
+        slots = group + [ids.view(-1, 1)] * (HIDDEN_PER_LAUNCH - len(group))
         _move_path_rows_kernel[(num_reqs, triton.cdiv(width, block))](
-            tensor,
+            *slots,
+            ids,
+            positions,
             root,
             accepted,
             num_accepted,
-            tensor.stride(0),
+            num_draft,
+            *(t.stride(0) for t in slots),
             accepted.stride(0),
             width,
-            MAX_DEPTH=path_len - 1,
+            NUM_HIDDEN=len(group),
+            WITH_IDS=index == 0,
+            MAX_DEPTH=max(path_len - 1, 0),
             BLOCK=block,
+            POSITIONS_BLOCK=triton.next_power_of_2(max_nodes + 1),
         )
 
 
