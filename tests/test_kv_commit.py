@@ -125,6 +125,36 @@ def test_kernel_commits_every_layer_in_one_launch():
         assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)
 
 
+@pytest.mark.interpreter
+def test_kernel_reads_node_slots_from_the_steps_slot_mapping():
+    """``commit_accepted_kv_at`` (what the runners call): each request's tree rows start at its
+    root row in the step's flat slot mapping, with rows of other requests (a prefill chunk)
+    between them; the result equals the reference on the gathered table."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.kv_commit import PagedKVLayers, commit_accepted_kv_at
+
+    device = "cuda" if ON_GPU else "cpu"
+    key_cache, value_cache, slots, accepted, num_accepted = make_batch(seed=11)
+    num_reqs, width = slots.shape
+    gap = 3  # rows of a request without a tree before each root
+    first_row = torch.arange(num_reqs) * (width + gap) + gap
+    slot_mapping = torch.full((num_reqs * (width + gap),), -7, dtype=torch.int32)
+    for r in range(num_reqs):
+        slot_mapping[first_row[r] : first_row[r] + width] = slots[r].int()
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    commit_accepted_kv_ref(want_k, want_v, slots, accepted, num_accepted)
+    key_cache, value_cache = key_cache.to(device), value_cache.to(device)
+    commit_accepted_kv_at(
+        PagedKVLayers.of([key_cache], [value_cache]),
+        slot_mapping.to(device),
+        first_row.to(device),
+        accepted.to(device),
+        num_accepted.to(device),
+    )
+    assert torch.equal(key_cache.cpu(), want_k) and torch.equal(value_cache.cpu(), want_v)
+
+
 def test_layer_table_refuses_mixed_layouts():
     from vllm_ddtree.ops.kv_commit import PagedKVLayers
 
@@ -140,7 +170,7 @@ def test_layer_table_refuses_mixed_layouts():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=5)
+    run_under_interpreter(__file__, "kernel_", expected=6)
 
 
 def test_the_runners_layer_tables_are_reused_until_a_cache_changes():

@@ -34,7 +34,7 @@ from vllm_ddtree import hybrid_gdn
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.kv_commit import (
     PagedKVLayers,
-    commit_accepted_kv_layers,
+    commit_accepted_kv_at,
     commit_accepted_kv_torch,
 )
 from vllm_ddtree.ops.path_rows import move_path_rows
@@ -160,7 +160,7 @@ class StepTableUpload:
 def _upload(runner) -> StepTableUpload:
     upload = getattr(runner, "_ddtree_upload", None)
     if upload is None:
-        upload = StepTableUpload(rows=4, device=runner.positions.device)
+        upload = StepTableUpload(rows=5, device=runner.positions.device)
         runner._ddtree_upload = upload
     return upload
 
@@ -228,15 +228,21 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     source = np.array(
         [rows.get(req_id, -1) for req_id in runner.input_batch.req_ids[:num_reqs]], dtype=np.int64
     )
-    query_start_d, num_draft_d, counts_d, source_d = _upload(runner).send(
-        query_start, num_draft, counts, source
+    query_start_d, num_draft_d, counts_d, source_d, is_tree_d = _upload(runner).send(
+        query_start, num_draft, counts, source, num_draft > 0
     )
     trees = _align_trees(drafter, source, num_draft, source_d, num_draft_d)
     step = StepTrees(trees=trees, query_start=query_start_d, num_draft=num_draft_d)
     runner._ddtree_step = step
 
     set_tree_step_inputs(
-        trees, query_start_d, num_draft_d, counts_d, runner.positions, int(counts.sum())
+        trees,
+        query_start_d,
+        num_draft_d,
+        counts_d,
+        runner.positions,
+        int(counts.sum()),
+        is_tree=is_tree_d,
     )
     gdn = hybrid_gdn.active_step()
     if gdn is not None:  # hybrid target: the GDN layers read the same trees
@@ -250,14 +256,17 @@ def set_tree_step_inputs(
     num_scheduled: torch.Tensor,
     positions: torch.Tensor,
     total_tokens: int,
+    is_tree: torch.Tensor | None = None,
 ) -> None:
     """Before a verify forward (V1 or V2 runner): depth-based RoPE positions for the node
     tokens, in ``positions`` in place (slots stay one per node), and one packed ancestor row
     per query token published for TREE_ATTN. ``root_row``, ``num_draft``, ``num_scheduled``:
-    long ``[R]``; ``total_tokens``: the step's unpadded token count."""
+    long ``[R]``; ``total_tokens``: the step's unpadded token count; ``is_tree`` int ``[R]``
+    (``num_draft > 0``, when the caller uploaded it with its tables; else computed here)."""
     fill = tree_step_inputs_triton if use_triton(root_row.device) else tree_step_inputs_ref
     tree_mask = fill(trees, root_row, num_draft, num_scheduled, positions, total_tokens)
-    is_tree = (num_draft > 0).to(torch.int32)
+    if is_tree is None:
+        is_tree = (num_draft > 0).to(torch.int32)
     tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
 
 
@@ -461,16 +470,18 @@ def commit_tree_kv(
     """Move accepted nodes' K/V to contiguous slots in every TREE_ATTN layer of ``runner``
     (V1 or V2): ``slot_mapping`` ``[T]`` the step's KV slots, ``root_row`` long ``[R]`` each
     request's root row, ``width`` the trees' width, ``accepted`` / ``num_accepted`` the walk's."""
+    if use_triton(slot_mapping.device):
+        # The kernel reads each node's slot at slot_mapping[root_row + node]: no index tensors.
+        slots = slot_mapping if slot_mapping.stride(0) == 1 else slot_mapping.contiguous()
+        for layers in _kv_layer_groups(runner):
+            commit_accepted_kv_at(layers, slots, root_row, accepted, num_accepted)
+        return
     rows = root_row.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
     rows = rows.clamp(max=slot_mapping.shape[0] - 1)
     verify_slots = slot_mapping[rows].long()
-    if not use_triton(slot_mapping.device):
-        for kv_cache in _tree_attention_kv_caches(runner):
-            key_cache, value_cache = kv_cache.unbind(0)
-            commit_accepted_kv_torch(key_cache, value_cache, verify_slots, accepted, num_accepted)
-        return
-    for layers in _kv_layer_groups(runner):
-        commit_accepted_kv_layers(layers, verify_slots, accepted, num_accepted)
+    for kv_cache in _tree_attention_kv_caches(runner):
+        key_cache, value_cache = kv_cache.unbind(0)
+        commit_accepted_kv_torch(key_cache, value_cache, verify_slots, accepted, num_accepted)
 
 
 def _commit_kv(runner, step: StepTrees) -> None:

@@ -188,19 +188,20 @@ def _ddtree_speculator(runner):
 
 def _step_trees(speculator, input_batch):
     """The batch's trees from the last proposals (``ProposalStore.step_trees``), cut to the
-    scheduled nodes, and long ``[R]`` device tables: each request's root row, scheduled nodes
-    and scheduled tokens (sent in one non-blocking copy from pinned memory)."""
+    scheduled nodes, and long ``[R]`` device tables: each request's root row, scheduled nodes,
+    scheduled tokens and whether it verifies a tree (sent in one non-blocking copy from pinned
+    memory)."""
     num_reqs = input_batch.num_reqs
     device = speculator.proposals.state.token_ids.device
     upload = getattr(speculator, "upload", None)
     if upload is None:
-        upload = speculator.upload = StepTableUpload(rows=3, device=device)
+        upload = speculator.upload = StepTableUpload(rows=4, device=device)
     counts = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
     starts = np.asarray(input_batch.query_start_loc_np[:num_reqs], dtype=np.int64)
     num_draft_np = np.asarray(input_batch.num_draft_tokens_per_req[:num_reqs], dtype=np.int64)
     # The tree is the last 1 + num_draft rows of each request (root first).
-    root_row, num_draft, counts = upload.send(
-        starts + counts - 1 - num_draft_np, num_draft_np, counts
+    root_row, num_draft, counts, is_tree = upload.send(
+        starts + counts - 1 - num_draft_np, num_draft_np, counts, num_draft_np > 0
     )
     trees = speculator.proposals.step_trees(
         np.asarray(input_batch.idx_mapping_np[:num_reqs]),
@@ -208,7 +209,7 @@ def _step_trees(speculator, input_batch):
         num_draft_np,
         num_draft,
     )
-    return trees, root_row, num_draft, counts
+    return trees, root_row, num_draft, counts, is_tree
 
 
 def _bind_oracle(runner, oracle, input_batch) -> None:
@@ -236,9 +237,15 @@ def _wrap_prepare_attn(original):
                 speculator.step = None
             return block_tables, slot_mappings
         with torch.profiler.record_function("ddtree::prepare_tree_inputs"):
-            trees, root_row, num_draft, counts = _step_trees(speculator, input_batch)
+            trees, root_row, num_draft, counts, is_tree = _step_trees(speculator, input_batch)
             set_tree_step_inputs(
-                trees, root_row, num_draft, counts, input_batch.positions, input_batch.num_tokens
+                trees,
+                root_row,
+                num_draft,
+                counts,
+                input_batch.positions,
+                input_batch.num_tokens,
+                is_tree=is_tree,
             )
             speculator.step = TreeStepV2(
                 trees=trees, root_row=root_row, num_draft=num_draft, slot_mapping=slot_mappings[0]

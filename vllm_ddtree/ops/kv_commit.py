@@ -170,7 +170,8 @@ if HAS_TRITON:
     def _commit_accepted_kv_kernel(
         key_ptrs_ptr,
         value_ptrs_ptr,
-        verify_slots_ptr,
+        slots_ptr,
+        first_row_ptr,
         accepted_ptr,
         num_accepted_ptr,
         stride_k_blk,
@@ -179,7 +180,6 @@ if HAS_TRITON:
         stride_v_blk,
         stride_v_pos,
         stride_v_h,
-        stride_slots,
         stride_accepted,
         DTYPE: tl.constexpr,
         MAX_DEPTH: tl.constexpr,
@@ -193,13 +193,15 @@ if HAS_TRITON:
         key_cache_ptr = tl.load(key_ptrs_ptr + layer).to(tl.pointer_type(DTYPE))
         value_cache_ptr = tl.load(value_ptrs_ptr + layer).to(tl.pointer_type(DTYPE))
         count = tl.load(num_accepted_ptr + req)
+        # Tree index i of request req has its KV slot at slots[first_row[req] + i].
+        request_slots = slots_ptr + tl.load(first_row_ptr + req)
         offs_d = tl.arange(0, HEAD_SIZE_PADDED)
         d_valid = offs_d < HEAD_SIZE
         for j in range(1, MAX_DEPTH + 1):
             node = tl.load(accepted_ptr + req * stride_accepted + j, mask=j <= count, other=j)
             if (j <= count) & (node != j):
-                src = tl.load(verify_slots_ptr + req * stride_slots + node).to(tl.int64)
-                dst = tl.load(verify_slots_ptr + req * stride_slots + j).to(tl.int64)
+                src = tl.load(request_slots + node).to(tl.int64)
+                dst = tl.load(request_slots + j).to(tl.int64)
                 _move_row(
                     key_cache_ptr,
                     src,
@@ -228,38 +230,59 @@ if HAS_TRITON:
             tl.debug_barrier()
 
 
-def commit_accepted_kv_layers(
+def commit_accepted_kv_at(
     layers: PagedKVLayers,
-    verify_slots: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    first_row: torch.Tensor,
     accepted: torch.Tensor,
     num_accepted: torch.Tensor,
 ) -> None:
-    """Move accepted nodes' K/V to contiguous slots, in place, in every layer of ``layers``.
+    """Move accepted nodes' K/V to contiguous slots, in place, in every layer of ``layers``,
+    reading each node's slot straight from the step's slot mapping (no index tensors).
 
-    ``verify_slots`` int ``[R, N + 1]``; ``accepted`` long ``[R, L + 1]``; ``num_accepted``
-    long ``[R]``. One launch of ``R x Hkv x num_layers`` programs; chain-shaped paths copy
-    nothing.
+    ``slot_mapping`` int ``[T]`` (contiguous): the KV slot of every query row of the step;
+    ``first_row`` long ``[R]``: the row of each request's root (tree index ``i`` is row
+    ``first_row[r] + i``); ``accepted`` long ``[R, L + 1]``; ``num_accepted`` long ``[R]``. One
+    launch of ``R x Hkv x num_layers`` programs; chain-shaped paths copy nothing.
     """
     _, kv_block_size, num_kv_heads, head_size = layers.shape
     num_reqs, path_len = accepted.shape
-    assert verify_slots.shape[0] == num_reqs and num_accepted.shape == (num_reqs,)
+    assert first_row.shape == num_accepted.shape == (num_reqs,)
+    assert slot_mapping.dim() == 1 and slot_mapping.stride(0) == 1
     if num_reqs == 0 or path_len <= 1 or layers.num_layers == 0:
         return
     _commit_accepted_kv_kernel[(num_reqs, num_kv_heads, layers.num_layers)](
         layers.key_ptrs,
         layers.value_ptrs,
-        verify_slots,
+        slot_mapping,
+        first_row,
         accepted,
         num_accepted,
         *layers.key_strides,
         *layers.value_strides,
-        verify_slots.stride(0),
         accepted.stride(0),
         DTYPE=_TRITON_DTYPES[layers.dtype],
         MAX_DEPTH=path_len - 1,
         KV_BLOCK_SIZE=kv_block_size,
         HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+    )
+
+
+def commit_accepted_kv_layers(
+    layers: PagedKVLayers,
+    verify_slots: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """``commit_accepted_kv_at`` with the slots as a table: ``verify_slots`` int ``[R, N + 1]``
+    (row ``r``: the slots of request ``r``'s tree indices); ``accepted`` long ``[R, L + 1]``;
+    ``num_accepted`` long ``[R]``."""
+    num_reqs, row_width = verify_slots.shape
+    assert num_reqs == accepted.shape[0]
+    first_row = torch.arange(num_reqs, device=verify_slots.device) * row_width
+    commit_accepted_kv_at(
+        layers, verify_slots.contiguous().view(-1), first_row, accepted, num_accepted
     )
 
 
