@@ -20,6 +20,8 @@
 #       v2       - lossless_gpu.py --runner v2: the experimental V2-runner path
 #       hybrid-steps - GDN tree verify cost on large-model layer shapes (profile_step.py)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
+#       step-ops - benchmarks/bench_step_ops.py: host and device cost of each tree-step
+#                  operation (no vLLM needed: runs without the bundle)
 set -uo pipefail
 STEP=$1
 OUT=${2:-benchmarks/results}
@@ -192,6 +194,10 @@ case "$STEP" in
       --out "$OUT" --compile "${COMPILE:-graphs}" ${PROFILE_ARGS:-} \
       --methods "${METHODS:-ar,ar_v1,dflash,dflash_v1,ddtree_b16,ddtree_b64}" > "$OUT/profile_step.log" 2>&1
     echo "profile rc=$?"; grep '^{' "$OUT/profile_step.log" | cut -c1-400 ;;
+  step-ops)
+    timeout "${STEP_OPS_TIMEOUT:-300}" python3 benchmarks/bench_step_ops.py --out "$OUT" \
+      --batches "${BATCHES:-1,16}" --budgets "${BUDGETS:-16,64}" > "$OUT/bench_step_ops.log" 2>&1
+    echo "step-ops rc=$?"; cat "$OUT/bench_step_ops.log" ;;
   bench-e2e)
     need_checkpoint
     timeout "${BENCH_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py \

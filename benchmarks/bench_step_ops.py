@@ -1,0 +1,154 @@
+"""Host and device cost of each DDTree step operation on a GPU, without vLLM.
+
+A small model's DDTree step is host-bound (the profile in
+``benchmarks/results/v2_runner_df6dc25/profile/``): what a step operation costs is mostly the
+host time of its launches. For each operation of the V2 tree step this times, on random inputs
+of SmolLM2-135M's shapes (vocabulary 49152, hidden 576, 30 attention layers of 3 KV heads x 64,
+the project's drafter: depth 15, 4 feature layers):
+
+* host: wall time per call of ``--calls`` calls issued back to back (no synchronisation in
+  between), i.e. what the Python side and the launches cost;
+* device: CUDA-event time per call over the same calls.
+
+Operations: the tree build (``build_draft_trees``), the step's trees from the proposal store
+(steady step: the drafter's rows in place; other steps: flush + select), the step inputs
+(positions + ancestor masks), the walk (``walk_and_emit``), the KV commit over every layer
+(``commit_accepted_kv_at``) and the drafter-context rows (``move_path_rows``).
+
+    python benchmarks/bench_step_ops.py --out DIR [--batches 1,16] [--budgets 16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm_ddtree.ops.kv_commit import PagedKVLayers, commit_accepted_kv_at  # noqa: E402
+from vllm_ddtree.ops.path_rows import move_path_rows  # noqa: E402
+from vllm_ddtree.ops.tree_build import build_draft_trees  # noqa: E402
+from vllm_ddtree.ops.tree_inputs import tree_step_inputs_triton  # noqa: E402
+from vllm_ddtree.ops.tree_walk import walk_and_emit  # noqa: E402
+from vllm_ddtree.proposal_store import ProposalStore  # noqa: E402
+
+VOCAB, HIDDEN, LAYERS, KV_HEADS, HEAD, BLOCK, DEPTH, FEATURES = 49152, 576, 30, 3, 64, 16, 15, 4
+
+
+def timed(fn, calls: int) -> dict:
+    """Host and device milliseconds per call of ``fn`` (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+    start_event.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls
+    end_event.record()
+    torch.cuda.synchronize()
+    return {"host_ms": 1000 * host, "device_ms": start_event.elapsed_time(end_event) / calls}
+
+
+def step_ops(batch: int, budget: int, calls: int, device: torch.device) -> dict:
+    """Every operation once per call at this batch size and budget."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    logits = (torch.randn(batch, DEPTH, VOCAB, generator=gen) * 4).to(device, torch.bfloat16)
+    trees = build_draft_trees(logits, budget, None)
+    rows_per_req = budget + 1
+    total = batch * rows_per_req
+    root = torch.arange(batch, device=device) * rows_per_req
+    num_draft = torch.full((batch,), budget, device=device)
+    positions = torch.arange(total, device=device) + 100
+    # The target's token at every row: follow the first child twice, then stop.
+    chosen = torch.zeros(total, dtype=torch.long, device=device)
+    chosen[root] = trees.token_ids[:, 0]
+    chosen[root + 1] = trees.token_ids[:, 1]
+    num_blocks = batch * (rows_per_req + 512) // BLOCK + 1
+    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD)
+    caches = [torch.zeros(shape, device=device) for _ in range(LAYERS)]
+    layers = PagedKVLayers.of([c[0] for c in caches], [c[1] for c in caches])
+    slot_mapping = torch.arange(total, device=device) + 512
+    hidden = [torch.randn(total, HIDDEN, device=device) for _ in range(FEATURES)]
+    input_ids = torch.zeros(total, dtype=torch.int32, device=device)
+    accepted, num_accepted, _, _ = walk_and_emit(trees, chosen, root, num_draft, DEPTH + 2)
+
+    store = ProposalStore(batch, budget, DEPTH, device)
+    rows = np.arange(batch)
+    index = torch.arange(batch, device=device, dtype=torch.int32)
+    drafts_np = np.full(batch, budget)
+
+    def steady():
+        store.write_batch(trees)
+        store.proposed(rows, index)
+        store.step_trees(rows, index, drafts_np, num_draft)
+
+    def reordered():
+        store.write_batch(trees)
+        store.proposed(rows[::-1].copy(), index.flip(0))
+        store.step_trees(rows, index, drafts_np, num_draft)
+
+    ops = {
+        "build_trees": lambda: build_draft_trees(logits, budget, None),
+        "proposal_steady": steady,
+        "proposal_flush_select": reordered,
+        "step_inputs": lambda: tree_step_inputs_triton(
+            trees, root, num_draft, num_draft + 1, positions, total
+        ),
+        "walk": lambda: walk_and_emit(trees, chosen, root, num_draft, DEPTH + 2),
+        "kv_commit_all_layers": lambda: commit_accepted_kv_at(
+            layers, slot_mapping, root, accepted, num_accepted
+        ),
+        "drafter_rows": lambda: move_path_rows(
+            input_ids, positions, hidden, root, accepted, num_accepted, num_draft, budget
+        ),
+    }
+    return {name: timed(fn, calls) for name, fn in ops.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--budgets", default="16,64")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_step_ops.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    commit = (
+        os.environ.get("VLLM_DDTREE_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        for budget in map(int, args.budgets.split(",")):
+            for name, cost in step_ops(batch, budget, args.calls, device).items():
+                row = {"op": name, "batch": batch, "budget": budget, **cost}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    summary = {
+        "commit": commit,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "calls": args.calls,
+        "rows": rows,
+    }
+    with open(os.path.join(args.out, "bench_step_ops.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
