@@ -47,7 +47,7 @@ class ProposalStore:
         caller flushed before the run."""
         assert self._pending_rows is None, "flush() before the drafter overwrites the batch"
         self._pending_rows = np.array(rows, dtype=np.int64)
-        self._pending_index = index.long().clone()
+        self._pending_index = index.to(torch.long, copy=True)  # one launch, a stable copy
 
     def flush(self) -> None:
         """Copy the pending proposal into ``state`` (before anything overwrites ``batch``)."""
