@@ -95,7 +95,7 @@ def test_kernel_empty_trees_walk_nowhere():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=4 * len(CASES) + 3 + len(BUILD_CASES))
+    run_under_interpreter(__file__, "kernel_", expected=5 * len(CASES) + 3 + len(BUILD_CASES))
 
 
 def step_layout(seed):
@@ -212,7 +212,9 @@ def cut_tree(tree, keep: list[int]):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_walk_and_emit_matches_reference(case):
+@pytest.mark.parametrize("sampled_dtype", [torch.int32, torch.int64])
+def test_kernel_walk_and_emit_matches_reference(case, sampled_dtype):
+    """The sampled rows in vLLM's V1 (int32) and V2 (int64) sampler formats."""
     needs_kernel()
     from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
 
@@ -226,9 +228,14 @@ def test_kernel_walk_and_emit_matches_reference(case):
     first_row = torch.cumsum(sizes, 0) - sizes
     num_draft = torch.tensor(num_draft)
     out_width = int(num_draft.max()) + 1
-    want = walk_and_emit_ref(tree, chosen, first_row, num_draft, out_width)
+    want = walk_and_emit_ref(tree, chosen, first_row, num_draft, out_width, sampled_dtype)
     got = walk_and_emit_triton(
-        tree.to(DEVICE), chosen.to(DEVICE), first_row.to(DEVICE), num_draft.to(DEVICE), out_width
+        tree.to(DEVICE),
+        chosen.to(DEVICE),
+        first_row.to(DEVICE),
+        num_draft.to(DEVICE),
+        out_width,
+        sampled_dtype,
     )
     for name, w, g in zip(("accepted", "num_accepted", "bonus", "sampled"), want, got, strict=True):
         assert g.dtype == w.dtype and torch.equal(g.cpu(), w), name

@@ -80,10 +80,10 @@ def tree_sampler_output(
         (tree indices, root first) and ``num_accepted`` long ``[R]``.
     """
     accepted, num_accepted, _, sampled = walk_and_emit(
-        trees, chosen, first_row, num_draft, out_width
+        trees, chosen, first_row, num_draft, out_width, sampled_dtype=torch.int64
     )
     num_sampled = (num_accepted + 1).to(torch.int32)
-    return sampled.long(), num_sampled, accepted, num_accepted
+    return sampled, num_sampled, accepted, num_accepted
 
 
 def _speculator_class():

@@ -38,6 +38,7 @@ def walk_and_emit_ref(
     first_row: torch.Tensor,
     num_draft: torch.Tensor,
     out_width: int,
+    sampled_dtype: torch.dtype = torch.int32,
 ):
     """The sampler's whole tree step: gather each request's target tokens, walk, and write
     vLLM's sampled-token rows.
@@ -52,8 +53,9 @@ def walk_and_emit_ref(
 
     Returns:
         ``accepted`` long ``[R, L + 1]``, ``num_accepted`` long ``[R]``, ``bonus`` long ``[R]``
-        (as ``follow_tree``) and ``sampled`` int32 ``[R, out_width]``: the accepted nodes'
-        tokens, then the bonus, then ``-1``.
+        (as ``follow_tree``) and ``sampled`` ``[R, out_width]`` of ``sampled_dtype`` (int32 for
+        vLLM's V1 sampler output, int64 for V2's): the accepted nodes' tokens, then the bonus,
+        then ``-1``.
     """
     num_reqs, width = tree.token_ids.shape
     device = chosen.device
@@ -65,10 +67,10 @@ def walk_and_emit_ref(
     node_of_path = (accepted[:, 1:] - 1).clamp(min=0, max=max(width - 1, 0))  # [R, L]
     path_tokens = tree.token_ids.gather(1, node_of_path) if width else node_of_path
     columns = min(path_tokens.shape[1], out_width - 1)
-    sampled = torch.full((num_reqs, out_width), -1, dtype=torch.int32, device=device)
+    sampled = torch.full((num_reqs, out_width), -1, dtype=sampled_dtype, device=device)
     is_path = torch.arange(columns, device=device).unsqueeze(0) < num_accepted.unsqueeze(1)
-    sampled[:, :columns] = torch.where(is_path, path_tokens[:, :columns], -1).to(torch.int32)
-    sampled.scatter_(1, num_accepted.unsqueeze(1), bonus.unsqueeze(1).to(torch.int32))
+    sampled[:, :columns] = torch.where(is_path, path_tokens[:, :columns], -1).to(sampled_dtype)
+    sampled.scatter_(1, num_accepted.unsqueeze(1), bonus.unsqueeze(1).to(sampled_dtype))
     return accepted, num_accepted, bonus, sampled
 
 
@@ -123,7 +125,7 @@ if HAS_TRITON:
         tl.store(accepted_ptr + req * stride_accepted + cols, accepted, mask=cols < DEPTH + 1)
         tl.store(num_accepted_ptr + req, num_accepted)
         tl.store(bonus_ptr + req, bonus)
-        row = tl.where(cols == num_accepted, bonus, path).to(tl.int32)
+        row = tl.where(cols == num_accepted, bonus, path).to(sampled_ptr.dtype.element_ty)
         tl.store(sampled_ptr + req * stride_sampled + cols, row, mask=cols < out_width)
 
 
@@ -133,6 +135,7 @@ def walk_and_emit_triton(
     first_row: torch.Tensor,
     num_draft: torch.Tensor,
     out_width: int,
+    sampled_dtype: torch.dtype = torch.int32,
 ):
     """``walk_and_emit_ref`` in one launch (``R`` programs); same arguments and results.
 
@@ -140,7 +143,7 @@ def walk_and_emit_triton(
     """
     num_reqs, width = tree.token_ids.shape
     if num_reqs == 0 or width == 0:
-        return walk_and_emit_ref(tree, chosen, first_row, num_draft, out_width)
+        return walk_and_emit_ref(tree, chosen, first_row, num_draft, out_width, sampled_dtype)
     device = chosen.device
     depth_limit = tree.depth_limit
     token_ids, parents = tree.token_ids.long(), tree.parents.long()
@@ -148,7 +151,7 @@ def walk_and_emit_triton(
     accepted = torch.empty((num_reqs, depth_limit + 1), dtype=torch.long, device=device)
     num_accepted = torch.empty(num_reqs, dtype=torch.long, device=device)
     bonus = torch.empty(num_reqs, dtype=torch.long, device=device)
-    sampled = torch.empty((num_reqs, out_width), dtype=torch.int32, device=device)
+    sampled = torch.empty((num_reqs, out_width), dtype=sampled_dtype, device=device)
     _walk_and_emit_kernel[(num_reqs,)](
         token_ids,
         parents,
@@ -178,8 +181,9 @@ def walk_and_emit(
     first_row: torch.Tensor,
     num_draft: torch.Tensor,
     out_width: int,
+    sampled_dtype: torch.dtype = torch.int32,
 ):
     """``walk_and_emit_triton`` on CUDA, ``walk_and_emit_ref`` elsewhere (same arguments and
     returns)."""
     walk = walk_and_emit_triton if use_triton(chosen.device) else walk_and_emit_ref
-    return walk(tree, chosen, first_row, num_draft, out_width)
+    return walk(tree, chosen, first_row, num_draft, out_width, sampled_dtype)
