@@ -21,6 +21,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.oracle import HostOracle, oracle_path
+from vllm_ddtree.profiling import step_range
 from vllm_ddtree.tree import DDTreeBatch
 
 
@@ -106,7 +107,7 @@ class DDTreeProposer(DFlashProposer):
             logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
         else:
             logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
-        with torch.profiler.record_function("ddtree::build_trees"):
+        with step_range("ddtree::build_trees"):
             trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
         req_ids = list(self.runner.input_batch.req_ids[:num_reqs]) if self.runner else []
         self.proposed = ProposedTrees(req_ids=req_ids, trees=trees)

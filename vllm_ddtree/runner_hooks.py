@@ -40,6 +40,7 @@ from vllm_ddtree.ops.kv_commit import (
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit
+from vllm_ddtree.profiling import step_range
 from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
 
 _PATCHED = "__vllm_ddtree_runner_hook__"
@@ -203,7 +204,7 @@ def _wrap_prepare_inputs(original):
         if spec_decode_metadata is None:
             tree_verify.publish(None)
             return result
-        with torch.profiler.record_function("ddtree::prepare_tree_inputs"):
+        with step_range("ddtree::prepare_tree_inputs"):
             _prepare_tree_inputs(self, drafter, spec_decode_metadata, num_scheduled_tokens)
         return result
 
@@ -376,21 +377,21 @@ def _wrap_sample(original):
                 output_size=logits.shape[0],
             )
 
-        with torch.profiler.record_function("ddtree::target_tokens"):
+        with step_range("ddtree::target_tokens"):
             _ban_stop_tokens_before_min_tokens(
                 logits, sampling_metadata, trees, first_row, step.num_draft
             )
             chosen = _target_tokens(logits, sampling_metadata, request_of_row)
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
         out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1
-        with torch.profiler.record_function("ddtree::follow_tree"):
+        with step_range("ddtree::follow_tree"):
             accepted, num_accepted, _, sampled = walk_and_emit(
                 trees, chosen, first_row, step.num_draft, out_width
             )
         step.accepted, step.num_accepted = accepted, num_accepted
         if os.environ.get(RANK_CHECK_ENV) == "1":
             _check_ranks_agree(step)
-        with torch.profiler.record_function("ddtree::commit_kv"):
+        with step_range("ddtree::commit_kv"):
             _commit_kv(self, step)
             gdn = hybrid_gdn.active_step()
             if gdn is not None:
@@ -507,7 +508,7 @@ def _wrap_propose(original):
         step = getattr(self, "_ddtree_step", None)
         if step is not None and step.accepted is not None and _ddtree_proposer(self):
             aux_hidden_states = kwargs.get("aux_hidden_states", args[5] if len(args) > 5 else None)
-            with torch.profiler.record_function("ddtree::move_path_rows_first"):
+            with step_range("ddtree::move_path_rows_first"):
                 _move_path_rows_first(self, step, aux_hidden_states)
         return original(self, *args, **kwargs)
 

@@ -39,6 +39,7 @@ from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.oracle import DeviceOracle, oracle_path
+from vllm_ddtree.profiling import step_range
 from vllm_ddtree.proposal_store import ProposalStore
 from vllm_ddtree.runner_hooks import StepTableUpload, set_tree_step_inputs
 from vllm_ddtree.tree import DDTreeBatch
@@ -236,7 +237,7 @@ def _wrap_prepare_attn(original):
             if speculator is not None:
                 speculator.step = None
             return block_tables, slot_mappings
-        with torch.profiler.record_function("ddtree::prepare_tree_inputs"):
+        with step_range("ddtree::prepare_tree_inputs"):
             trees, root_row, num_draft, counts, is_tree = _step_trees(speculator, input_batch)
             set_tree_step_inputs(
                 trees,
@@ -269,7 +270,7 @@ def _wrap_sample(original):
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
         logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
-        with torch.profiler.record_function("ddtree::target_tokens"):
+        with step_range("ddtree::target_tokens"):
             # One draw per logits row, keyed by its (depth) position: a node's token is the one
             # target-alone decoding would draw there.
             chosen, _ = self.sampler.sample(
@@ -283,7 +284,7 @@ def _wrap_sample(original):
         num_reqs = input_batch.num_reqs
         first_row = input_batch.cu_num_logits[:num_reqs].long()
         out_width = step.trees.width + 1
-        with torch.profiler.record_function("ddtree::follow_tree"):
+        with step_range("ddtree::follow_tree"):
             sampled, num_sampled, accepted, num_accepted = tree_sampler_output(
                 step.trees, chosen.long(), first_row, step.num_draft, out_width
             )
@@ -295,7 +296,7 @@ def _wrap_sample(original):
             input_batch.idx_mapping,
             self.sampler.req_states.prefill_len.gpu,
         )
-        with torch.profiler.record_function("ddtree::commit_kv"):
+        with step_range("ddtree::commit_kv"):
             _commit_kv_v2(self, step)
         output = SamplerOutput(
             sampled_token_ids=sampled,
