@@ -1,8 +1,8 @@
 """The ``ddtree::*`` profiler ranges of the tree step, free when nothing profiles.
 
 ``torch.profiler.record_function`` costs a dispatcher call on entry and exit even with no
-profiler running (about 15 microseconds on the CPU machine, two small tensor operations' worth),
-and a small model's DDTree step is host-bound. ``step_range`` opens the range only while a
+profiler running (about two small tensor operations' worth of host time), and a small model's
+DDTree step is host-bound. ``step_range`` opens the range only while a
 profiler is recording (``benchmarks/profile_step.py`` reads these ranges).
 """
 
