@@ -18,6 +18,7 @@ from vllm_ddtree.cost_model import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "results", "bench_e2e.json")
+BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "v2_runner_df6dc25", "bench_e2e.json")
 VLLM_FIELDS = ["method", "model", "num_speculative_tokens"]
 DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
 
@@ -36,10 +37,27 @@ def profile(tree_base_ms: float, max_batch: int = 16) -> CostProfile:
     )
 
 
-def test_the_packaged_profile_is_the_fit_of_the_committed_bench():
-    with open(BENCH) as f:
-        fitted = fit_profile(json.load(f))
-    assert fitted.to_dict() == load_profile().to_dict()
+@pytest.mark.parametrize("runner, bench", [("V1", BENCH), ("V2", BENCH_V2)])
+def test_the_packaged_profiles_are_the_fits_of_the_committed_benches(runner, bench):
+    with open(bench) as f:
+        summary = json.load(f)
+    tree_runners = {e.get("runner") for n, e in summary["engines"].items() if "ddtree" in n}
+    assert tree_runners == {runner}, "each profile is fitted from DDTree rows of its runner"
+    assert fit_profile(summary).to_dict() == load_profile(runner=runner).to_dict()
+
+
+def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
+    from vllm_ddtree import config
+
+    seen = []
+    monkeypatch.setattr(
+        "vllm_ddtree.cost_model.load_profile",
+        lambda path, runner: seen.append(runner) or load_profile(path, runner),
+    )
+    for value in ("", "v2"):
+        monkeypatch.setenv("VLLM_DDTREE_RUNNER", value)
+        config._automatic_budget(None, 1, 15)
+    assert seen == ["V1", "V2"]
 
 
 def test_the_fit_reproduces_the_measured_acceptance_and_a_sane_step_cost():

@@ -40,7 +40,7 @@ DDTREE_KEYS: dict[str, str] = {
     " profile predicts fastest at max_num_seqs, or the DFlash chain when it predicts the chain"
     " faster (vllm_ddtree.cost_model)",
     "cost_profile": "path of a cost profile JSON for tree_budget 'auto' (default: the packaged"
-    " H200 SmolLM2-135M profile)",
+    " H200 SmolLM2-135M profile of the model runner DDTree runs on)",
     "tree_top_k": f"int in 1..tree_budget (default min(tree_budget, {DEFAULT_TOP_K_CAP})):"
     " most probable tokens considered at each depth",
 }
@@ -237,7 +237,7 @@ def _automatic_budget(profile_path: str | None, max_num_seqs: int | None, depth:
             f"speculative_config['cost_profile'] = {profile_path!r} is not a file (a JSON "
             "written by python -m vllm_ddtree.cost_model BENCH_JSON --out PATH)"
         )
-    profile = load_profile(profile_path)
+    profile = load_profile(profile_path, runner="V2" if v2_requested() else "V1")
     batch = max_num_seqs or 1
     budget, predicted = choose_budget(profile, batch)
     shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())

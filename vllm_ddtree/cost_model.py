@@ -28,7 +28,13 @@ import statistics
 from dataclasses import asdict, dataclass
 
 BUDGET_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
-DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "cost_profiles", "h200_smollm2.json")
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "cost_profiles")
+# The packaged profiles, one per vLLM model runner DDTree can run on (their step costs differ).
+PACKAGED_PROFILES = {
+    "V1": os.path.join(PROFILE_DIR, "h200_smollm2.json"),
+    "V2": os.path.join(PROFILE_DIR, "h200_smollm2_v2.json"),
+}
+DEFAULT_PROFILE = PACKAGED_PROFILES["V1"]
 
 
 @dataclass(frozen=True)
@@ -181,9 +187,10 @@ def fit_profile(bench: dict, chain_engine: str = "dflash") -> CostProfile:
     )
 
 
-def load_profile(path: str | None = None) -> CostProfile:
-    """The profile at ``path`` (JSON from ``fit_profile``), by default the packaged one."""
-    with open(path or DEFAULT_PROFILE) as f:
+def load_profile(path: str | None = None, runner: str = "V1") -> CostProfile:
+    """The profile at ``path`` (JSON from ``fit_profile``), by default the packaged one of
+    ``runner`` ("V1" or "V2", the vLLM model runner DDTree runs on)."""
+    with open(path or PACKAGED_PROFILES[runner]) as f:
         return CostProfile.from_dict(json.load(f))
 
 
