@@ -257,17 +257,15 @@ def set_tree_step_inputs(
     num_scheduled: torch.Tensor,
     positions: torch.Tensor,
     total_tokens: int,
-    is_tree: torch.Tensor | None = None,
+    is_tree: torch.Tensor,
 ) -> None:
     """Before a verify forward (V1 or V2 runner): depth-based RoPE positions for the node
     tokens, in ``positions`` in place (slots stay one per node), and one packed ancestor row
     per query token published for TREE_ATTN. ``root_row``, ``num_draft``, ``num_scheduled``:
-    long ``[R]``; ``total_tokens``: the step's unpadded token count; ``is_tree`` int ``[R]``
-    (``num_draft > 0``, when the caller uploaded it with its tables; else computed here)."""
+    long ``[R]``; ``total_tokens``: the step's unpadded token count; ``is_tree`` int ``[R]``:
+    ``num_draft > 0`` (uploaded with the caller's step tables)."""
     fill = tree_step_inputs_triton if use_triton(root_row.device) else tree_step_inputs_ref
     tree_mask = fill(trees, root_row, num_draft, num_scheduled, positions, total_tokens)
-    if is_tree is None:
-        is_tree = (num_draft > 0).to(torch.int32)
     tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
 
 
