@@ -32,6 +32,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from vllm_ddtree.cost_model import tree_engine_prefix  # noqa: E402
+
 DATASETS = ("humaneval", "mtbench", "sharegpt")
 COMPILE_NOTES = {
     "graphs": "CUDA graphs (full, decode/verify batches; no torch.compile)",
@@ -345,7 +347,7 @@ def write_report(summary: dict, out: str) -> None:
     except ImportError:
         return
     # One DDTree family per plot: the V1 engines when the run has them, else the V2 ones.
-    prefix = "ddtree_b" if any(n.startswith("ddtree_b") for n in engines) else "ddtree_v2_b"
+    prefix = tree_engine_prefix(engines)
     budgets = sorted(b for b in summary["budgets"] if engines.get(f"{prefix}{b}", {}).get("rows"))
     if not budgets:
         return  # nothing to plot yet (written again after every engine)
@@ -576,7 +578,8 @@ def collect(args) -> int:
             engines[engine]["error"] = "stopped by the per-engine time limit"
     ordered = {k: engines[k] for k in ("ar", "dflash", "dflash_v1") if k in engines}
     ordered.update({k: v for k, v in engines.items() if k not in ordered})
-    budgets = sorted(int(k.split("_b")[1]) for k in ordered if k.startswith("ddtree_b"))
+    prefix = tree_engine_prefix(ordered)
+    budgets = sorted(int(k.removeprefix(prefix)) for k in ordered if k.startswith(prefix))
     args.target = args.target or "SmolLM2-135M-Instruct"
     args.drafter = args.drafter or "unknown"
     note = (

@@ -142,6 +142,12 @@ def _fit_line(points: list[tuple[float, float]]) -> StepCost:
     return StepCost(base_ms=mean_y - slope * mean_x, per_token_ms=slope)
 
 
+def tree_engine_prefix(engine_names) -> str:
+    """The name prefix of a bench's DDTree engines of one runner: ``ddtree_b`` (V1, followed
+    by the budget) when the run has any, else ``ddtree_v2_b`` (V2)."""
+    return "ddtree_b" if any(n.startswith("ddtree_b") for n in engine_names) else "ddtree_v2_b"
+
+
 def fit_profile(bench: dict, chain_engine: str = "dflash") -> CostProfile:
     """A profile from a ``bench_e2e.json`` (its T = 0 rows of ``chain_engine`` and of every
     ``ddtree_bN`` engine of one runner; ``ddtree_v2_bN`` when the run has no V1 tree rows)."""
@@ -157,7 +163,7 @@ def fit_profile(bench: dict, chain_engine: str = "dflash") -> CostProfile:
     chain_rows = rows(chain_engine)
     if not chain_rows:
         raise ValueError(f"the bench has no T = 0 rows of {chain_engine!r}")
-    prefix = "ddtree_b" if any(n.startswith("ddtree_b") for n in engines) else "ddtree_v2_b"
+    prefix = tree_engine_prefix(engines)
     tree_rows = {
         int(name.removeprefix(prefix)): rows(name)
         for name in engines
