@@ -148,11 +148,13 @@ case "$STEP" in
     # The experimental GDN tree path on a tiny Qwen3-Next (needs bundle part 3: MoE ops): the
     # lossless grid and the sampling check (lossless_gpu.py --hybrid; LOSSLESS_ARGS adds options).
     # Its own work folder, so that it can run beside `train` (which runs the dense grid) on
-    # another GPU of the host (CUDA_VISIBLE_DEVICES).
+    # another GPU of the host (CUDA_VISIBLE_DEVICES); HYBRID_WORK names another folder for a
+    # second hybrid grid at once (e.g. with and without async scheduling).
+    WORK=${HYBRID_WORK:-/tmp/vllm-ddtree-hybrid}
     timeout "${HYBRID_TIMEOUT:-560}" python3 benchmarks/lossless_gpu.py --hybrid \
-      --parallel "${PARALLEL:-6}" --work /tmp/vllm-ddtree-hybrid ${LOSSLESS_ARGS:-} --out "$OUT" \
+      --parallel "${PARALLEL:-6}" --work "$WORK" ${LOSSLESS_ARGS:-} --out "$OUT" \
       > "$OUT/lossless_gpu_hybrid.log" 2>&1
-    echo "hybrid rc=$?"; (cd /tmp/vllm-ddtree-hybrid && tar czf "$OUT/hybrid_logs.tgz" ./*.log)
+    echo "hybrid rc=$?"; (cd "$WORK" && tar czf "$OUT/hybrid_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_hybrid.log" | cut -c1-300 ;;
   v2)
     # The experimental V2-runner path (VLLM_DDTREE_RUNNER=v2): the oracle grid with CUDA graphs
