@@ -86,10 +86,33 @@ def test_kernel_reads_a_window_first_conv_state():
 
 
 @pytest.mark.interpreter
+def test_kernel_reads_state_indices_through_a_column_view():
+    """vLLM passes column 0 of its ``[R, 1 + B]`` int32 state-index table (a strided view):
+    each row reads its own request's block (the H200 hybrid grid once read request 0's blocks
+    for every row but the first)."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d
+
+    device = "cuda" if ON_GPU else "cpu"
+    case = make_case(seed=5)
+    table = torch.tensor([[2, 1, 3], [0, 3, 1], [4, 1, 2]], dtype=torch.int32)
+    case["state_index"] = table[:, 0]
+    assert case["state_index"].stride(0) == 3
+    ref = tree_causal_conv1d_ref(**case)
+    on_device = {k: v.to(device) for k, v in case.items()}
+    on_device["state_index"] = table.to(device)[:, 0]
+    out = tree_causal_conv1d(**on_device, block_c=16)
+    for r in range(out.shape[0]):
+        n = int(case["num_tokens"][r])
+        assert torch.allclose(out[r, :n].cpu(), ref[r, :n], atol=1e-4), r
+
+
+@pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=3)
+    run_under_interpreter(__file__, "kernel_", expected=4)
 
 
 @pytest.mark.gpu

@@ -9,8 +9,9 @@ before the recurrence. In a tree, node ``t``'s window is its own input and the i
 
 Shapes: ``x`` ``[R, T, C]``; ``parents`` long ``[R, T]`` (``-1`` for the root, t = 0);
 ``num_tokens`` long ``[R]``; ``conv_state`` ``[S, C, W - 1]`` (any strides: vLLM's default
-window-first ``[S, W - 1, C]`` cache is passed as ``.transpose(1, 2)``) with ``state_index`` long
-``[R]``; ``weight`` ``[C, W]``; ``bias`` ``[C]`` or None; activation ``"silu"`` or None.
+window-first ``[S, W - 1, C]`` cache is passed as ``.transpose(1, 2)``) with ``state_index`` int
+``[R]`` (any stride: vLLM passes column 0 of its ``[R, 1 + B]`` state-index table); ``weight``
+``[C, W]``; ``bias`` ``[C]`` or None; activation ``"silu"`` or None.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ if HAS_TRITON:
         stride_x_r,
         stride_x_t,
         stride_tree_r,
+        stride_index_r,
         stride_state_s,
         stride_state_c,
         stride_state_w,
@@ -96,7 +98,7 @@ if HAS_TRITON:
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_valid = offs_c < channels
         count = tl.load(num_tokens_ptr + req)
-        state = tl.load(state_index_ptr + req).to(tl.int64)
+        state = tl.load(state_index_ptr + req * stride_index_r).to(tl.int64)
         for t in range(0, MAX_TOKENS):
             if t < count:
                 acc = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -171,6 +173,7 @@ def tree_causal_conv1d(
         x.stride(0),
         x.stride(1),
         parents.stride(0),
+        state_index.stride(0),
         conv_state.stride(0),
         conv_state.stride(1),
         conv_state.stride(2),
