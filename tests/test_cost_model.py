@@ -18,7 +18,7 @@ from vllm_ddtree.cost_model import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "results", "bench_e2e.json")
-BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "v2_runner_df6dc25", "bench_e2e.json")
+BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "v2_runner_f8ddc72", "bench_e2e.json")
 VLLM_FIELDS = ["method", "model", "num_speculative_tokens"]
 DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
 
@@ -44,6 +44,44 @@ def test_the_packaged_profiles_are_the_fits_of_the_committed_benches(runner, ben
     tree_runners = {e.get("runner") for n, e in summary["engines"].items() if "ddtree" in n}
     assert tree_runners == {runner}, "each profile is fitted from DDTree rows of its runner"
     assert fit_profile(summary).to_dict() == load_profile(runner=runner).to_dict()
+
+
+@pytest.mark.parametrize("bench", [BENCH, BENCH_V2])
+def test_the_fit_chooses_what_its_bench_measured_faster_at_each_batch(bench):
+    """At every batch size of the bench, the fitted profile's choice is never slower than the
+    DFlash chain as measured there (mean tok/s over the prompt sets of that batch): a tree only
+    where a measured tree beat the chain, the chain where none did."""
+    with open(bench) as f:
+        summary = json.load(f)
+    fitted = fit_profile(summary)
+    prefix = (
+        "ddtree_b" if any(n.startswith("ddtree_b") for n in summary["engines"]) else ("ddtree_v2_b")
+    )
+
+    def measured(name: str, batch: int) -> float | None:
+        rows = summary["engines"].get(name, {}).get("rows", [])
+        rates = [r["tok_per_s"] for r in rows if r["batch"] == batch and r["temperature"] == 0]
+        return sum(rates) / len(rates) if rates else None
+
+    for batch in sorted({r["batch"] for r in summary["engines"]["dflash"]["rows"]}):
+        chain = measured("dflash", batch)
+        trees = {
+            int(n.removeprefix(prefix)): measured(n, batch)
+            for n in summary["engines"]
+            if n.startswith(prefix) and measured(n, batch) is not None
+        }
+        budget, _ = choose_budget(fitted, batch)
+        if budget is None:
+            assert max(trees.values()) <= chain, (batch, trees, chain)
+        else:
+            assert trees[budget] > chain, (batch, budget, trees, chain)
+
+
+def test_the_v2_profile_serves_trees_at_batch_1_and_the_chain_at_batch_16():
+    """What the V2 bench measured (DDTree faster at batch 1, the chain at batch 16)."""
+    v2 = load_profile(runner="V2")
+    assert choose_budget(v2, 1)[0] is not None
+    assert choose_budget(v2, 16)[0] is None
 
 
 def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
@@ -72,7 +110,7 @@ def test_the_fit_reproduces_the_measured_acceptance_and_a_sane_step_cost():
     # Each measured row's step time within a factor 1.5 of the fitted line.
     for r in rows:
         measured = 1000 * r["batch"] * r["mean_acceptance_length"] / r["tok_per_s"]
-        predicted = fitted.tree.step_ms(r["batch"] * 17)
+        predicted = fitted.tree.step_ms(r["batch"] * 17, r["batch"])
         assert 1 / 1.5 < predicted / measured < 1.5
 
 

@@ -4,10 +4,12 @@ Decode speed with speculation is ``batch x acceptance(budget) / step_ms``: every
 forward (one step) emits ``acceptance`` tokens per request. The model keeps, from one bench
 run on one GPU and one target/drafter pair:
 
-- ``step_ms = base_ms + per_token_ms x verify tokens`` per kind of step (least squares over the
-  run's T = 0 rows; verify tokens = batch x (1 + tree budget) for DDTree, batch x (1 + depth)
-  for the DFlash chain); ``base_ms`` holds the drafter pass and the per-step overheads of the
-  runner that kind ran on;
+- ``step_ms = base_ms + per_request_ms x batch + per_token_ms x verify tokens`` per kind of
+  step (least squares over the run's T = 0 rows; verify tokens = batch x (1 + tree budget) for
+  DDTree, batch x (1 + depth) for the DFlash chain); ``base_ms`` holds the drafter pass and the
+  per-step overheads of the runner that kind ran on, ``per_request_ms`` what each request adds
+  whatever its tree (the tree step's per-request work; for the chain, whose verify tokens are a
+  fixed multiple of the batch, it is folded into ``per_token_ms``);
 - the mean acceptance length of the chain and of DDTree at each measured budget, interpolated
   in log2(budget) between them.
 
@@ -39,13 +41,15 @@ DEFAULT_PROFILE = PACKAGED_PROFILES["V1"]
 
 @dataclass(frozen=True)
 class StepCost:
-    """``step_ms(tokens) = base_ms + per_token_ms * tokens`` for one kind of step."""
+    """``step_ms = base_ms + per_request_ms * batch + per_token_ms * tokens`` for one kind of
+    step (``tokens``: the step's verify tokens over its ``batch`` requests)."""
 
     base_ms: float
     per_token_ms: float
+    per_request_ms: float = 0.0
 
-    def step_ms(self, tokens: int) -> float:
-        return self.base_ms + self.per_token_ms * tokens
+    def step_ms(self, tokens: int, batch: int = 1) -> float:
+        return self.base_ms + self.per_request_ms * batch + self.per_token_ms * tokens
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,11 @@ class CostProfile:
         raise AssertionError("unreachable")
 
     def tree_tokens_per_s(self, budget: int, batch: int) -> float:
-        step = self.tree.step_ms(batch * (1 + budget))
+        step = self.tree.step_ms(batch * (1 + budget), batch)
         return 1000.0 * batch * self.acceptance(budget) / step
 
     def chain_tokens_per_s(self, batch: int) -> float:
-        step = self.chain.step_ms(batch * (1 + self.depth))
+        step = self.chain.step_ms(batch * (1 + self.depth), batch)
         return 1000.0 * batch * self.chain_acceptance / step
 
     def to_dict(self) -> dict:
@@ -142,6 +146,41 @@ def _fit_line(points: list[tuple[float, float]]) -> StepCost:
     return StepCost(base_ms=mean_y - slope * mean_x, per_token_ms=slope)
 
 
+def _fit_plane(points: list[tuple[float, float, float]]) -> StepCost:
+    """Least-squares ``y = a + b x + c n`` over ``(x = verify tokens, n = batch, y = step ms)``
+    with ``b``, ``c`` >= 0: the unconstrained fit when both slopes come out non-negative, else the
+    better (smaller squared error) of the lines in ``x`` alone and in ``n`` alone."""
+    by_tokens = _fit_line([(x, y) for x, _, y in points])
+    by_batch = _fit_line([(n, y) for _, n, y in points])
+    candidates = [
+        by_tokens,
+        StepCost(base_ms=by_batch.base_ms, per_token_ms=0.0, per_request_ms=by_batch.per_token_ms),
+    ]
+    mean_x, mean_n, mean_y = (statistics.fmean(p[i] for p in points) for i in range(3))
+    sxx = sum((x - mean_x) ** 2 for x, _, _ in points)
+    snn = sum((n - mean_n) ** 2 for _, n, _ in points)
+    sxn = sum((x - mean_x) * (n - mean_n) for x, n, _ in points)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, _, y in points)
+    sny = sum((n - mean_n) * (y - mean_y) for _, n, y in points)
+    det = sxx * snn - sxn * sxn
+    if det > 1e-9 * max(sxx * snn, 1e-30):  # tokens and batch separable
+        per_token = (snn * sxy - sxn * sny) / det
+        per_request = (sxx * sny - sxn * sxy) / det
+        if per_token >= 0 and per_request >= 0:
+            candidates.append(
+                StepCost(
+                    base_ms=mean_y - per_token * mean_x - per_request * mean_n,
+                    per_token_ms=per_token,
+                    per_request_ms=per_request,
+                )
+            )
+
+    def squared_error(cost: StepCost) -> float:
+        return sum((cost.step_ms(x, n) - y) ** 2 for x, n, y in points)
+
+    return min(candidates, key=squared_error)
+
+
 def tree_engine_prefix(engine_names) -> str:
     """The name prefix of a bench's DDTree engines of one runner: ``ddtree_b`` (V1, followed
     by the budget) when the run has any, else ``ddtree_v2_b`` (V2)."""
@@ -172,8 +211,8 @@ def fit_profile(bench: dict, chain_engine: str = "dflash") -> CostProfile:
     if not tree_rows:
         raise ValueError("the bench has no T = 0 rows of a DDTree engine")
     chain = _fit_line([(r["batch"] * (1 + depth), step_ms(r)) for r in chain_rows])
-    tree = _fit_line(
-        [(r["batch"] * (1 + b), step_ms(r)) for b, rs in tree_rows.items() for r in rs]
+    tree = _fit_plane(
+        [(r["batch"] * (1 + b), r["batch"], step_ms(r)) for b, rs in tree_rows.items() for r in rs]
     )
     acceptance = {
         b: statistics.fmean(r["mean_acceptance_length"] for r in rs) for b, rs in tree_rows.items()
