@@ -169,6 +169,12 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, help="top_p of the sampling check (default: off)")
     parser.add_argument("--tag", default="", help="suffix of the result file's name")
     parser.add_argument(
+        "--launch-blocking",
+        action="store_true",
+        help="CUDA_LAUNCH_BLOCKING=1 in every engine: a device-side error's traceback names the "
+        "operation that raised it (slow; for debugging, not for timings)",
+    )
+    parser.add_argument(
         "--hybrid-dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -261,8 +267,13 @@ def main() -> int:
 
     if args.runner == "v2":
         os.environ["VLLM_DDTREE_RUNNER"] = "v2"  # the engines' processes inherit it
+    if args.launch_blocking:
+        os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # the engines' processes inherit it
     reference_kwargs = {"attention_backend": "TREE_ATTN", "enforce_eager": False, **engine_extra}
-    jobs = {"reference": {**base, "kwargs": reference_kwargs}}
+    # The target alone at both batch shapes: each DDTree batch size is compared with the target
+    # alone at that batch size (a float32 near-tie can part the target alone's own batch-16 and
+    # batch-1 outputs; that difference is recorded, not blamed on the trees).
+    jobs = {"reference": {**base, "kwargs": reference_kwargs, "one_at_a_time": True}}
     if not args.no_sampling:
         jobs["sampling_target"] = {**base, "kwargs": reference_kwargs, "sampling": sampling}
     reference = run_jobs(jobs, args.work, 2, 400)
@@ -270,6 +281,14 @@ def main() -> int:
         print(reference["reference"]["error"])
         return 1
     reference_tokens = reference["reference"]["batched"]
+    reference_by_batch = {16: reference_tokens, 1: reference["reference"]["single"]}
+    target_alone_batch_shapes = []
+    for p, (alone, batched) in enumerate(zip(reference_by_batch[1], reference_tokens, strict=True)):
+        where = first_divergence(alone, batched)
+        if where is not None:
+            gap = logit_gap(target, prompts[p], batched[:where])
+            target_alone_batch_shapes.append({"prompt": p, "token": where, "logit_gap": gap})
+    print(json.dumps({"target_alone_batch_1_vs_16": target_alone_batch_shapes}))
     oracle_path = os.path.join(tempfile.mkdtemp(), "oracle.json")
     sequences = [p + t for p, t in zip(prompts, reference_tokens, strict=True)]
     with open(oracle_path, "w") as f:
@@ -316,7 +335,8 @@ def main() -> int:
         mean_length = 1 + accepted / drafts if drafts else 0.0
         for batch, key in ((16, "batched"), (1, "single")):
             divergences = []
-            for p, (got, want) in enumerate(zip(result[key], reference_tokens, strict=True)):
+            want_all = reference_by_batch[batch]
+            for p, (got, want) in enumerate(zip(result[key], want_all, strict=True)):
                 where = first_divergence(got, want)
                 if where is not None:
                     gap = logit_gap(target, prompts[p], want[:where])
@@ -395,7 +415,9 @@ def main() -> int:
         "target": {**spec.__dict__, "hybrid": "Qwen3NextForCausalLM" if args.hybrid else None},
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",
         "ddtree_runner": args.runner.upper(),
-        "reference": "target alone, TREE_ATTN, CUDA graphs, 16 requests at once",
+        "reference": "target alone, TREE_ATTN, CUDA graphs, at the row's batch size (16 "
+        "requests at once, or each prompt alone)",
+        "target_alone_batch_1_vs_16": target_alone_batch_shapes,
         "runs": sorted(rows, key=lambda r: (r["budget"], r["mode"], r["batch"])),
         "sampling": {
             "test": "chi-square homogeneity of generated-token histograms, target alone vs "
