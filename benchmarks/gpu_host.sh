@@ -117,13 +117,13 @@ case "$STEP" in
   tp-pair)
     # Two GPUs: the lossless grid at tensor parallel 2, beside the real pair against the target
     # alone (lossless_pair.py, PAIR_DTYPES="bfloat16 float32"; needs prepare's checkpoint,
-    # DRAFTER and the prompts).
+    # DRAFTER and the prompts). LOSSLESS_ARGS adds grid options (e.g. --runner v2).
     need_checkpoint
     # TP_PARALLEL / 2 engines at once (the budget-8 engine of a run with 3 at once died in vLLM's
     # custom all-reduce while capturing graphs; 2 = one engine at a time).
     timeout 420 python3 benchmarks/lossless_gpu.py --tp 2 --parallel "${TP_PARALLEL:-6}" \
       --budgets "${TP_BUDGETS:-8,64}" \
-      --modes graphs --out "$OUT" > "$OUT/lossless_gpu_tp2.log" 2>&1 &
+      --modes graphs ${LOSSLESS_ARGS:-} --out "$OUT" > "$OUT/lossless_gpu_tp2.log" 2>&1 &
     TP=$!
     for dtype in ${PAIR_DTYPES:-bfloat16}; do
       timeout 420 python3 benchmarks/lossless_pair.py --target /tmp/train/SmolLM2-135M-Instruct \
