@@ -144,10 +144,10 @@ def test_two_tree_steps_continue_exactly_where_decoding_the_accepted_tokens_woul
 
 @pytest.mark.interpreter
 def test_kernel_path_two_tree_steps_continue_exactly(monkeypatch):
-    """The same two steps through the Triton kernels (the GPU route, here under Triton's
-    interpreter) with vLLM's arguments: the conv call's state indices are column 0 of the
-    ``[R, 1 + B]`` table, a strided view (a kernel that read them as contiguous gave every
-    request after the first request 0's conv window on the H200)."""
+    """The same two steps, and a graph-padded step, through the Triton kernels (the GPU route,
+    here under Triton's interpreter) with vLLM's arguments: the conv call's state indices are
+    column 0 of the ``[R, 1 + B]`` table, a strided view (a kernel that read them as contiguous
+    gave every request after the first request 0's conv window on the H200)."""
     if not INTERPRETED:
         pytest.skip("runs in the interpreter subprocess")
     pytest.importorskip("vllm")
@@ -158,6 +158,7 @@ def test_kernel_path_two_tree_steps_continue_exactly(monkeypatch):
     module = importlib.import_module(hybrid_gdn.GDN_MODULE)
     monkeypatch.setattr(module, "fused_gdn_gating", gdn_gates_ref)
     check_two_tree_steps(atol=1e-4)
+    check_graph_padding(2)
 
 
 @pytest.mark.interpreter
@@ -227,6 +228,12 @@ def test_a_graph_padded_batch_gives_the_unpadded_outputs_and_states(graph_pad):
     """In a full CUDA graph vLLM pads the recurrence's state-index table past the real rows
     while ``cu_seqlens`` covers the real rows only (the padded rows once made an out-of-range
     gather on the H200): the outputs and every cache block equal the unpadded call's."""
+    check_graph_padding(graph_pad)
+
+
+def check_graph_padding(graph_pad: int) -> None:
+    """One tree step unpadded and padded by ``graph_pad`` requests as vLLM's full CUDA graph
+    pads it: identical outputs and cache blocks."""
     num_reqs, budget, depth = 2, 5, 3
     tokens = budget + 1
     results = []
