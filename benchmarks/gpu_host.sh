@@ -201,8 +201,10 @@ case "$STEP" in
       --batches "${BATCHES:-1,16}" --budgets "${BUDGETS:-16,64}" > "$OUT/bench_step_ops.log" 2>&1
     echo "step-ops rc=$?"; cat "$OUT/bench_step_ops.log" ;;
   bench-e2e)
+    # BENCH_WORK names another work folder, for a second bench at once on the other GPU.
     need_checkpoint
-    timeout "${BENCH_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py \
+    WORK=${BENCH_WORK:-/tmp/vllm-ddtree-bench}
+    timeout "${BENCH_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py --work "$WORK" \
       --target /tmp/train/SmolLM2-135M-Instruct --drafter "${DRAFTER:-/tmp/drafter}" \
       --prompts /tmp/prompts.json --out "$OUT" --deadline "${DEADLINE:-540}" \
       --compile "${COMPILE:-default}" --skip "${SKIP:-}" --budgets "${BUDGETS:-64,16,256}" \
@@ -210,7 +212,7 @@ case "$STEP" in
       --max-tokens "${MAX_TOKENS:-256}" --engine-timeout "${ENGINE_TIMEOUT:-110}" \
       --ddtree-runner "${DDTREE_RUNNER:-v1}" \
       > "$OUT/bench_e2e.log" 2>&1
-    echo "bench rc=$?"; (cd /tmp/vllm-ddtree-bench && tar czf "$OUT/bench_logs.tgz" ./*.log)
+    echo "bench rc=$?"; (cd "$WORK" && tar czf "$OUT/bench_logs.tgz" ./*.log)
     cat "$OUT/bench_e2e.md" ;;
   kernels)
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py \
