@@ -317,3 +317,17 @@ def test_every_hybrid_architecture_accepted_uses_the_gdn_layer_the_tree_path_rou
         assert f"class {class_name}(" in source, architecture
         assert f"from {GDN_MODULE} import" in source, architecture
         assert "QwenGatedDeltaNetAttention(" in source, architecture
+
+
+def test_the_gdn_layers_speculative_rows_must_be_the_tree_rows():
+    """vLLM's GDN metadata and the hooks each decide which requests verify drafts; a request
+    in one set only is refused loudly (its tree would run through the GDN layers as a chain)."""
+    import numpy as np
+
+    from vllm_ddtree.runner_hooks import check_gdn_rows_are_tree_rows
+
+    check_gdn_rows_are_tree_rows(np.array([8, -1, 5]), np.array([8, 0, 5]))
+    with pytest.raises(RuntimeError, match=r"disagree .*batch rows \[1\]"):
+        check_gdn_rows_are_tree_rows(np.array([8, -1, 5]), np.array([8, 8, 5]))
+    with pytest.raises(RuntimeError, match=r"batch rows \[0, 2\]"):
+        check_gdn_rows_are_tree_rows(np.array([-1, -1, 0]), np.array([8, 0, 0]))

@@ -247,7 +247,29 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     )
     gdn = hybrid_gdn.active_step()
     if gdn is not None:  # hybrid target: the GDN layers read the same trees
+        decode_drafts = getattr(runner, "num_decode_draft_tokens", None)
+        if decode_drafts is not None:
+            check_gdn_rows_are_tree_rows(decode_drafts.np[:num_reqs], num_draft)
         gdn.publish(trees.parents, trees.num_nodes, num_draft_d)
+
+
+def check_gdn_rows_are_tree_rows(num_decode_draft_tokens: np.ndarray, num_draft: np.ndarray):
+    """Raise unless vLLM's GatedDeltaNet metadata takes as speculative exactly the requests
+    that carry a tree this step. vLLM marks a request speculative when
+    ``num_decode_draft_tokens`` >= 0 (scheduled as ``1 + drafts`` tokens; -1 otherwise), the
+    hooks when ``num_draft`` > 0 (int arrays ``[R]``, host side, no device work). A request in
+    one set only would have its tree run through the GDN layers as a chain, or another
+    request's tree applied to it: a silent loss of exactness, so a loud error instead."""
+    speculative = np.asarray(num_decode_draft_tokens) >= 0
+    with_tree = np.asarray(num_draft) > 0
+    if not np.array_equal(speculative, with_tree):
+        rows = np.flatnonzero(speculative != with_tree).tolist()
+        raise RuntimeError(
+            "vllm-ddtree: vLLM's GatedDeltaNet metadata and the draft trees disagree on which "
+            f"requests are speculative this step (batch rows {rows}: num_decode_draft_tokens "
+            f"{np.asarray(num_decode_draft_tokens)[rows].tolist()}, tree nodes "
+            f"{np.asarray(num_draft)[rows].tolist()})"
+        )
 
 
 def set_tree_step_inputs(
