@@ -14,6 +14,7 @@ from vllm_ddtree.cost_model import (
     choose_budget,
     fit_profile,
     load_profile,
+    tree_engine_prefix,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,9 +55,7 @@ def test_the_fit_chooses_what_its_bench_measured_faster_at_each_batch(bench):
     with open(bench) as f:
         summary = json.load(f)
     fitted = fit_profile(summary)
-    prefix = (
-        "ddtree_b" if any(n.startswith("ddtree_b") for n in summary["engines"]) else ("ddtree_v2_b")
-    )
+    prefix = tree_engine_prefix(summary["engines"])
 
     def measured(name: str, batch: int) -> float | None:
         rows = summary["engines"].get(name, {}).get("rows", [])
