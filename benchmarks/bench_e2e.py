@@ -295,6 +295,70 @@ def update_readme(readme: str, summary: dict, rows_link: str) -> None:
         f.write(f"{head}{README_BEGIN}\n{headline_table(summary, rows_link)}\n{README_END}{tail}")
 
 
+def auto_choice_rows(summary: dict) -> list[dict]:
+    """What ``"tree_budget": "auto"`` serves at each batch size the chain was measured at:
+    ``choose_budget`` on the packaged cost profile of the DDTree engines' runner (V2 when the run
+    has V2 tree engines) at ``max_num_seqs`` = the batch, and that engine's measured tok/s
+    beside the chain's (one dict per chain row; ``auto_tok_per_s`` None when the chosen budget
+    was not measured in this run)."""
+    from vllm_ddtree.cost_model import choose_budget, load_profile
+
+    engines = summary["engines"]
+    on_v2 = any(name.startswith("ddtree_v2_b") for name in engines)
+    prefix = "ddtree_v2_b" if on_v2 else "ddtree_b"
+    profile = load_profile(runner="V2" if on_v2 else "V1")
+    rows = []
+    for chain in engines.get("dflash", {}).get("rows", []):
+        key = (chain["dataset"], chain["batch"], chain["temperature"])
+        budget, _ = choose_budget(profile, chain["batch"])
+        name = "dflash" if budget is None else f"{prefix}{budget}"
+        chosen = next(
+            (
+                r
+                for r in engines.get(name, {}).get("rows", [])
+                if (r["dataset"], r["batch"], r["temperature"]) == key
+            ),
+            None,
+        )
+        auto = chosen["tok_per_s"] if chosen else None
+        rows.append(
+            {
+                "dataset": key[0],
+                "batch": key[1],
+                "temperature": key[2],
+                "auto_serves": name,
+                "auto_tok_per_s": auto,
+                "chain_tok_per_s": chain["tok_per_s"],
+                "auto_over_chain": auto / chain["tok_per_s"] if auto else None,
+            }
+        )
+    return rows
+
+
+def auto_choice_table(summary: dict) -> list[str]:
+    """Markdown lines of ``auto_choice_rows``."""
+    lines = [
+        "",
+        '## "tree_budget": "auto" (the default)',
+        "",
+        "The engine the packaged cost profile chooses at `max_num_seqs` = batch (`dflash`: the "
+        "DFlash chain itself), its tok/s in this run, and the chain's.",
+        "",
+        "| dataset | batch | T | auto serves | tok/s | chain tok/s | auto / chain |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in auto_choice_rows(summary):
+        measured = r["auto_tok_per_s"] is not None
+        lines.append(
+            f"| {r['dataset']} | {r['batch']} | {r['temperature']:g} | {r['auto_serves']} | "
+            + (f"{r['auto_tok_per_s']:.0f}" if measured else "not measured")
+            + f" | {r['chain_tok_per_s']:.0f} | "
+            + (f"{r['auto_over_chain']:.2f}" if measured else "")
+            + " |"
+        )
+    return lines
+
+
 def write_report(summary: dict, out: str) -> None:
     """Markdown tables and PNG plots from the JSON summary."""
     engines = summary["engines"]
@@ -334,6 +398,7 @@ def write_report(summary: dict, out: str) -> None:
             )
         if result.get("error"):
             lines.append(f"| {name} | error: {result['error'][:200]!r} | | | | | | |")
+    lines += auto_choice_table(summary)
     lines += ["", "## T = 0 outputs vs AR", ""]
     for name, verdict in summary["identical_to_ar"].items():
         lines.append(f"- {name}: {verdict}")
@@ -430,9 +495,9 @@ def main() -> int:
     parser.add_argument(
         "--ddtree-runner",
         choices=("v1", "v2", "both"),
-        default="v1",
-        help="vLLM runner of the DDTree engines (v2: experimental; both: ddtree_bN on V1 and "
-        "ddtree_v2_bN on V2)",
+        default="v2",
+        help="vLLM runner of the DDTree engines (v2: ddtree_v2_bN, the plugin's choice for a "
+        "dense single-GPU target; v1: ddtree_bN; both)",
     )
     parser.add_argument("--readme", help="rewrite this file's headline block from --readme-from")
     parser.add_argument("--readme-from", default="benchmarks/results/bench_e2e.json")
@@ -519,9 +584,10 @@ def main() -> int:
         }
         for b in budgets
     ]
-    # DDTree runs on vLLM's V1 model runner (or, experimental, V2); the chain also on V1, for a
-    # same-runner ratio.
+    # DDTree on vLLM's V2 model runner (the plugin's choice here) and/or V1; the chain also on
+    # V1, for a same-runner ratio.
     v2_env = {"VLLM_DDTREE_RUNNER": "v2"}
+    ddtree = [{**job, "env": {"VLLM_DDTREE_RUNNER": "v1"}} for job in ddtree]
     if args.ddtree_runner == "v2":
         ddtree = [
             {**job, "name": job["name"].replace("ddtree_", "ddtree_v2_"), "env": v2_env}
@@ -660,6 +726,7 @@ def summarize(engines, args, budgets, batches, started, note: str = "") -> list[
         "identical_to_ar": identical,
         "wall_seconds": time.time() - started,
     }
+    summary["auto"] = auto_choice_rows(summary)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
         json.dump(summary, f, indent=1)

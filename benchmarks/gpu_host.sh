@@ -17,7 +17,7 @@
 #       pair     - lossless_pair.py on one GPU (PAIR_DTYPES, default float32)
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
 #       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
-#       v2       - lossless_gpu.py --runner v2: the experimental V2-runner path
+#       v2       - lossless_gpu.py --runner v2: the V2-runner path (dense, one GPU)
 #       hybrid-steps - GDN tree verify cost on large-model layer shapes (profile_step.py)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 #       step-ops - benchmarks/bench_step_ops.py: host and device cost of each tree-step
@@ -157,9 +157,9 @@ case "$STEP" in
     echo "hybrid rc=$?"; (cd "$WORK" && tar czf "$OUT/hybrid_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_hybrid.log" | cut -c1-300 ;;
   v2)
-    # The experimental V2-runner path (VLLM_DDTREE_RUNNER=v2): the oracle grid with CUDA graphs
-    # (lossless_gpu.py --runner v2; its own work folder); bench-e2e DDTREE_RUNNER=v2|both
-    # measures its speed on the real pair.
+    # The V2-runner path (the plugin's choice for dense single-GPU targets): the oracle grid
+    # with CUDA graphs (lossless_gpu.py --runner v2; its own work folder); bench-e2e measures
+    # its speed on the real pair.
     timeout "${V2_TIMEOUT:-420}" python3 benchmarks/lossless_gpu.py --runner v2 --modes graphs \
       --budgets "${V2_BUDGETS:-8,64}" --parallel "${PARALLEL:-6}" --work /tmp/vllm-ddtree-v2 \
       ${LOSSLESS_ARGS:-} --out "$OUT" > "$OUT/lossless_gpu_v2.log" 2>&1
@@ -210,7 +210,7 @@ case "$STEP" in
       --compile "${COMPILE:-default}" --skip "${SKIP:-}" --budgets "${BUDGETS:-64,16,256}" \
       --batches "${BATCHES:-1,16,64}" --temperatures "${TEMPS:-0,1}" \
       --max-tokens "${MAX_TOKENS:-256}" --engine-timeout "${ENGINE_TIMEOUT:-110}" \
-      --ddtree-runner "${DDTREE_RUNNER:-v1}" \
+      --ddtree-runner "${DDTREE_RUNNER:-v2}" \
       > "$OUT/bench_e2e.log" 2>&1
     echo "bench rc=$?"; (cd "$WORK" && tar czf "$OUT/bench_logs.tgz" ./*.log)
     cat "$OUT/bench_e2e.md" ;;

@@ -184,9 +184,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--runner",
-        choices=("v1", "v2"),
-        default="v1",
-        help="vLLM model runner of the DDTree engines (v2: experimental, VLLM_DDTREE_RUNNER=v2)",
+        choices=("auto", "v1", "v2"),
+        default="auto",
+        help="vLLM model runner of the DDTree engines (VLLM_DDTREE_RUNNER; auto: the plugin's "
+        "choice, V2 for dense single-GPU targets, else V1)",
     )
     parser.add_argument(
         "--no-async-scheduling",
@@ -265,8 +266,18 @@ def main() -> int:
         os.environ["VLLM_DDTREE_HYBRID"] = "1"
         engine_extra.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
 
-    if args.runner == "v2":
-        os.environ["VLLM_DDTREE_RUNNER"] = "v2"  # the engines' processes inherit it
+    if args.runner != "auto":
+        os.environ["VLLM_DDTREE_RUNNER"] = args.runner  # the engines' processes inherit it
+    else:
+        os.environ.pop("VLLM_DDTREE_RUNNER", None)
+    # The runner the DDTree engines must report (config.choose_runner's rule when "auto").
+    expected_runner = (
+        args.runner.upper()
+        if args.runner != "auto"
+        else "V1"
+        if args.hybrid or args.tp > 1
+        else "V2"
+    )
     if args.launch_blocking:
         os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # the engines' processes inherit it
     reference_kwargs = {"attention_backend": "TREE_ATTN", "enforce_eager": False, **engine_extra}
@@ -364,7 +375,7 @@ def main() -> int:
                     # Guard against measuring something else: the DDTree path runs on the
                     # runner asked for and the oracle drafter is accepted deeply (budget 1 is a
                     # chain of one).
-                    "ddtree_path_ran": result["runner"] == args.runner.upper()
+                    "ddtree_path_ran": result["runner"] == expected_runner
                     and (budget == 1 or mean_length > 1.5),
                 }
             )
@@ -414,7 +425,7 @@ def main() -> int:
         "dtype": base.get("dtype", "float32"),
         "target": {**spec.__dict__, "hybrid": "Qwen3NextForCausalLM" if args.hybrid else None},
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",
-        "ddtree_runner": args.runner.upper(),
+        "ddtree_runner": expected_runner,
         "reference": "target alone, TREE_ATTN, CUDA graphs, at the row's batch size (16 "
         "requests at once, or each prompt alone)",
         "target_alone_batch_1_vs_16": target_alone_batch_shapes,

@@ -125,12 +125,12 @@ def engine_kwargs(method: str, drafter: str) -> tuple[dict, dict]:
         spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
         return {"speculative_config": spec}, env
     if method.startswith("ddtree_b"):
-        # ddtree_bN_v2: the experimental V2-runner path (VLLM_DDTREE_RUNNER=v2).
+        # ddtree_bN: the V1 runner; ddtree_bN_v2: the V2 runner (VLLM_DDTREE_RUNNER).
         v2 = method.endswith("_v2")
         budget = int(method.removeprefix("ddtree_b").removesuffix("_v2"))
         return {
             "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": budget}
-        }, ({"VLLM_DDTREE_RUNNER": "v2"} if v2 else {})
+        }, {"VLLM_DDTREE_RUNNER": "v2" if v2 else "v1"}
     raise SystemExit(
         f"unknown method {method!r}: ar, dflash, ddtree_bN (+ _v1 for ar, dflash; + _v2 for ddtree)"
     )

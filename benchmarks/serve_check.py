@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,11 +159,15 @@ def main() -> int:
             stop(proc)
     differences = [k for k in results["target"] if results["target"][k] != results["ddtree"][k]]
     spec_lines = [line for line in metrics_text.splitlines() if line.startswith("vllm:spec_decode")]
+    # The model runner the DDTree server chose (its start-up log line).
+    with open(os.path.join(args.out, "serve_ddtree.log"), errors="replace") as f:
+        runner = re.search(r"method 'ddtree' .* on the (V\d) model runner", f.read())
     summary = {
         "commit": git_commit(),
         "identical": not differences,
         "differences": differences,
         "answers_checked": len(results["target"]),
+        "ddtree_runner": runner.group(1) if runner else None,
         "metrics": spec_lines[:20],
         "example": {k: results["ddtree"][k] for k in ("completion_0", "chat_stream_0")},
     }

@@ -1,5 +1,7 @@
 """DDTree speculative-config validation (pure Python, no engine)."""
 
+import os
+
 import pytest
 
 from vllm_ddtree.config import (
@@ -12,8 +14,10 @@ VLLM_FIELDS = ["method", "model", "num_speculative_tokens", "attention_backend",
 DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
 
 
-def split(raw, drafter=DFLASH):
-    return split_speculative_config(raw, VLLM_FIELDS, drafter_config=drafter)
+def split(raw, drafter=DFLASH, max_num_seqs=None):
+    return split_speculative_config(
+        raw, VLLM_FIELDS, drafter_config=drafter, max_num_seqs=max_num_seqs
+    )
 
 
 def test_ddtree_becomes_dflash_with_tree_settings_beside_it():
@@ -26,11 +30,26 @@ def test_ddtree_becomes_dflash_with_tree_settings_beside_it():
     assert ddtree.drafter_block_size == 16
 
 
-def test_defaults_budget_top_k_and_depth_from_the_drafter():
+def test_defaults_top_k_and_depth_from_the_drafter():
+    vllm_part, ddtree = split({"method": "ddtree", "model": "d", "tree_budget": 64})
+    assert ddtree.tree_top_k == 16
+    assert ddtree.depth == 15 and vllm_part["num_speculative_tokens"] == 64
+
+
+def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
+    """No tree_budget means "auto": on the V1 runner's packaged profile the chain is measured
+    faster at every batch size, so the DFlash chain request comes back; on V2's, a tree at one
+    request and the chain at vLLM's default request limit."""
+    assert DEFAULT_TREE_BUDGET == "auto"
+    monkeypatch.setenv("VLLM_DDTREE_CHOSEN_RUNNER", "v1")
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"})
-    assert ddtree.tree_budget == DEFAULT_TREE_BUDGET
-    assert ddtree.tree_top_k == min(DEFAULT_TREE_BUDGET, 16)
-    assert ddtree.depth == 15 and vllm_part["num_speculative_tokens"] == DEFAULT_TREE_BUDGET
+    assert ddtree is None
+    assert vllm_part == {"method": "dflash", "model": "d", "num_speculative_tokens": 15}
+    monkeypatch.setenv("VLLM_DDTREE_CHOSEN_RUNNER", "v2")
+    _, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=1)
+    assert ddtree is not None and ddtree.tree_budget in (16, 32)
+    _, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=256)
+    assert ddtree is None
 
 
 def test_small_budget_caps_top_k_at_the_budget():
@@ -39,7 +58,9 @@ def test_small_budget_caps_top_k_at_the_budget():
 
 
 def test_a_smaller_depth_than_the_block_is_legal():
-    _, ddtree = split({"method": "ddtree", "model": "d", "num_speculative_tokens": 7})
+    _, ddtree = split(
+        {"method": "ddtree", "model": "d", "num_speculative_tokens": 7, "tree_budget": 8}
+    )
     assert ddtree.depth == 7
 
 
@@ -104,12 +125,38 @@ def test_unknown_block_size_needs_an_explicit_depth():
     no_block = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1]}}
     with pytest.raises(DDTreeConfigError, match="num_speculative_tokens.*required"):
         split({"method": "ddtree", "model": "d"}, drafter=no_block)
-    _, ddtree = split({"method": "ddtree", "model": "d", "num_speculative_tokens": 9}, no_block)
+    spec = {"method": "ddtree", "model": "d", "num_speculative_tokens": 9, "tree_budget": 8}
+    _, ddtree = split(spec, no_block)
     assert ddtree.depth == 9
 
 
 def test_drafter_config_is_read_from_a_local_checkpoint(tiny_drafter_path):
     _, ddtree = split_speculative_config(
-        {"method": "ddtree", "model": tiny_drafter_path}, VLLM_FIELDS
+        {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}, VLLM_FIELDS
     )
     assert ddtree.drafter_block_size == 16 and ddtree.depth == 15
+
+
+def test_the_runner_is_v2_for_dense_single_gpu_targets_unless_the_user_says(monkeypatch):
+    from vllm_ddtree.config import CHOSEN_RUNNER_ENV, choose_runner, uses_v2_runner
+
+    monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
+    dense = dict(on_gpu=True, has_recurrent_layers=False, tensor_parallel_size=1)
+    assert choose_runner(**dense) == "v2" and uses_v2_runner()
+    assert os.environ[CHOSEN_RUNNER_ENV] == "v2"  # what the engine's processes inherit
+    assert choose_runner(**{**dense, "has_recurrent_layers": True}) == "v1"
+    assert not uses_v2_runner()
+    assert choose_runner(**{**dense, "tensor_parallel_size": 2}) == "v1"
+    assert choose_runner(**{**dense, "pipeline_parallel_size": 2}) == "v1"
+    assert choose_runner(**{**dense, "on_gpu": False}) == "v1"
+    assert choose_runner(**dense, vllm_runner_env="0") == "v1"
+    assert choose_runner(**{**dense, "tensor_parallel_size": 2}, vllm_runner_env="1") == "v2"
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "V1")
+    assert choose_runner(**dense) == "v1"
+    with pytest.raises(DDTreeConfigError, match="VLLM_DDTREE_RUNNER=v1 and VLLM_USE_V2"):
+        choose_runner(**dense, vllm_runner_env="1")
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    assert choose_runner(**{**dense, "tensor_parallel_size": 2}) == "v2"
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "fast")
+    with pytest.raises(DDTreeConfigError, match="'fast': allowed values are v1, v2"):
+        choose_runner(**dense)

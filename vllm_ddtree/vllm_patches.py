@@ -57,14 +57,14 @@ import sys
 
 from vllm_ddtree.config import (
     DDTREE_METHOD,
-    RUNNER_ENV,
     DDTreeConfig,
     DDTreeConfigError,
     check_drafter_is_dflash,
     check_sampling_params,
     check_target_is_supported,
+    choose_runner,
     split_speculative_config,
-    v2_requested,
+    uses_v2_runner,
 )
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 
@@ -134,12 +134,6 @@ def _choose_attention_backends(engine_args, speculative: dict) -> None:
             "--attention-backend TREE_ATTN or leave it unset (speculative_config"
             "['attention_backend'] chooses the drafter's backend)."
         )
-    runner_choice = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if runner_choice not in (None, "", "0", "false", "False") and not v2_requested():
-        raise DDTreeConfigError(
-            "method 'ddtree' runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
-            f"(it is {runner_choice!r}), or set {RUNNER_ENV}=v2 for the experimental V2 path"
-        )
     if speculative.get("attention_backend") is None:
         # TRITON_ATTN: non-causal, every dtype (FLASH_ATTN refuses float32).
         speculative["attention_backend"] = (
@@ -167,23 +161,22 @@ def _wrap_create_speculative_config(original):
                 merged["model"] = self.spec_model
             if getattr(self, "spec_tokens", None) is not None:
                 merged.setdefault("num_speculative_tokens", self.spec_tokens)
-            vllm_dict, parsed = split_speculative_config(
-                merged,
-                _speculative_config_fields(),
-                max_num_seqs=getattr(self, "max_num_seqs", None),
-            )
-            if parsed is not None:
+            if merged.get("method") == DDTREE_METHOD:
+                # The target first: refused whatever budget "auto" would choose.
                 check_target_is_supported(
                     getattr(target_model_config.hf_config, "architectures", None),
-                    bool(
-                        target_model_config.is_hybrid
-                        or target_model_config.has_inner_state
-                        or target_model_config.is_attention_free
-                    ),
+                    _has_recurrent_layers(target_model_config),
                     getattr(self, "mamba_ssm_cache_dtype", None),
                     bool(getattr(self, "enable_prefix_caching", False))
                     or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
                 )
+                _choose_runner(target_model_config, target_parallel_config)
+            vllm_dict, parsed = split_speculative_config(
+                merged,
+                _speculative_config_fields(),
+                max_num_seqs=_max_num_seqs(self),
+            )
+            if parsed is not None:
                 ddtree = parsed
                 _choose_attention_backends(self, vllm_dict)
                 self._ddtree_config = ddtree
@@ -211,7 +204,7 @@ def _wrap_create_speculative_config(original):
                 ddtree.tree_budget,
                 ddtree.tree_top_k,
                 ddtree.depth,
-                "V2 (experimental)" if v2_requested() else "V1",
+                "V2" if uses_v2_runner() else "V1",
             )
         return spec
 
@@ -337,8 +330,9 @@ def _patch_model_runner_choice() -> None:
 
     def wrap(original):
         def use_v2_model_runner(self) -> bool:
-            if get_ddtree_config(self.speculative_config) is not None and not v2_requested():
-                return False  # DDTree's tested path: the V1 runner hooks
+            if get_ddtree_config(self.speculative_config) is not None:
+                # choose_runner's choice, made with the config; V2 where vLLM can run it
+                return uses_v2_runner() and original(self)
             return original(self)
 
         return use_v2_model_runner
@@ -467,10 +461,51 @@ def _patch_model_runner_when_imported() -> None:
 
     if float32_gdn_prefill.requested():  # test-only, see float32_gdn_prefill.py
         _patch_when_imported(hybrid_gdn.GDN_MODULE, float32_gdn_prefill.install)
-    if v2_requested():
-        from vllm_ddtree import runner_v2
+    if uses_v2_runner():
+        _install_v2_hooks()
 
-        _patch_when_imported(runner_v2.RUNNER_MODULE, runner_v2.install)
+
+def _max_num_seqs(engine_args) -> int | None:
+    """The engine's request limit: the user's ``max_num_seqs``, else the largest of vLLM's
+    defaults on this platform (vLLM sets its default after the speculative config is made;
+    ``"tree_budget": "auto"`` must choose for as many concurrent requests as it may get)."""
+    if getattr(engine_args, "max_num_seqs", None) is not None:
+        return engine_args.max_num_seqs
+    try:
+        world_size = engine_args.pipeline_parallel_size * engine_args.tensor_parallel_size
+        _, defaults = engine_args.get_batch_defaults(world_size)
+        return max(defaults.values())
+    except Exception:  # noqa: BLE001 - another vLLM: choose for batch 1 as before
+        return None
+
+
+def _install_v2_hooks() -> None:
+    from vllm_ddtree import runner_v2
+
+    _patch_when_imported(runner_v2.RUNNER_MODULE, runner_v2.install)
+
+
+def _choose_runner(target_model_config, target_parallel_config) -> None:
+    """Choose the DDTree engine's model runner (``config.choose_runner``) before its config
+    is made (the cost profile of ``"tree_budget": "auto"`` is the runner's), and give this
+    process the V2 hooks when it is V2 (the engine's own processes install them at start)."""
+    from vllm.platforms import current_platform
+
+    runner = choose_runner(
+        on_gpu=current_platform.is_cuda(),
+        has_recurrent_layers=_has_recurrent_layers(target_model_config),
+        tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
+        pipeline_parallel_size=getattr(target_parallel_config, "pipeline_parallel_size", 1),
+        vllm_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+    )
+    if runner == "v2":
+        _install_v2_hooks()
+
+
+def _has_recurrent_layers(model_config) -> bool:
+    return bool(
+        model_config.is_hybrid or model_config.has_inner_state or model_config.is_attention_free
+    )
 
 
 def apply() -> None:
