@@ -256,9 +256,16 @@ def headline_table(summary: dict, rows_link: str = "benchmarks/results/bench_e2e
         f"Batch 1, T = 0, {summary['gpu']}, commit {summary['commit']} "
         f"([all rows]({rows_link})): output tok/s (acceptance length).",
         "",
-        "| prompts | AR | DFlash chain | DDTree (best budget) | DDTree / chain |",
-        "| --- | --- | --- | --- | --- |",
+        "| prompts | AR | DFlash chain | DDTree (best budget) | DDTree / chain "
+        '| DDTree "auto" (the default) / chain |',
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    # What "auto" served in that run (recorded with it), else what it would serve now.
+    auto = {
+        r["dataset"]: r
+        for r in summary.get("auto") or auto_choice_rows(summary)
+        if (r["batch"], r["temperature"]) == (1, 0)
+    }
     for dataset in DATASETS:
         ar, chain = row_of("ar", dataset), row_of("dflash", dataset)
         trees = [(name, row_of(name, dataset)) for name in engines if name.startswith("ddtree_")]
@@ -273,11 +280,17 @@ def headline_table(summary: dict, rows_link: str = "benchmarks/results/bench_e2e
                 f"{r['tok_per_s'] / base['tok_per_s']:.2f}x AR"
             )
 
+        chosen = auto.get(dataset)
+        auto_cell = (
+            f"{chosen['auto_over_chain']:.2f} ({chosen['auto_serves']})"
+            if chosen and chosen["auto_over_chain"] is not None
+            else "not measured"
+        )
         lines.append(
             f"| {dataset} | {ar['tok_per_s']:.0f} | {cell(chain, ar)} | "
             f"{cell(best, ar)}, budget {name.rsplit('_b', 1)[1]}"
             f"{tree_runner_note(summary, name)} | "
-            f"{best['tok_per_s'] / chain['tok_per_s']:.2f} |"
+            f"{best['tok_per_s'] / chain['tok_per_s']:.2f} | {auto_cell} |"
         )
     return "\n".join(lines)
 

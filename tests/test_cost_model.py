@@ -20,6 +20,8 @@ from vllm_ddtree.cost_model import (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "results", "bench_e2e.json")
 BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "v2_runner_f8ddc72", "bench_e2e.json")
+# A later bench on the V2 runner (not fitted: the packaged profile is judged against it).
+BENCH_V2_LATER = os.path.join(ROOT, "benchmarks", "results", "v2_default_e72fe79", "bench_e2e.json")
 VLLM_FIELDS = ["method", "model", "num_speculative_tokens"]
 DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
 
@@ -74,6 +76,28 @@ def test_the_fit_chooses_what_its_bench_measured_faster_at_each_batch(bench):
             assert max(trees.values()) <= chain, (batch, trees, chain)
         else:
             assert trees[budget] > chain, (batch, budget, trees, chain)
+
+
+def test_the_packaged_v2_profile_is_never_slower_than_the_chain_in_a_later_bench():
+    """The packaged V2 profile's choice at each batch size of a bench it was not fitted to,
+    measured there (mean tok/s over the prompt sets of that batch), against the chain; and
+    what bench_e2e.py recorded as "auto"'s engine is that choice."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench_e2e import auto_choice_rows
+
+    with open(BENCH_V2_LATER) as f:
+        summary = json.load(f)
+    rows = auto_choice_rows(summary)
+    assert rows == summary["auto"]
+    for batch in sorted({r["batch"] for r in rows}):
+        at_batch = [r for r in rows if r["batch"] == batch and r["temperature"] == 0]
+        chosen = sum(r["auto_tok_per_s"] for r in at_batch) / len(at_batch)
+        chain = sum(r["chain_tok_per_s"] for r in at_batch) / len(at_batch)
+        assert chosen >= chain, (batch, at_batch)
+    assert {r["auto_serves"] for r in rows if r["batch"] == 16} == {"dflash"}
+    assert {r["auto_serves"] for r in rows if r["batch"] == 1} == {"ddtree_v2_b32"}
 
 
 def test_the_v2_profile_serves_trees_at_batch_1_and_the_chain_at_batch_16():
