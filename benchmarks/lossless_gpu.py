@@ -316,9 +316,12 @@ def main() -> int:
                 "oracle": oracle_path,
                 "one_at_a_time": True,
             }
+    # The sampling engine with CUDA graphs, unless the grid runs eager engines only (an eager
+    # engine names the operation of a device-side error under --launch-blocking; a graph
+    # replay does not).
     sampling_kwargs = {
         "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": 64},
-        "enforce_eager": False,
+        "enforce_eager": "graphs" not in modes,
         **engine_extra,
     }
     if not args.no_sampling:
@@ -432,7 +435,8 @@ def main() -> int:
         "runs": sorted(rows, key=lambda r: (r["budget"], r["mode"], r["batch"])),
         "sampling": {
             "test": "chi-square homogeneity of generated-token histograms, target alone vs "
-            "DDTree (budget 64, CUDA graphs, oracle drafter), one prompt, seeds 0..N-1",
+            "DDTree (budget 64, oracle drafter), one prompt, seeds 0..N-1",
+            "ddtree_engine": "eager" if sampling_kwargs["enforce_eager"] else "CUDA graphs",
             **sampling,
             "positions": sampling_rows,
             "ddtree_accepted_tokens": sampling_accepted,
