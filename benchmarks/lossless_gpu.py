@@ -165,6 +165,11 @@ def main() -> int:
     parser.add_argument("--budgets", help="comma-separated budgets (default: the grid)")
     parser.add_argument("--modes", help="comma-separated: eager, graphs (default: both)")
     parser.add_argument("--no-sampling", action="store_true", help="greedy grid only")
+    parser.add_argument(
+        "--cudagraph-mode",
+        help="vLLM cudagraph_mode of the CUDA-graph DDTree engines, the sampling one included "
+        "(default: vLLM's, FULL_AND_PIECEWISE)",
+    )
     parser.add_argument("--top-k", type=int, help="top_k of the sampling check (default: off)")
     parser.add_argument("--top-p", type=float, help="top_p of the sampling check (default: off)")
     parser.add_argument("--tag", default="", help="suffix of the result file's name")
@@ -241,6 +246,13 @@ def main() -> int:
     if args.modes:
         all_modes = {"eager": {"enforce_eager": True}, "graphs": {"enforce_eager": False}}
         modes = {m: all_modes[m] for m in args.modes.split(",")}
+    if args.cudagraph_mode and "graphs" in modes:
+        # e.g. FULL_DECODE_ONLY (padded tree batches replayed whole, mixed steps eager) or
+        # PIECEWISE (every step's GDN and attention layers eager): which kind of step fails.
+        modes["graphs"] = {
+            **modes["graphs"],
+            "compilation_config": {"cudagraph_mode": args.cudagraph_mode},
+        }
     sampling = {"temperature": 1.0, "repeats": 400 if args.quick else 2000, "max_tokens": 4}
     if args.top_k is not None:
         sampling["top_k"] = args.top_k
@@ -321,7 +333,7 @@ def main() -> int:
     # replay does not).
     sampling_kwargs = {
         "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": 64},
-        "enforce_eager": "graphs" not in modes,
+        **modes.get("graphs", {"enforce_eager": True}),
         **engine_extra,
     }
     if not args.no_sampling:
@@ -436,7 +448,9 @@ def main() -> int:
         "sampling": {
             "test": "chi-square homogeneity of generated-token histograms, target alone vs "
             "DDTree (budget 64, oracle drafter), one prompt, seeds 0..N-1",
-            "ddtree_engine": "eager" if sampling_kwargs["enforce_eager"] else "CUDA graphs",
+            "ddtree_engine": "eager"
+            if sampling_kwargs["enforce_eager"]
+            else f"CUDA graphs ({args.cudagraph_mode or 'FULL_AND_PIECEWISE'})",
             **sampling,
             "positions": sampling_rows,
             "ddtree_accepted_tokens": sampling_accepted,
