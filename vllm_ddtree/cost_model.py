@@ -16,8 +16,9 @@ run on one GPU and one target/drafter pair:
 ``choose_budget`` returns the budget (among the candidates inside the measured budget range:
 acceptance is not extrapolated) with the highest predicted tokens/s at a batch size, or
 None unless a tree is predicted at least ``MIN_PREDICTED_GAIN`` times as fast as the chain
-(``"tree_budget": "auto"`` then serves the DFlash chain). The numbers are the measured pair's; another pair or GPU needs its own
-profile (``python -m vllm_ddtree.cost_model FIT bench_e2e.json --out profile.json``).
+(``"tree_budget": "auto"`` then serves the DFlash chain). The numbers are the measured pair's;
+another pair or GPU needs its own profile (``python -m vllm_ddtree.cost_model FIT
+bench_e2e.json --out profile.json``).
 """
 
 from __future__ import annotations
