@@ -180,6 +180,13 @@ def main() -> int:
         "operation that raised it (slow; for debugging, not for timings)",
     )
     parser.add_argument(
+        "--hybrid-states",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="with --hybrid: the SSM state dtype (mamba_ssm_cache_dtype) of every engine, the "
+        "target alone's included (node states are rounded where its one-token steps round)",
+    )
+    parser.add_argument(
         "--hybrid-dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -277,6 +284,7 @@ def main() -> int:
         # "align" state layout), Triton GDN prefill (the host has no FlashInfer).
         os.environ["VLLM_DDTREE_HYBRID"] = "1"
         engine_extra.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
+        engine_extra["mamba_ssm_cache_dtype"] = args.hybrid_states
 
     if args.runner != "auto":
         os.environ["VLLM_DDTREE_RUNNER"] = args.runner  # the engines' processes inherit it
@@ -438,7 +446,11 @@ def main() -> int:
         "max_tokens": max_tokens,
         "tensor_parallel_size": args.tp,
         "dtype": base.get("dtype", "float32"),
-        "target": {**spec.__dict__, "hybrid": "Qwen3NextForCausalLM" if args.hybrid else None},
+        "target": {
+            **spec.__dict__,
+            "hybrid": "Qwen3NextForCausalLM" if args.hybrid else None,
+            "ssm_states": args.hybrid_states if args.hybrid else None,
+        },
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",
         "ddtree_runner": expected_runner,
         "reference": "target alone, TREE_ATTN, CUDA graphs, at the row's batch size (16 "

@@ -87,3 +87,20 @@ def test_the_tiny_hybrid_target_is_a_qwen3_next_with_real_gdn_head_shapes(tmp_pa
     assert (shapes.num_gdn_layers, shapes.head_k_dim, shapes.head_v_dim) == (3, 128, 128)
     # vLLM's packed GDN decode needs more value heads than key heads (contiguous a/b rows).
     assert config.linear_num_value_heads == 2 * config.linear_num_key_heads
+
+
+def test_bf16_states_halve_the_slot_layout_and_the_check_names_them():
+    """``mamba_ssm_cache_dtype`` bfloat16: 2 bytes per SSM state element, so the check admits
+    what float32 states could not, and names the dtype when it refuses."""
+    from vllm_ddtree.hybrid_state import check_slot_layout_fits
+
+    shapes = GDNStateShapes.from_hf_config(NEXT, tensor_parallel_size=2)
+    float_bytes = slot_layout_bytes(shapes, 4, 32, ssm_bytes=4)
+    bf16_bytes = slot_layout_bytes(shapes, 4, 32, ssm_bytes=2)
+    # 4 requests x 33 blocks x every GDN layer's SSM state, at half the bytes.
+    assert float_bytes - bf16_bytes == 4 * 33 * shapes.num_gdn_layers * ssm_state_bytes(shapes, 2)
+    check_slot_layout_fits(shapes, 4, 32, bf16_bytes, ssm_bytes=2)  # fits: no error
+    with pytest.raises(DDTreeConfigError, match="128x128 float32 plus the conv window"):
+        check_slot_layout_fits(shapes, 4, 32, bf16_bytes, ssm_bytes=4)
+    with pytest.raises(DDTreeConfigError, match="128x128 bfloat16 plus the conv window"):
+        check_slot_layout_fits(shapes, 4, 32, bf16_bytes - 1, ssm_bytes=2)

@@ -65,6 +65,38 @@ def test_reference_chain_equals_plain_sequential_recurrence():
         assert torch.allclose(out_tree[0, t].double(), expected, atol=1e-5)
 
 
+def test_reference_bf16_tree_path_rounds_as_token_by_token_decoding():
+    """bfloat16 node states: a chain-shaped tree gives, at every node, exactly the state and
+    output of decoding its tokens one per step with a bfloat16 state cache (each step reads the
+    previous token's stored state), the target-alone decoding the tree path must equal."""
+    case = make_case(num_reqs=1, budget=6, depth=6)
+    case["parents"][0] = torch.arange(-1, 6)
+    case["num_tokens"] = torch.tensor([7])
+    pool = case["state_pool"].to(torch.bfloat16)
+    tree_pool = pool.clone()
+    out_tree = tree_gated_delta_ref(**{**case, "state_pool": tree_pool})
+    step_pool = pool.clone()  # one token per step: a one-node tree from the last stored state
+    previous = int(case["initial_slots"][0])
+    for t in range(7):
+        one = {name: case[name][:, t : t + 1] for name in ("q", "k", "v", "g", "beta")}
+        slot = int(case["state_slots"][0, t])
+        out = tree_gated_delta_ref(
+            **one,
+            parents=torch.tensor([[-1]]),
+            num_tokens=torch.tensor([1]),
+            state_pool=step_pool,
+            initial_slots=torch.tensor([previous]),
+            state_slots=torch.tensor([[slot]]),
+        )
+        assert torch.equal(out[0, 0], out_tree[0, t]), t
+        assert torch.equal(step_pool[slot], tree_pool[slot]), t
+        previous = slot
+    # ...and differs from keeping the states in float32 (what bf16 states cost).
+    float_pool = case["state_pool"].clone()
+    out_float = tree_gated_delta_ref(**{**case, "state_pool": float_pool})
+    assert not torch.equal(out_float[0, 6], out_tree[0, 6])
+
+
 def test_reference_siblings_do_not_see_each_other():
     case = make_case(seed=3)
     out_a = tree_gated_delta_ref(**{**case, "state_pool": case["state_pool"].clone()})
@@ -123,6 +155,32 @@ def scratch_case(seed: int):
 
 def on_device(case: dict, device: str) -> dict:
     return {name: t.to(device) for name, t in case.items()}
+
+
+@pytest.mark.interpreter
+def test_kernel_with_bf16_node_states_matches_the_rounding_reference():
+    """A bfloat16 pool: the kernel rounds each node's state where the reference does (stored,
+    then read back by the children); both read the committed states from a bf16 cache."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta
+
+    device = "cuda" if ON_GPU else "cpu"
+    case = scratch_case(1)
+    case["state_pool"] = case["state_pool"].to(torch.bfloat16)
+    ref_pool = case["state_pool"].clone()
+    ref = tree_gated_delta_ref(**{**case, "state_pool": ref_pool})
+    dev = on_device(case, device)
+    dev["initial_state"] = case["initial_state"].to(device)
+    out = tree_gated_delta(**dev, block_v=16)
+    n = case["num_tokens"]
+    valid = torch.arange(case["parents"].shape[1]).unsqueeze(0) < n.unsqueeze(1)
+    # float32 kernel arithmetic against float64: a bf16 rounding may land one step apart.
+    torch.testing.assert_close(out.cpu()[valid], ref[valid], atol=3e-2, rtol=3e-2)
+    slots = case["state_slots"][valid]
+    got, want = dev["state_pool"].cpu()[slots].float(), ref_pool[slots].float()
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert dev["state_pool"].dtype == torch.bfloat16
 
 
 @pytest.mark.interpreter
@@ -223,7 +281,7 @@ def test_kernel_writes_into_a_vllm_layout_cache_through_a_block_table():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=6)
+    run_under_interpreter(__file__, "kernel_", expected=7)
 
 
 @pytest.mark.gpu

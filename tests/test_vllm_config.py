@@ -283,23 +283,28 @@ def test_a_hybrid_target_is_refused_unless_the_experimental_gdn_path_is_on(
     assert config.speculative_config.method == "dflash"
 
 
-def test_the_experimental_gdn_path_needs_float32_states_and_no_prefix_caching(
+def test_the_experimental_gdn_path_needs_float32_or_bf16_states_and_no_prefix_caching(
     tmp_path, tiny_drafter_path, monkeypatch
 ):
-    """With VLLM_DDTREE_HYBRID=1 a Qwen3-Next target is accepted only with float32 SSM states
-    (tree node states) and without prefix caching, each error naming the flag that fixes it."""
+    """With VLLM_DDTREE_HYBRID=1 a Qwen3-Next target is accepted only with float32 or bfloat16
+    SSM states (tree node states; "auto" is the model's dtype) and without prefix caching, each
+    error naming the flag that fixes it."""
     monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
     target = tiny_qwen3_next(tmp_path)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
-    with pytest.raises(DDTreeConfigError, match="--mamba-ssm-cache-dtype float32"):
-        engine_config(target, spec, enable_prefix_caching=False)
+    with pytest.raises(DDTreeConfigError, match="one of float32, bfloat16.*'float16'"):
+        engine_config(target, spec, mamba_ssm_cache_dtype="float16", enable_prefix_caching=False)
+    with pytest.raises(DDTreeConfigError, match="one of float32, bfloat16.*'float16'"):
+        engine_config(target, spec, dtype="float16", enable_prefix_caching=False)  # "auto"
     with pytest.raises(DDTreeConfigError, match="--no-enable-prefix-caching"):
         engine_config(target, spec, mamba_ssm_cache_dtype="float32", enable_prefix_caching=True)
-    config = engine_config(
-        target, spec, mamba_ssm_cache_dtype="float32", enable_prefix_caching=False
-    )
-    assert get_ddtree_config(config.speculative_config).tree_budget == 8
-    assert config.cache_config.mamba_cache_mode == "none"
+    for states in ("float32", "bfloat16"):
+        config = engine_config(
+            target, spec, mamba_ssm_cache_dtype=states, enable_prefix_caching=False
+        )
+        assert get_ddtree_config(config.speculative_config).tree_budget == 8
+        assert config.cache_config.mamba_cache_mode == "none"
+        assert config.cache_config.mamba_ssm_cache_dtype == states
 
 
 def test_a_hybrid_tree_whose_states_cannot_fit_is_refused_naming_what_fits(

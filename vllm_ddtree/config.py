@@ -134,9 +134,11 @@ GDN_TREE_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
 )
 HYBRID_ENV = "VLLM_DDTREE_HYBRID"
-# The engine arguments the GDN tree path needs (``check_target_is_supported`` refuses others):
-# float32 node states and vLLM's plain state layout.
+# The engine arguments the GDN tree path is checked with: float32 states (bfloat16 is accepted
+# too, see ``check_target_is_supported``) and vLLM's plain state layout (required).
 HYBRID_ENGINE_ARGS = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": False}
+# SSM state dtypes of the GDN tree path (``ops/tree_gated_delta.STATE_DTYPES``).
+GDN_STATE_DTYPES = ("float32", "bfloat16")
 
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"  # the user's choice: "v1", "v2", or unset (automatic)
@@ -222,9 +224,12 @@ def check_target_is_supported(
     A tree's branches share one forward pass: attention isolates them with the ancestor mask,
     a recurrent layer (GatedDeltaNet, Mamba: vLLM's hybrid and state-space models) would carry
     one branch's state into its siblings. GatedDeltaNet targets get per-node states through
-    ``vllm_ddtree.hybrid_gdn`` (experimental: ``VLLM_DDTREE_HYBRID=1``), with float32 SSM
-    states and without prefix caching (vLLM's "align"/"all" state layouts move states between
-    blocks); other recurrent targets are refused before any engine process starts.
+    ``vllm_ddtree.hybrid_gdn`` (experimental: ``VLLM_DDTREE_HYBRID=1``), with float32 or
+    bfloat16 SSM states (``mamba_ssm_cache_dtype``, "auto" already resolved to the model's
+    dtype by the caller) and without prefix caching (vLLM's "align"/"all" state layouts move
+    states between blocks); other recurrent targets are refused before any engine process
+    starts. Node states are rounded to that dtype where target-alone decoding rounds them
+    (``ops/tree_gated_delta.py``, "State precision").
     """
     if not has_recurrent_layers:
         return
@@ -241,10 +246,11 @@ def check_target_is_supported(
             f"without per-node state {how}. Use method 'dflash' (chain) for this target, or a "
             "target whose layers are all attention."
         )
-    if mamba_ssm_cache_dtype != "float32":
+    if mamba_ssm_cache_dtype not in GDN_STATE_DTYPES:
         raise DDTreeConfigError(
-            "method 'ddtree' on a GatedDeltaNet target keeps tree node states in float32: "
-            f"start the engine with --mamba-ssm-cache-dtype float32 (it is "
+            "method 'ddtree' on a GatedDeltaNet target keeps tree node states in the SSM cache "
+            f"dtype, one of {', '.join(GDN_STATE_DTYPES)}: start the engine with "
+            "--mamba-ssm-cache-dtype float32 (or bfloat16) (it is "
             f"{mamba_ssm_cache_dtype!r})"
         )
     if prefix_caching:

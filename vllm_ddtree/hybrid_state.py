@@ -20,8 +20,10 @@ use: with vLLM's default ``max_num_seqs`` a real hybrid's ``1 + budget`` blocks 
 exceed any GPU (Qwen3-Next-80B: 36 GDN layers x 32 heads of 128 x 128 float32 = 75 MB per
 block), which vLLM would otherwise meet with a shrunken batch or a late error.
 
-Sizes are per tensor-parallel rank (heads sharded). SSM states in float32: bf16 node states
-drift along deep paths and would break exactness.
+Sizes are per tensor-parallel rank (heads sharded). SSM states in float32 or bfloat16 (the
+engine's ``mamba_ssm_cache_dtype``): node states are rounded where target-alone decoding with
+that cache dtype rounds them (``ops/tree_gated_delta.py``), so bfloat16 halves the state memory
+and keeps the tree path equal to bfloat16 target-alone decoding, not to float32 decoding.
 """
 
 from __future__ import annotations
@@ -133,7 +135,11 @@ def largest_fitting_budget(
 
 
 def check_slot_layout_fits(
-    shapes: GDNStateShapes, max_num_seqs: int, budget: int, available_bytes: int
+    shapes: GDNStateShapes,
+    max_num_seqs: int,
+    budget: int,
+    available_bytes: int,
+    ssm_bytes: int = 4,
 ) -> None:
     """Before the engine starts: raise ``DDTreeConfigError`` when the states of the layout the
     tree path uses now (``slot_layout_bytes``: ``1 + budget`` blocks per request) cannot fit the
@@ -141,11 +147,13 @@ def check_slot_layout_fits(
     ``max_num_seqs`` and the ``max_num_seqs`` that fits at this budget. A necessary condition
     only (weights, activations and attention KV come out of the same memory), so it refuses
     only what can never run; vLLM's own KV-cache sizing decides the rest."""
-    need = slot_layout_bytes(shapes, max_num_seqs, budget)
+    need = slot_layout_bytes(shapes, max_num_seqs, budget, ssm_bytes)
     if need <= available_bytes:
         return
-    fits = _largest_budget(lambda b: slot_layout_bytes(shapes, max_num_seqs, b), available_bytes)
-    seqs = available_bytes // slot_layout_bytes(shapes, 1, budget)
+    fits = _largest_budget(
+        lambda b: slot_layout_bytes(shapes, max_num_seqs, b, ssm_bytes), available_bytes
+    )
+    seqs = available_bytes // slot_layout_bytes(shapes, 1, budget, ssm_bytes)
     options = [f"tree_budget <= {fits}" if fits else "no tree_budget fits this max_num_seqs"]
     if seqs:
         options.append(f"max_num_seqs <= {seqs} at tree_budget={budget}")
@@ -153,7 +161,8 @@ def check_slot_layout_fits(
         f"tree_budget={budget} with max_num_seqs={max_num_seqs} keeps "
         f"{need / GIB:.1f} GiB of GatedDeltaNet state per GPU (1 + tree_budget state blocks per "
         f"request, each {shapes.num_gdn_layers} layers x {shapes.num_v_heads} value heads of "
-        f"{shapes.head_k_dim}x{shapes.head_v_dim} float32 plus the conv window), more than the "
+        f"{shapes.head_k_dim}x{shapes.head_v_dim} {'float32' if ssm_bytes == 4 else 'bfloat16'} "
+        "plus the conv window), more than the "
         f"{available_bytes / GIB:.1f} GiB vLLM may use: {' or '.join(options)}."
     )
 

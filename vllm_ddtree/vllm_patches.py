@@ -166,7 +166,9 @@ def _wrap_create_speculative_config(original):
                 check_target_is_supported(
                     getattr(target_model_config.hf_config, "architectures", None),
                     _has_recurrent_layers(target_model_config),
-                    getattr(self, "mamba_ssm_cache_dtype", None),
+                    _ssm_state_dtype(
+                        getattr(self, "mamba_ssm_cache_dtype", None), target_model_config
+                    ),
                     bool(getattr(self, "enable_prefix_caching", False))
                     or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
                 )
@@ -231,8 +233,13 @@ def check_hybrid_state_memory(vllm_config) -> None:
     shapes = GDNStateShapes.from_hf_config(
         model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size
     )
+    ssm_dtype = _ssm_state_dtype(cache.mamba_ssm_cache_dtype, model_config)
     check_slot_layout_fits(
-        shapes, vllm_config.scheduler_config.max_num_seqs, ddtree.tree_budget, available
+        shapes,
+        vllm_config.scheduler_config.max_num_seqs,
+        ddtree.tree_budget,
+        available,
+        ssm_bytes=2 if ssm_dtype == "bfloat16" else 4,
     )
 
 
@@ -500,6 +507,14 @@ def _choose_runner(target_model_config, target_parallel_config) -> None:
     )
     if runner == "v2":
         _install_v2_hooks()
+
+
+def _ssm_state_dtype(cache_dtype: str | None, model_config) -> str | None:
+    """The SSM state dtype name a ``mamba_ssm_cache_dtype`` setting gives ("auto": the model's
+    dtype, as vLLM resolves it for GatedDeltaNet layers)."""
+    if cache_dtype in (None, "auto"):
+        return str(getattr(model_config, "dtype", "")).removeprefix("torch.") or cache_dtype
+    return cache_dtype
 
 
 def _has_recurrent_layers(model_config) -> bool:

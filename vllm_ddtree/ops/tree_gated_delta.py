@@ -20,12 +20,21 @@ layout is read through ``.transpose(-1, -2)``), so that the pool can be a per-st
 After the walk, the accepted leaf's slot holds exactly the state target-only decoding would
 have.
 
+State precision: the pool is float32 or bfloat16 (``STATE_DTYPES``). Each node's state is
+computed in float32 from its parent's state *as stored*, and stored in the pool's dtype, so along
+any root-to-node path the states are rounded exactly where target-only decoding with a cache of
+that dtype rounds them (once per token: it reads the previous token's stored state and stores
+the new one). A bfloat16 pool therefore keeps the tree path equal to token-by-token decoding
+with bfloat16 states (both lose the same precision); it does not make bfloat16 states equal to
+float32 ones.
+
 Shapes: ``q``/``k`` ``[R, T, Hk, K]``, ``v`` ``[R, T, Hv, V]``, ``g``/``beta`` ``[R, T, Hv]``
 (float32), ``parents`` long ``[R, T]`` (``-1`` for the root, padding ``t`` beyond
-``num_tokens[r]``), ``state_pool`` float32 ``[S, Hv, K, V]``, ``initial_slots`` long ``[R]``,
+``num_tokens[r]``), ``state_pool`` float32 or bfloat16 ``[S, Hv, K, V]``, ``initial_slots``
+long ``[R]``,
 ``state_slots`` long or int32 ``[R, T]`` (rows may be strided, e.g. a slice of vLLM's block
 table). The pool may be strided too (vLLM's ``[slots, Hv, V, K]`` SSM cache as
-``.transpose(-1, -2)``) but must be float32. Grouped heads: value head ``h`` reads key head
+``.transpose(-1, -2)``), float32 or bfloat16. Grouped heads: value head ``h`` reads key head
 ``h // (Hv // Hk)``.
 """
 
@@ -40,6 +49,9 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
+
+# The node-state dtypes the kernel and the reference take (see "State precision" above).
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +73,8 @@ def tree_gated_delta_ref(
     initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: for every node, replay the recurrence along its root-to-node path in float64,
-    from ``initial_state[initial_slots[r]]`` (default: ``state_pool``).
+    from ``initial_state[initial_slots[r]]`` (default: ``state_pool``), each ancestor's state
+    rounded to the pool's dtype as the kernel stores and reads it back.
 
     Writes each node's final state to ``state_pool[state_slots[r, t]]`` (as the kernel does) and
     returns the outputs ``[R, T, Hv, V]`` in ``v``'s dtype.
@@ -82,7 +95,9 @@ def tree_gated_delta_ref(
                 path.append(int(parents[r, path[-1]]))
             path.reverse()
             h = committed[r].clone()  # [Hv, K, V]
-            for node in path:
+            for depth, node in enumerate(path):
+                if depth:  # the parent's state as stored
+                    h = h.to(state_pool.dtype).double()
                 qn = q[r, node].double().repeat_interleave(group, 0)  # [Hv, K]
                 kn = k[r, node].double().repeat_interleave(group, 0)
                 if use_qk_l2norm:
@@ -195,7 +210,7 @@ if HAS_TRITON:
                 out_slot = tl.load(state_slots_ptr + req * stride_slots_r + t).to(tl.int64)
                 tl.store(
                     state_ptr + out_slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
-                    h,
+                    h.to(state_ptr.dtype.element_ty),
                     mask=hv_mask,
                 )
             # Children read this state back from memory in a later iteration.
@@ -228,8 +243,10 @@ def tree_gated_delta(
     num_k_heads, head_k = k.shape[2], k.shape[3]
     assert q.shape == k.shape and g.shape == beta.shape == (num_reqs, max_tokens, num_v_heads)
     assert num_v_heads % num_k_heads == 0, "value heads must be a multiple of key heads"
-    if state_pool.dtype != torch.float32:
-        raise ValueError(f"tree node states must be float32, got a {state_pool.dtype} pool")
+    if state_pool.dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"tree node states must be one of {STATE_DTYPES}, got a {state_pool.dtype} pool"
+        )
     assert state_pool.shape[1:] == (num_v_heads, head_k, head_v)
     assert parents.stride(-1) == 1 and state_slots.stride(-1) == 1
     assert q.stride() == k.stride() and g.stride() == beta.stride()
