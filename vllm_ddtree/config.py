@@ -59,12 +59,15 @@ class DDTreeConfig:
         tree_top_k: per-depth candidate cap used by ``build_trees``.
         depth: tree depth limit = ``num_speculative_tokens`` (<= drafter block size - 1).
         drafter_block_size: the drafter's DFlash block size, when its config states it.
+        runner: the vLLM model runner the engine runs DDTree on, "v1" or "v2"
+            (``choose_runner``'s choice, carried with the config to the engine's processes).
     """
 
     tree_budget: int
     tree_top_k: int
     depth: int
     drafter_block_size: int | None = None
+    runner: str = "v1"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -421,6 +424,10 @@ def split_speculative_config(
     # the drafter keeps its own `depth` mask queries (DDTreeConfig.depth).
     config["num_speculative_tokens"] = budget
     ddtree = DDTreeConfig(
-        tree_budget=budget, tree_top_k=top_k, depth=depth, drafter_block_size=block_size
+        tree_budget=budget,
+        tree_top_k=top_k,
+        depth=depth,
+        drafter_block_size=block_size,
+        runner="v2" if uses_v2_runner() else "v1",
     )
     return config, ddtree

@@ -206,7 +206,7 @@ def _wrap_create_speculative_config(original):
                 ddtree.tree_budget,
                 ddtree.tree_top_k,
                 ddtree.depth,
-                "V2" if uses_v2_runner() else "V1",
+                ddtree.runner.upper(),
             )
         return spec
 
@@ -337,9 +337,10 @@ def _patch_model_runner_choice() -> None:
 
     def wrap(original):
         def use_v2_model_runner(self) -> bool:
-            if get_ddtree_config(self.speculative_config) is not None:
-                # choose_runner's choice, made with the config; V2 where vLLM can run it
-                return uses_v2_runner() and original(self)
+            ddtree = get_ddtree_config(self.speculative_config)
+            if ddtree is not None:
+                # choose_runner's choice, made with this config; V2 where vLLM can run it
+                return ddtree.runner == "v2" and original(self)
             return original(self)
 
         return use_v2_model_runner
