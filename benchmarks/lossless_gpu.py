@@ -148,6 +148,17 @@ def run_jobs(jobs: dict[str, dict], work: str, parallel: int, timeout: int) -> d
     return results
 
 
+def safe_logit_gap(target: str, prompt: list[int], prefix: list[int]) -> float | str:
+    """The target's float32 top-2 logit gap after ``prompt + prefix`` (transformers), or why it
+    could not be computed (e.g. a multimodal checkpoint ``AutoModelForCausalLM`` cannot load)."""
+    from tree_attn_vllm_gpu import logit_gap
+
+    try:
+        return logit_gap(target, prompt, prefix)
+    except Exception as error:  # noqa: BLE001 - recorded beside the divergence instead
+        return f"unavailable: {type(error).__name__}: {str(error)[:200]}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
@@ -178,6 +189,14 @@ def main() -> int:
         action="store_true",
         help="CUDA_LAUNCH_BLOCKING=1 in every engine: a device-side error's traceback names the "
         "operation that raised it (slow; for debugging, not for timings)",
+    )
+    parser.add_argument(
+        "--hybrid-arch",
+        choices=("qwen3_next", "qwen3_5"),
+        default="qwen3_next",
+        help="with --hybrid: the tiny target's class, Qwen3NextForCausalLM (MoE, needs bundle "
+        "part 3) or Qwen3_5ForConditionalGeneration (dense Qwen3.5/3.6; vLLM imports its image "
+        "processor, so the host needs torchvision)",
     )
     parser.add_argument(
         "--hybrid-states",
@@ -219,7 +238,6 @@ def main() -> int:
 
     import torch
     from bench_tree_attn import git_commit
-    from tree_attn_vllm_gpu import logit_gap
 
     from tests.stats import chi_square_p_value
     from vllm_ddtree.config import HYBRID_ENGINE_ARGS
@@ -228,6 +246,7 @@ def main() -> int:
         TinyQwen3Spec,
         make_tiny_dflash,
         make_tiny_qwen3,
+        make_tiny_qwen3_5,
         make_tiny_qwen3_next,
     )
 
@@ -235,7 +254,9 @@ def main() -> int:
     os.makedirs(args.work, exist_ok=True)
     spec = TinyQwen3Spec(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     if args.hybrid:
-        target = make_tiny_qwen3_next(os.path.join(args.work, "target-hybrid"), spec)
+        make_hybrid = {"qwen3_next": make_tiny_qwen3_next, "qwen3_5": make_tiny_qwen3_5}
+        folder = os.path.join(args.work, f"target-hybrid-{args.hybrid_arch}")
+        target = make_hybrid[args.hybrid_arch](folder, spec)
     else:
         target = make_tiny_qwen3(os.path.join(args.work, "target"), spec)
     drafter = make_tiny_dflash(os.path.join(args.work, "drafter"), spec)
@@ -317,7 +338,7 @@ def main() -> int:
     for p, (alone, batched) in enumerate(zip(reference_by_batch[1], reference_tokens, strict=True)):
         where = first_divergence(alone, batched)
         if where is not None:
-            gap = logit_gap(target, prompts[p], batched[:where])
+            gap = safe_logit_gap(target, prompts[p], batched[:where])
             target_alone_batch_shapes.append({"prompt": p, "token": where, "logit_gap": gap})
     print(json.dumps({"target_alone_batch_1_vs_16": target_alone_batch_shapes}))
     oracle_path = os.path.join(tempfile.mkdtemp(), "oracle.json")
@@ -373,7 +394,7 @@ def main() -> int:
             for p, (got, want) in enumerate(zip(result[key], want_all, strict=True)):
                 where = first_divergence(got, want)
                 if where is not None:
-                    gap = logit_gap(target, prompts[p], want[:where])
+                    gap = safe_logit_gap(target, prompts[p], want[:where])
                     divergences.append({"prompt": p, "token": where, "logit_gap": gap})
             rows.append(
                 {
@@ -448,7 +469,12 @@ def main() -> int:
         "dtype": base.get("dtype", "float32"),
         "target": {
             **spec.__dict__,
-            "hybrid": "Qwen3NextForCausalLM" if args.hybrid else None,
+            "hybrid": {
+                "qwen3_next": "Qwen3NextForCausalLM",
+                "qwen3_5": "Qwen3_5ForConditionalGeneration",
+            }[args.hybrid_arch]
+            if args.hybrid
+            else None,
             "ssm_states": args.hybrid_states if args.hybrid else None,
         },
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",

@@ -89,6 +89,31 @@ def test_the_tiny_hybrid_target_is_a_qwen3_next_with_real_gdn_head_shapes(tmp_pa
     assert config.linear_num_value_heads == 2 * config.linear_num_key_heads
 
 
+def test_the_tiny_qwen3_5_is_the_class_vllm_serves_qwen3_5_with_the_same_gdn_layers(tmp_path):
+    """The dense Qwen3.5 fixture (``lossless_gpu.py --hybrid --hybrid-arch qwen3_5``): the
+    multimodal class vLLM 0.26.0 maps Qwen3.5/3.6 dense checkpoints to, whose text model has
+    the Qwen3-Next fixture's GDN layout; its weights load back into that class."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
+    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_qwen3_5
+
+    path = make_tiny_qwen3_5(str(tmp_path / "qwen3_5"), TinyQwen3Spec(num_hidden_layers=4))
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["Qwen3_5ForConditionalGeneration"]
+    assert config.architectures[0] in GDN_TREE_ARCHITECTURES
+    text = config.text_config
+    assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert not text.tie_word_embeddings and text.vocab_size == TinyQwen3Spec().vocab_size
+    shapes = GDNStateShapes.from_hf_config(config)
+    assert (shapes.num_gdn_layers, shapes.num_k_heads, shapes.num_v_heads) == (3, 2, 4)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" in names and "model.language_model.embed_tokens.weight" in names
+    assert any(name.startswith("model.visual.") for name in names)
+
+
 def test_bf16_states_halve_the_slot_layout_and_the_check_names_them():
     """``mamba_ssm_cache_dtype`` bfloat16: 2 bytes per SSM state element, so the check admits
     what float32 states could not, and names the dtype when it refuses."""

@@ -115,6 +115,42 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
     return _save_random(path, Qwen3NextForCausalLM, config, seed)
 
 
+def make_tiny_qwen3_5(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+    """Save a random-weight dense Qwen3.5 hybrid, ``Qwen3_5ForConditionalGeneration`` (the class
+    vLLM 0.26.0 serves Qwen3.5/3.6 dense checkpoints with), under ``path``: the text model as in
+    ``make_tiny_qwen3_next`` without experts (GatedDeltaNet layers of 2 key / 4 value heads of
+    128, one full-attention layer in 4, untied embeddings) and a one-block vision tower, which
+    text-only prompts never run but the checkpoint must hold."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = _config_fields(spec)
+    special = {name: text.pop(name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    config = Qwen3_5Config(
+        text_config=dict(
+            **text,
+            **special,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                for i in range(spec.num_hidden_layers)
+            ],
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=64,
+            num_heads=2,
+            intermediate_size=128,
+            out_hidden_size=spec.hidden_size,
+        ),
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5ForConditionalGeneration"],
+    )
+    return _save_random(path, Qwen3_5ForConditionalGeneration, config, seed)
+
+
 def tiny_drafter_config(
     target_spec: TinyQwen3Spec = TinyQwen3Spec(),
     num_layers: int = 1,
