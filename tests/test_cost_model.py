@@ -115,10 +115,18 @@ def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
         "vllm_ddtree.cost_model.load_profile",
         lambda path, runner: seen.append(runner) or load_profile(path, runner),
     )
+    for runner in ("v1", "v2"):
+        config._automatic_budget(None, 1, 15, runner)
+    assert seen == ["V1", "V2"]
+    # split_speculative_config without a runner: the one uses_v2_runner reports.
     for value in ("", "v2"):
         monkeypatch.setenv("VLLM_DDTREE_RUNNER", value)
-        config._automatic_budget(None, 1, 15)
-    assert seen == ["V1", "V2"]
+        split_speculative_config(
+            {"method": "ddtree", "model": "d", "tree_budget": "auto"},
+            VLLM_FIELDS,
+            drafter_config=DFLASH,
+        )
+    assert seen == ["V1", "V2", "V1", "V2"]
 
 
 def test_the_fit_reproduces_the_measured_acceptance_and_a_sane_step_cost():

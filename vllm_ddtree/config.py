@@ -22,16 +22,16 @@ DDTREE_METHOD = "ddtree"
 DFLASH_METHOD = "dflash"
 MIN_TREE_BUDGET = 1
 MAX_TREE_BUDGET = 1024
-# Default budget: the paper's speedup rises up to 256-512 nodes at batch 1 in eager HF code,
-# where per-step overheads hide verify cost; ports with CUDA graphs found their best budgets at
-# 22-40 nodes on consumer GPUs (Lucebox) and the verify batch grows as budget x batch size.
-# 64 sits between the two and matches the budget the project's examples use.
 # Per-depth candidate cap. Lemma 1 of the paper needs min(budget, V) for exact optimality, but
 # a token ranked past 16 at one depth almost never enters a top-budget prefix set; the cap
 # bounds the tree builder's work at budget x 16 candidates per depth.
 DEFAULT_TOP_K_CAP = 16
 
 AUTO_BUDGET = "auto"
+# Default budget: the measured cost model's choice. The best budget depends on the pair, the GPU
+# and the batch: the paper's speedup rises up to 256-512 nodes at batch 1 in eager HF code, where
+# per-step overheads hide verify cost; ports with CUDA graphs found their best budgets at 22-40
+# nodes on consumer GPUs (Lucebox), and the verify batch grows as budget x batch size.
 DEFAULT_TREE_BUDGET = AUTO_BUDGET
 
 DDTREE_KEYS: dict[str, str] = {
@@ -298,10 +298,11 @@ def check_sampling_params(params: Any) -> None:
         )
 
 
-def _automatic_budget(profile_path: str | None, max_num_seqs: int | None, depth: int):
-    """``"tree_budget": "auto"``: the budget the cost profile predicts fastest at
-    ``max_num_seqs`` requests (1 when unset), or None when it predicts the DFlash chain at
-    least as fast (logged with the predictions either way)."""
+def _automatic_budget(profile_path: str | None, max_num_seqs: int | None, depth: int, runner: str):
+    """``"tree_budget": "auto"``: the budget the cost profile (by default the packaged one of
+    ``runner``, "v1" or "v2") predicts fastest at ``max_num_seqs`` requests (1 when unset), or
+    None when it predicts the DFlash chain at least as fast (logged with the predictions either
+    way)."""
     from vllm_ddtree.cost_model import choose_budget, load_profile
 
     if profile_path is not None and not os.path.isfile(str(profile_path)):
@@ -309,7 +310,7 @@ def _automatic_budget(profile_path: str | None, max_num_seqs: int | None, depth:
             f"speculative_config['cost_profile'] = {profile_path!r} is not a file (a JSON "
             "written by python -m vllm_ddtree.cost_model BENCH_JSON --out PATH)"
         )
-    profile = load_profile(profile_path, runner="V2" if uses_v2_runner() else "V1")
+    profile = load_profile(profile_path, runner=runner.upper())
     batch = max_num_seqs or 1
     budget, predicted = choose_budget(profile, batch)
     shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
@@ -332,6 +333,7 @@ def split_speculative_config(
     vllm_fields: Iterable[str],
     drafter_config: Mapping[str, Any] | None = None,
     max_num_seqs: int | None = None,
+    runner: str | None = None,
 ) -> tuple[dict[str, Any], DDTreeConfig | None]:
     """Split a user's speculative config into vLLM's part and DDTree's part.
 
@@ -341,6 +343,9 @@ def split_speculative_config(
         drafter_config: the drafter's ``config.json`` when known (else read from ``model``).
         max_num_seqs: the engine's request limit when set (``"tree_budget": "auto"`` chooses
             for it).
+        runner: the model runner ``choose_runner`` chose for the engine, "v1" or "v2" (its
+            cost profile serves "auto"; kept as ``DDTreeConfig.runner``); by default the one
+            ``uses_v2_runner`` reports.
 
     Returns:
         ``(vllm_dict, ddtree)``: for ``method == "ddtree"``, ``vllm_dict`` is the request vLLM's
@@ -402,6 +407,8 @@ def split_speculative_config(
     else:
         depth = _check_int("num_speculative_tokens", depth, 1, None, " (the tree depth limit)")
 
+    if runner is None:
+        runner = "v2" if uses_v2_runner() else "v1"
     budget = config.pop("tree_budget", DEFAULT_TREE_BUDGET)
     if isinstance(budget, str) and budget != AUTO_BUDGET:
         raise DDTreeConfigError(
@@ -409,7 +416,7 @@ def split_speculative_config(
             f"{MAX_TREE_BUDGET} or 'auto', got {budget!r}"
         )
     if budget == AUTO_BUDGET:
-        budget = _automatic_budget(config.pop("cost_profile", None), max_num_seqs, depth)
+        budget = _automatic_budget(config.pop("cost_profile", None), max_num_seqs, depth, runner)
         if budget is None:
             config.pop("tree_top_k", None)
             config["method"] = DFLASH_METHOD
@@ -428,6 +435,6 @@ def split_speculative_config(
         tree_top_k=top_k,
         depth=depth,
         drafter_block_size=block_size,
-        runner="v2" if uses_v2_runner() else "v1",
+        runner=runner,
     )
     return config, ddtree

@@ -161,6 +161,7 @@ def _wrap_create_speculative_config(original):
                 merged["model"] = self.spec_model
             if getattr(self, "spec_tokens", None) is not None:
                 merged.setdefault("num_speculative_tokens", self.spec_tokens)
+            runner = None
             if merged.get("method") == DDTREE_METHOD:
                 # The target first: refused whatever budget "auto" would choose.
                 check_target_is_supported(
@@ -172,11 +173,12 @@ def _wrap_create_speculative_config(original):
                     bool(getattr(self, "enable_prefix_caching", False))
                     or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
                 )
-                _choose_runner(target_model_config, target_parallel_config)
+                runner = _choose_runner(target_model_config, target_parallel_config)
             vllm_dict, parsed = split_speculative_config(
                 merged,
                 _speculative_config_fields(),
                 max_num_seqs=_max_num_seqs(self),
+                runner=runner,
             )
             if parsed is not None:
                 ddtree = parsed
@@ -493,10 +495,11 @@ def _install_v2_hooks() -> None:
     _patch_when_imported(runner_v2.RUNNER_MODULE, runner_v2.install)
 
 
-def _choose_runner(target_model_config, target_parallel_config) -> None:
-    """Choose the DDTree engine's model runner (``config.choose_runner``) before its config
-    is made (the cost profile of ``"tree_budget": "auto"`` is the runner's), and give this
-    process the V2 hooks when it is V2 (the engine's own processes install them at start)."""
+def _choose_runner(target_model_config, target_parallel_config) -> str:
+    """Choose the DDTree engine's model runner (``config.choose_runner``), "v1" or "v2",
+    before its config is made (the cost profile of ``"tree_budget": "auto"`` is the runner's),
+    and give this process the V2 hooks when it is V2 (the engine's own processes install them
+    at start)."""
     from vllm.platforms import current_platform
 
     runner = choose_runner(
@@ -508,6 +511,7 @@ def _choose_runner(target_model_config, target_parallel_config) -> None:
     )
     if runner == "v2":
         _install_v2_hooks()
+    return runner
 
 
 def _ssm_state_dtype(cache_dtype: str | None, model_config) -> str | None:
