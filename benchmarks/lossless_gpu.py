@@ -240,7 +240,7 @@ def main() -> int:
     from bench_tree_attn import git_commit
 
     from tests.stats import chi_square_p_value
-    from vllm_ddtree.config import HYBRID_ENGINE_ARGS
+    from vllm_ddtree.config import HYBRID_ENGINE_ARGS, choose_runner
     from vllm_ddtree.demo import first_divergence
     from vllm_ddtree.testing import (
         TinyQwen3Spec,
@@ -250,13 +250,18 @@ def main() -> int:
         make_tiny_qwen3_next,
     )
 
+    # --hybrid-arch: the fixture and the vLLM model class it is served with.
+    hybrid_targets = {
+        "qwen3_next": (make_tiny_qwen3_next, "Qwen3NextForCausalLM"),
+        "qwen3_5": (make_tiny_qwen3_5, "Qwen3_5ForConditionalGeneration"),
+    }
+
     started = time.time()
     os.makedirs(args.work, exist_ok=True)
     spec = TinyQwen3Spec(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     if args.hybrid:
-        make_hybrid = {"qwen3_next": make_tiny_qwen3_next, "qwen3_5": make_tiny_qwen3_5}
-        folder = os.path.join(args.work, f"target-hybrid-{args.hybrid_arch}")
-        target = make_hybrid[args.hybrid_arch](folder, spec)
+        make_hybrid, _ = hybrid_targets[args.hybrid_arch]
+        target = make_hybrid(os.path.join(args.work, f"target-hybrid-{args.hybrid_arch}"), spec)
     else:
         target = make_tiny_qwen3(os.path.join(args.work, "target"), spec)
     drafter = make_tiny_dflash(os.path.join(args.work, "drafter"), spec)
@@ -311,14 +316,13 @@ def main() -> int:
         os.environ["VLLM_DDTREE_RUNNER"] = args.runner  # the engines' processes inherit it
     else:
         os.environ.pop("VLLM_DDTREE_RUNNER", None)
-    # The runner the DDTree engines must report (config.choose_runner's rule when "auto").
-    expected_runner = (
-        args.runner.upper()
-        if args.runner != "auto"
-        else "V1"
-        if args.hybrid or args.tp > 1
-        else "V2"
-    )
+    # The runner the DDTree engines must report: the plugin's rule for this grid's targets.
+    expected_runner = choose_runner(
+        on_gpu=True,
+        has_recurrent_layers=args.hybrid,
+        tensor_parallel_size=args.tp,
+        vllm_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+    ).upper()
     if args.launch_blocking:
         os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # the engines' processes inherit it
     reference_kwargs = {"attention_backend": "TREE_ATTN", "enforce_eager": False, **engine_extra}
@@ -469,12 +473,7 @@ def main() -> int:
         "dtype": base.get("dtype", "float32"),
         "target": {
             **spec.__dict__,
-            "hybrid": {
-                "qwen3_next": "Qwen3NextForCausalLM",
-                "qwen3_5": "Qwen3_5ForConditionalGeneration",
-            }[args.hybrid_arch]
-            if args.hybrid
-            else None,
+            "hybrid": hybrid_targets[args.hybrid_arch][1] if args.hybrid else None,
             "ssm_states": args.hybrid_states if args.hybrid else None,
         },
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",
