@@ -83,6 +83,7 @@ def measure_engine(job: dict, save=None) -> dict:
         seed=0,
         disable_log_stats=False,
         compilation_config=compilation_config,
+        tensor_parallel_size=job.get("tensor_parallel_size", 1),
         **job["kwargs"],
     )
     rows = []
@@ -385,6 +386,11 @@ def write_report(summary: dict, out: str) -> None:
             if summary.get("drafter_sha256")
             else ""
         )
+        + (
+            f"; tensor parallel {summary['tensor_parallel_size']}"
+            if summary.get("tensor_parallel_size", 1) > 1
+            else ""
+        )
         + f"; bf16, {COMPILE_NOTES[summary.get('compile', 'graphs')]}, "
         f"median of {summary['repeats']} runs, up to {summary['max_tokens']} new tokens.",
         "",
@@ -487,6 +493,13 @@ def main() -> int:
     parser.add_argument("--compile", choices=sorted(COMPILE_NOTES), default="default")
     parser.add_argument("--skip", default="", help="engine names to leave out, e.g. dflash_v1")
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallel size of every engine (a target and drafter whose heads it divides, "
+        "e.g. from benchmarks/pad_heads.py; DDTree engines then need --ddtree-runner v1)",
+    )
+    parser.add_argument(
         "--ddtree-runner",
         choices=("v1", "v2", "both"),
         default="v2",
@@ -550,6 +563,7 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "batch1_prompts": args.batch1_prompts,
         "compile": args.compile,
+        "tensor_parallel_size": args.tp,
         # Measurements stop starting after this; the engine's process still reports.
         # (from the engine process's start, engine start included).
         "time_limit": max(10, args.engine_timeout - 25),
@@ -713,6 +727,7 @@ def summarize(engines, args, budgets, batches, started, note: str = "") -> list[
         "batches": batches,
         "repeats": args.repeats,
         "compile": args.compile,
+        "tensor_parallel_size": getattr(args, "tp", 1),
         "max_tokens": args.max_tokens,
         "engines": {
             k: {kk: vv for kk, vv in v.items() if kk != "outputs_t0"} for k, v in engines.items()

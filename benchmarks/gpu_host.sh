@@ -16,6 +16,7 @@
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
 #       pair     - lossless_pair.py on one GPU (PAIR_DTYPES, default float32)
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
+#       tp-bench - bench_e2e.py at tensor parallel TP on the SmolLM2 pair, heads zero-padded
 #       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
 #       v2       - lossless_gpu.py --runner v2: the V2-runner path (dense, one GPU)
 #       hybrid-steps - GDN tree verify cost on large-model layer shapes (profile_step.py)
@@ -200,6 +201,29 @@ case "$STEP" in
     timeout "${STEP_OPS_TIMEOUT:-300}" python3 benchmarks/bench_step_ops.py --out "$OUT" \
       --batches "${BATCHES:-1,16}" --budgets "${BUDGETS:-16,64}" > "$OUT/bench_step_ops.log" 2>&1
     echo "step-ops rc=$?"; cat "$OUT/bench_step_ops.log" ;;
+  tp-bench)
+    # AR vs the DFlash chain vs DDTree at tensor parallel TP (default 2) on the SmolLM2 pair with
+    # zero-padded attention heads (benchmarks/pad_heads.py: 9/3 heads -> 12/4, the same function,
+    # which TP = 2 can split); DDTree on the V1 runner (the plugin's choice at TP > 1). COMPILE:
+    # graphs (default: full graphs, no torch.compile) or default. Needs the checkpoint.
+    need_checkpoint
+    TP_SIZE=${TP:-2}
+    PADDED=/tmp/tp$TP_SIZE
+    python3 benchmarks/pad_heads.py /tmp/train/SmolLM2-135M-Instruct \
+      "$PADDED/SmolLM2-135M-Instruct-tp$TP_SIZE" --tp "$TP_SIZE" || exit 6
+    python3 benchmarks/pad_heads.py "${DRAFTER:-/tmp/drafter}" \
+      "$PADDED/SmolLM2-135M-Instruct-DFlash-tp$TP_SIZE" --tp "$TP_SIZE" || exit 6
+    WORK=${BENCH_WORK:-/tmp/vllm-ddtree-tp-bench}
+    timeout "${BENCH_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py --work "$WORK" --tp "$TP_SIZE" \
+      --target "$PADDED/SmolLM2-135M-Instruct-tp$TP_SIZE" \
+      --drafter "$PADDED/SmolLM2-135M-Instruct-DFlash-tp$TP_SIZE" \
+      --prompts /tmp/prompts.json --out "$OUT" --deadline "${DEADLINE:-540}" \
+      --compile "${COMPILE:-graphs}" --skip "${SKIP:-dflash_v1}" --budgets "${BUDGETS:-16,32}" \
+      --batches "${BATCHES:-1}" --temperatures "${TEMPS:-0}" \
+      --max-tokens "${MAX_TOKENS:-256}" --engine-timeout "${ENGINE_TIMEOUT:-110}" \
+      --ddtree-runner v1 > "$OUT/bench_e2e.log" 2>&1
+    echo "tp bench rc=$?"; (cd "$WORK" && tar czf "$OUT/bench_logs.tgz" ./*.log)
+    cat "$OUT/bench_e2e.md" ;;
   bench-e2e)
     # BENCH_WORK names another work folder, for a second bench at once on the other GPU.
     need_checkpoint
