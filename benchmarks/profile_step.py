@@ -299,6 +299,7 @@ def main() -> int:
         path = os.path.join(args.out, f"profile_{method}.json")
         if not os.path.exists(path):
             summary.append({"method": method, "error": "no result (see the log)"})
+            print(json.dumps(summary[-1]), flush=True)
             continue
         with open(path) as f:
             result = json.load(f)
@@ -324,7 +325,7 @@ def main() -> int:
             f,
             indent=1,
         )
-    return 0
+    return 1 if any("error" in entry for entry in summary) else 0  # an engine that died
 
 
 if __name__ == "__main__":
