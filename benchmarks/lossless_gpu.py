@@ -520,6 +520,7 @@ def main() -> int:
         "prompts": num_prompts,
         "max_tokens": max_tokens,
         "tensor_parallel_size": args.tp,
+        "launch_blocking": args.launch_blocking,  # CUDA_LAUNCH_BLOCKING=1 in every engine
         "dtype": base.get("dtype", "float32"),
         "target": {
             **spec.__dict__,

@@ -22,6 +22,8 @@ BENCH = os.path.join(ROOT, "benchmarks", "results", "bench_e2e.json")
 BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "v2_runner_f8ddc72", "bench_e2e.json")
 # A later bench on the V2 runner (not fitted: the packaged profile is judged against it).
 BENCH_V2_LATER = os.path.join(ROOT, "benchmarks", "results", "v2_default_e72fe79", "bench_e2e.json")
+# Tensor parallel 2 (DDTree on the V1 runner, the plugin's choice there; not fitted).
+BENCH_TP2 = os.path.join(ROOT, "benchmarks", "results", "tp2_bench_6b83ee1", "bench_e2e.json")
 VLLM_FIELDS = ["method", "model", "num_speculative_tokens"]
 DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
 
@@ -98,6 +100,37 @@ def test_the_packaged_v2_profile_is_never_slower_than_the_chain_in_a_later_bench
         assert chosen >= chain, (batch, at_batch)
     assert {r["auto_serves"] for r in rows if r["batch"] == 16} == {"dflash"}
     assert {r["auto_serves"] for r in rows if r["batch"] == 1} == {"ddtree_v2_b32"}
+
+
+def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower():
+    """At TP = 2 DDTree runs on the V1 runner, whose packaged profile chooses the chain; the
+    TP = 2 bench measured every DDTree budget slower than the chain there, so that choice is
+    the faster one, and bench_e2e.py recorded it as "auto"'s engine."""
+    import sys
+
+    from vllm_ddtree.config import choose_runner
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench_e2e import auto_choice_rows
+
+    with open(BENCH_TP2) as f:
+        summary = json.load(f)
+    assert summary["tensor_parallel_size"] == 2
+    assert choose_runner(on_gpu=True, has_recurrent_layers=False, tensor_parallel_size=2) == "v1"
+    rows = auto_choice_rows(summary)
+    assert rows == summary["auto"]
+    assert rows and {r["auto_serves"] for r in rows} == {"dflash"}
+    trees = [n for n in summary["engines"] if n.startswith("ddtree_b")]
+    assert trees, "the bench has DDTree rows to judge the choice by"
+    for r in rows:
+        for name in trees:
+            tree = next(
+                t
+                for t in summary["engines"][name]["rows"]
+                if (t["dataset"], t["batch"], t["temperature"])
+                == (r["dataset"], r["batch"], r["temperature"])
+            )
+            assert tree["tok_per_s"] < r["chain_tok_per_s"], (name, r["dataset"])
 
 
 def test_the_v2_profile_serves_trees_at_batch_1_and_the_chain_at_batch_16():
