@@ -1,27 +1,16 @@
 """benchmarks/pad_heads.py: zero-padded attention heads leave a target and a DFlash drafter
 computing what they computed (float32), with head counts that tensor parallelism can split."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
+from tests.benchmark_modules import load_benchmark
 from vllm_ddtree.dflash_drafter import DFlashDrafter, DFlashDrafterConfig, random_drafter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_pad_module():
-    path = os.path.join(ROOT, "benchmarks", "pad_heads.py")
-    spec = importlib.util.spec_from_file_location("pad_heads", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pad_heads = load_pad_module()
+pad_heads = load_benchmark("pad_heads")
 
 
 def test_padded_head_counts():

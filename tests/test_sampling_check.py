@@ -1,23 +1,12 @@
 """The GPU sampling check's scoring (``benchmarks/lossless_gpu.py``): what it passes and fails,
 and ``--score-sampling`` from the engines' result files a cut-short run leaves behind."""
 
-import importlib.util
 import json
-import os
 import random
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.benchmark_modules import load_benchmark
 
-
-def load_lossless_gpu():
-    path = os.path.join(ROOT, "benchmarks", "lossless_gpu.py")
-    spec = importlib.util.spec_from_file_location("lossless_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-lossless_gpu = load_lossless_gpu()
+lossless_gpu = load_benchmark("lossless_gpu")
 
 
 def draws(seed: int, weights: list[float], repeats: int = 400) -> list[list[int]]:

@@ -2,26 +2,20 @@
 for every anchor of a batch, the same block logits as the DFlash reference draft source, which
 is the network vLLM runs as ``DFlashDraftModel``."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
+from tests.benchmark_modules import load_benchmark
 from vllm_ddtree.dflash_drafter import random_drafter
 from vllm_ddtree.reference import DFlashDraftSource
 from vllm_ddtree.testing import TinyQwen3Spec, tiny_drafter_config, tiny_qwen3_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def load_train_module():
-    path = os.path.join(ROOT, "benchmarks", "train_dflash.py")
-    spec = importlib.util.spec_from_file_location("train_dflash", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("train_dflash")
 
 
 @pytest.fixture(scope="module")
