@@ -223,6 +223,30 @@ def check_two_tree_steps(atol: float = 1e-5) -> None:
             torch.testing.assert_close(got_window, window[r])
 
 
+def test_index_checks_pass_a_correct_step_and_name_a_bad_block(monkeypatch):
+    """``VLLM_DDTREE_CHECK_INDICES=1`` (a debugging switch): the two exact steps pass its
+    checks; a state-block index past the cache, which the commit would gather from, raises
+    naming the layer and the block instead of reaching the gather."""
+    monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
+    check_two_tree_steps()
+    gen = torch.Generator().manual_seed(1)
+    num_reqs, budget, depth = 2, 4, 3
+    tokens = budget + 1
+    layer = Layer(num_reqs, budget, gen)
+    table = (1 + torch.arange(num_reqs * tokens)).view(num_reqs, tokens).to(torch.int32)
+    step = HybridTreeStep(max_rows=4, tokens_per_row=tokens, device=torch.device("cpu"))
+    num_draft = torch.tensor([budget, budget])
+    ones = torch.ones(num_reqs, dtype=torch.int32)
+    tree_step(step, layer, table, ones, gen, budget, depth, num_draft)
+    (gdn_layer,) = step.layers.values()
+    gdn_layer.ssm_blocks[1, 2] = layer.ssm_cache.shape[0] + 5
+    accepted = torch.tensor([[0, 1, -1, -1], [0, 1, 2, -1]])
+    with pytest.raises(RuntimeError, match=r"GDN layer 0 SSM block out of range .*\[1, 2\]"):
+        step.commit(accepted, torch.tensor([1, 2]), num_draft)
+    with pytest.raises(RuntimeError, match="conv state block out of range"):
+        tree_step(step, layer, table + 1000, ones, gen, budget, depth, num_draft)
+
+
 @pytest.mark.parametrize("graph_pad", [1, 3])
 def test_a_graph_padded_batch_gives_the_unpadded_outputs_and_states(graph_pad):
     """In a full CUDA graph vLLM pads the recurrence's state-index table past the real rows

@@ -28,6 +28,7 @@ graph replays, which skip this Python, still fill them). SSM states must be floa
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,30 @@ from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_
 logger = logging.getLogger("vllm.ddtree")
 GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 NULL_BLOCK = 0  # vLLM's reserved block: writes there are harmless
+# A debugging switch: check every state-block index and path length the tree path reads before
+# it reads them, and raise naming the bad one (host syncs; outside CUDA-graph capture only).
+CHECK_INDICES_ENV = "VLLM_DDTREE_CHECK_INDICES"
+
+
+def checking_indices() -> bool:
+    """Whether ``VLLM_DDTREE_CHECK_INDICES=1`` and the device is not capturing a CUDA graph (a
+    check syncs the host, which a capture forbids)."""
+    if os.environ.get(CHECK_INDICES_ENV) != "1":
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_index_range(name: str, index: torch.Tensor, size: int, rows=None) -> None:
+    """Raise unless every entry of ``index`` (any integer shape; only ``rows``, a bool mask
+    over its first dimension, when given) lies in ``[0, size)``."""
+    values = index[rows] if rows is not None else index
+    bad = (values < 0) | (values >= size)
+    if bool(bad.any()):
+        where = torch.nonzero(bad)[:8].tolist()
+        raise RuntimeError(
+            f"vllm-ddtree: {name} out of range [0, {size}) at {where}: "
+            f"{values[bad][:8].tolist()} ({CHECK_INDICES_ENV}=1)"
+        )
 
 
 def gdn_gates_ref(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +213,10 @@ class HybridTreeStep:
         self.routed_calls += 1
         width = weight.shape[-1]
         layer = self._layer(conv_state, weight, x)
+        if checking_indices():
+            check_index_range("conv state block", conv_state_indices, conv_state.shape[0])
+            ends = query_start_loc[: num_rows + 1].long()
+            check_index_range("conv query_start_loc", ends, total + 1)
         index = self._token_index(query_start_loc, num_rows, total)
         layer.inputs[:num_rows].copy_(gather_rows(x, index))
         layer.conv_blocks[:num_rows].copy_(conv_state_indices)
@@ -252,6 +281,10 @@ class HybridTreeStep:
         start = ssm_state_indices.long().gather(
             1, (num_accepted_tokens[:num_rows].long() - 1).clamp(min=0).unsqueeze(1)
         )
+        if checking_indices():
+            blocks = initial_state.shape[0]
+            check_index_range("SSM state block", ssm_state_indices, blocks)
+            check_index_range("SSM start block", start, blocks)
         recurrence = tree_gated_delta if on_gpu else tree_gated_delta_ref
         out = recurrence(
             rows_of(q, num_k_heads, head_k),
@@ -288,9 +321,20 @@ class HybridTreeStep:
         taken = torch.zeros(spare, dtype=torch.long, device=accepted.device)
         taken.index_copy_(0, rows, num_accepted.long())
         valid = self.num_tokens > 0
+        check = checking_indices()
+        if check:
+            check_index_range("accepted drafts", taken, accepted.shape[1], valid)
+            check_index_range("accepted node", path, self.tokens_per_row, valid)
         leaf = path.gather(1, taken.unsqueeze(1))
         path_len = taken + 1
-        for layer in self.layers.values():
+        for number, layer in enumerate(self.layers.values()):
+            if check:
+                size = layer.conv_state.shape[0]
+                check_index_range(f"GDN layer {number} conv block", layer.conv_blocks, size, valid)
+                if layer.ssm_blocks is not None:
+                    size = layer.ssm_state.shape[0]
+                    name = f"GDN layer {number} SSM block"
+                    check_index_range(name, layer.ssm_blocks, size, valid)
             if layer.ssm_blocks is not None:
                 blocks = layer.ssm_blocks.long()
                 src = torch.where(valid, blocks.gather(1, leaf).squeeze(1), NULL_BLOCK)
