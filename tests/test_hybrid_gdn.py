@@ -247,6 +247,38 @@ def test_index_checks_pass_a_correct_step_and_name_a_bad_block(monkeypatch):
         tree_step(step, layer, table + 1000, ones, gen, budget, depth, num_draft)
 
 
+def test_index_checks_cover_vllms_gdn_metadata(monkeypatch):
+    """The same switch checks the state indices vLLM's GDN metadata builder hands its layers
+    (its prefill gathers SSM states by them), against the engine's block count."""
+    from types import SimpleNamespace
+
+    built = SimpleNamespace(
+        spec_state_indices_tensor=torch.tensor([[3, 4, 5], [6, 7, 8]]),
+        non_spec_state_indices_tensor=torch.tensor([9]),
+        prefill_state_indices=torch.tensor([9]),
+        num_accepted_tokens=torch.tensor([1, 3]),
+    )
+
+    class Builder:
+        vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=10))
+
+        def build(self, *args, **kwargs):
+            return built
+
+    hybrid_gdn.wrap_metadata_builder(Builder)
+    hybrid_gdn.wrap_metadata_builder(Builder)  # idempotent
+    assert Builder().build() is built  # the switch off: no check
+    monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
+    assert Builder().build() is built
+    built.prefill_state_indices = torch.tensor([2, 10])
+    with pytest.raises(RuntimeError, match="prefill_state_indices out of range"):
+        Builder().build()
+    built.prefill_state_indices = torch.tensor([2])
+    built.num_accepted_tokens = torch.tensor([1, 4])
+    with pytest.raises(RuntimeError, match="num_accepted_tokens"):
+        Builder().build()
+
+
 @pytest.mark.parametrize("graph_pad", [1, 3])
 def test_a_graph_padded_batch_gives_the_unpadded_outputs_and_states(graph_pad):
     """In a full CUDA graph vLLM pads the recurrence's state-index table past the real rows

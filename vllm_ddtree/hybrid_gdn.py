@@ -364,6 +364,47 @@ class HybridTreeStep:
         layer.conv_state[blocks, :, :kept] = new
 
 
+GDN_METADATA_MODULE = "vllm.v1.attention.backends.gdn_attn"
+# The state-index fields of vLLM's GatedDeltaNet metadata (all index the mamba cache's blocks).
+GDN_METADATA_BLOCK_FIELDS = (
+    "spec_state_indices_tensor",
+    "non_spec_state_indices_tensor",
+    "prefill_state_indices",
+)
+
+
+def check_gdn_metadata(metadata, num_blocks: int) -> None:
+    """Raise unless every state-block index of vLLM's GatedDeltaNet ``metadata`` lies in
+    ``[0, num_blocks)`` and ``num_accepted_tokens`` in ``[1, columns]`` of its spec table
+    (``VLLM_DDTREE_CHECK_INDICES=1``: vLLM's own prefill gathers states by these indices)."""
+    for name in GDN_METADATA_BLOCK_FIELDS:
+        index = getattr(metadata, name, None)
+        if index is not None and index.numel():
+            check_index_range(f"vLLM GDN metadata {name}", index, num_blocks)
+    spec = getattr(metadata, "spec_state_indices_tensor", None)
+    accepted = getattr(metadata, "num_accepted_tokens", None)
+    if spec is not None and accepted is not None and accepted.numel():
+        check_index_range("vLLM GDN metadata num_accepted_tokens - 1", accepted - 1, spec.shape[-1])
+
+
+def wrap_metadata_builder(builder_cls) -> None:
+    """Check each GatedDeltaNet metadata ``builder_cls.build`` returns (``check_gdn_metadata``
+    against the engine's block count) while ``VLLM_DDTREE_CHECK_INDICES=1``; idempotent."""
+    original = builder_cls.build
+    if hasattr(original, "ddtree_original"):
+        return
+
+    def build(self, *args, **kwargs):
+        metadata = original(self, *args, **kwargs)
+        num_blocks = getattr(self.vllm_config.cache_config, "num_gpu_blocks", None)
+        if num_blocks and checking_indices():
+            check_gdn_metadata(metadata, num_blocks)
+        return metadata
+
+    build.ddtree_original = original
+    builder_cls.build = build
+
+
 _ACTIVE: HybridTreeStep | None = None
 
 
@@ -525,6 +566,10 @@ def install(max_rows: int, tokens_per_row: int, device: torch.device) -> HybridT
             )
         if not hasattr(current, "ddtree_original"):
             setattr(module, name, make(current))
+    if os.environ.get(CHECK_INDICES_ENV) == "1":
+        wrap_metadata_builder(
+            importlib.import_module(GDN_METADATA_MODULE).GDNAttentionMetadataBuilder
+        )
     _ACTIVE = HybridTreeStep(max_rows, tokens_per_row, device)
     return _ACTIVE
 
