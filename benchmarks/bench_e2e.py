@@ -497,7 +497,8 @@ def main() -> int:
         type=int,
         default=1,
         help="tensor parallel size of every engine (a target and drafter whose heads it divides, "
-        "e.g. from benchmarks/pad_heads.py; DDTree engines then need --ddtree-runner v1)",
+        "e.g. from benchmarks/pad_heads.py); --ddtree-runner v1 measures what the plugin chooses "
+        "at TP > 1, v2 forces the V2 runner",
     )
     parser.add_argument(
         "--ddtree-runner",
