@@ -21,7 +21,8 @@ def test_padded_head_counts():
         pad_heads.padded_head_counts(9, 2, 2)
 
 
-def test_padded_llama_target_has_the_same_logits(tmp_path):
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_padded_llama_target_has_the_same_logits(tmp_path, attention_bias):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -36,8 +37,14 @@ def test_padded_llama_target_has_the_same_logits(tmp_path):
         max_position_embeddings=64,
         initializer_range=0.5,
         tie_word_embeddings=True,
+        attention_bias=attention_bias,  # q/k/v biases get zero entries for the new heads
     )
     model = LlamaForCausalLM(config).eval()
+    if attention_bias:
+        with torch.no_grad():  # nonzero biases, so that the padding is tested
+            for name, param in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    param.normal_()
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     model.save_pretrained(src)
     new_config = pad_heads.pad_checkpoint(src, dst, tp=2)
