@@ -277,6 +277,12 @@ def main() -> int:
         "where CI runs, never uses it)",
     )
     parser.add_argument(
+        "--sampling-chain",
+        action="store_true",
+        help="a control beside the sampling check: vLLM's own DFlash chain (same drafter, same "
+        "graphs) through the same requests, scored against the target alone the same way",
+    )
+    parser.add_argument(
         "--score-sampling",
         metavar="WORK",
         help="only score the sampling check from the engines' results in this work folder "
@@ -440,11 +446,25 @@ def main() -> int:
             "oracle": oracle_path,
             "sampling": sampling,
         }
+    if args.sampling_chain and not args.no_sampling:
+        # vLLM's chain, no tree and no oracle: do its steps (prefills beside 16-token verifies,
+        # the same graphs) pass where DDTree's do not?
+        chain = {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
+        chain["attention_backend"] = "TRITON_ATTN"  # the drafter's (non-causal) backend
+        jobs["sampling_dflash"] = {
+            **base,
+            "kwargs": {
+                "speculative_config": chain,
+                "attention_backend": "TREE_ATTN",  # the target's: the reference's kernel
+                **{k: v for k, v in sampling_kwargs.items() if k != "speculative_config"},
+            },
+            "sampling": sampling,
+        }
     results = run_jobs(jobs, args.work, max(1, args.parallel // args.tp), 480)
 
     rows = []
     for name, result in results.items():
-        if name == "sampling_ddtree":
+        if name in ("sampling_ddtree", "sampling_dflash"):
             continue
         budget, mode = int(name.split("_")[0][1:]), name.split("_")[1]
         if "error" in result:
@@ -512,6 +532,22 @@ def main() -> int:
         sampling_rows = [{"error": [e for e in errors if e]}]
     sampling_ok = args.no_sampling or sampling_passed(sampling_rows, sampling_accepted)
     print(json.dumps({"sampling": sampling_rows, "accepted_tokens": sampling_accepted}))
+    chain_control = None
+    if "sampling_dflash" in results:
+        control = results["sampling_dflash"]
+        if control.get("sampled") and sampled["target"]:
+            chain_control = {
+                "positions": sampling_positions(
+                    sampled["target"], control["sampled"], spec.vocab_size
+                ),
+                "accepted_tokens": control["metrics"].get(
+                    "vllm:spec_decode_num_accepted_tokens", 0
+                ),
+                "cudagraph_mode": control.get("cudagraph_mode"),
+            }
+        else:
+            chain_control = {"error": control.get("error", "no samples")}
+        print(json.dumps({"sampling_dflash_chain_control": chain_control}))
 
     os.makedirs(args.out, exist_ok=True)
     summary = {
@@ -543,6 +579,8 @@ def main() -> int:
             "positions": sampling_rows,
             "ddtree_accepted_tokens": sampling_accepted,
             "passed": sampling_ok,
+            # --sampling-chain: vLLM's DFlash chain through the same requests (a control).
+            "dflash_chain_control": chain_control,
         },
         "wall_seconds": time.time() - started,
     }
