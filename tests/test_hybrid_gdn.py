@@ -168,16 +168,23 @@ def test_kernels_under_interpreter():
     run_under_interpreter(__file__, "kernel_path", expected=1)
 
 
+def layer_table_step(num_reqs: int, budget: int, gen, max_rows: int = 4):
+    """A random GDN layer, its ``[R, 1 + budget]`` state-block table (vLLM's speculative layout,
+    blocks from 1) and a fresh ``HybridTreeStep`` for it."""
+    tokens = budget + 1
+    layer = Layer(num_reqs, budget, gen)
+    table = (1 + torch.arange(num_reqs * tokens)).view(num_reqs, tokens).to(torch.int32)
+    step = HybridTreeStep(max_rows=max_rows, tokens_per_row=tokens, device=torch.device("cpu"))
+    return layer, table, step
+
+
 def check_two_tree_steps(atol: float = 1e-5) -> None:
     """Two tree steps of a layer through ``HybridTreeStep`` (its dispatch picks the kernels or
     the references), each followed by the commit, equal decoding the accepted tokens one by
     one: outputs, SSM states and conv windows."""
     gen = torch.Generator().manual_seed(0)
     num_reqs, budget, depth = 2, 6, 4
-    tokens = budget + 1
-    layer = Layer(num_reqs, budget, gen)
-    table = (1 + torch.arange(num_reqs * tokens)).view(num_reqs, tokens).to(torch.int32)
-    step = HybridTreeStep(max_rows=4, tokens_per_row=tokens, device=torch.device("cpu"))
+    layer, table, step = layer_table_step(num_reqs, budget, gen)
     # The committed state each request starts from (vLLM: block [r, num_accepted - 1] = 0).
     window = [layer.conv_view()[int(table[r, 0]), :, : WIDTH - 1].clone() for r in range(num_reqs)]
     state = [layer.ssm_cache[int(table[r, 0])].transpose(-1, -2).clone() for r in range(num_reqs)]
@@ -231,10 +238,7 @@ def test_index_checks_pass_a_correct_step_and_name_a_bad_block(monkeypatch):
     check_two_tree_steps()
     gen = torch.Generator().manual_seed(1)
     num_reqs, budget, depth = 2, 4, 3
-    tokens = budget + 1
-    layer = Layer(num_reqs, budget, gen)
-    table = (1 + torch.arange(num_reqs * tokens)).view(num_reqs, tokens).to(torch.int32)
-    step = HybridTreeStep(max_rows=4, tokens_per_row=tokens, device=torch.device("cpu"))
+    layer, table, step = layer_table_step(num_reqs, budget, gen)
     num_draft = torch.tensor([budget, budget])
     ones = torch.ones(num_reqs, dtype=torch.int32)
     tree_step(step, layer, table, ones, gen, budget, depth, num_draft)
@@ -291,13 +295,10 @@ def check_graph_padding(graph_pad: int) -> None:
     """One tree step unpadded and padded by ``graph_pad`` requests as vLLM's full CUDA graph
     pads it: identical outputs and cache blocks."""
     num_reqs, budget, depth = 2, 5, 3
-    tokens = budget + 1
     results = []
     for pad in (0, graph_pad):
         gen = torch.Generator().manual_seed(3)
-        layer = Layer(num_reqs, budget, gen)
-        table = (1 + torch.arange(num_reqs * tokens)).view(num_reqs, tokens).to(torch.int32)
-        step = HybridTreeStep(max_rows=8, tokens_per_row=tokens, device=torch.device("cpu"))
+        layer, table, step = layer_table_step(num_reqs, budget, gen, max_rows=8)
         num_draft = torch.tensor([budget, budget - 1])
         accepted = torch.tensor([2, 1], dtype=torch.int32)
         *_, out = tree_step(step, layer, table, accepted, gen, budget, depth, num_draft, pad)
