@@ -188,6 +188,16 @@ def sampling_passed(rows: list[dict], accepted_tokens: int) -> bool:
     return bool(rows) and all(r.get("p_value", 0) > 1e-3 for r in rows) and accepted_tokens > 0
 
 
+def score_sampled(target_runs: list[list[int]], result: dict, vocab_size: int) -> dict:
+    """One speculative engine's samples (``result``, as ``run_engine`` returns it) against the
+    target alone's: ``positions`` (``sampling_positions``) and ``accepted_tokens`` (drafted
+    tokens the engine accepted, from vLLM's spec-decode counter)."""
+    return {
+        "positions": sampling_positions(target_runs, result["sampled"], vocab_size),
+        "accepted_tokens": result["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0),
+    }
+
+
 def score_sampling(work: str, vocab_size: int) -> dict:
     """The sampling check from the engines' results left in a ``--work`` folder
     (``sampling_target.job.json.result``, ``sampling_ddtree.job.json.result``): for a run whose
@@ -197,15 +207,15 @@ def score_sampling(work: str, vocab_size: int) -> dict:
         with open(os.path.join(work, f"{name}.job.json.result")) as f:
             results[name] = json.load(f)
     ddtree = results["sampling_ddtree"]
-    accepted = ddtree["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0)
-    rows = sampling_positions(results["sampling_target"]["sampled"], ddtree["sampled"], vocab_size)
+    scored = score_sampled(results["sampling_target"]["sampled"], ddtree, vocab_size)
     return {
         "repeats": len(ddtree["sampled"]),
-        "ddtree_engine": {k: ddtree.get(k) for k in ("runner", "cudagraph_mode")}
-        | {"async_scheduling": ddtree.get("async_scheduling")},
-        "positions": rows,
-        "ddtree_accepted_tokens": accepted,
-        "passed": sampling_passed(rows, accepted),
+        "ddtree_engine": {
+            k: ddtree.get(k) for k in ("runner", "cudagraph_mode", "async_scheduling")
+        },
+        "positions": scored["positions"],
+        "ddtree_accepted_tokens": scored["accepted_tokens"],
+        "passed": sampling_passed(scored["positions"], scored["accepted_tokens"]),
     }
 
 
@@ -520,9 +530,8 @@ def main() -> int:
     if args.no_sampling:
         sampling_rows, sampling_accepted = [], 0
     elif sampled["target"] and sampled["ddtree"]:
-        metrics = results["sampling_ddtree"]["metrics"]
-        sampling_accepted = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
-        sampling_rows = sampling_positions(sampled["target"], sampled["ddtree"], spec.vocab_size)
+        scored = score_sampled(sampled["target"], results["sampling_ddtree"], spec.vocab_size)
+        sampling_rows, sampling_accepted = scored["positions"], scored["accepted_tokens"]
     else:
         sampling_accepted = 0
         errors = [
@@ -536,15 +545,8 @@ def main() -> int:
     if "sampling_dflash" in results:
         control = results["sampling_dflash"]
         if control.get("sampled") and sampled["target"]:
-            chain_control = {
-                "positions": sampling_positions(
-                    sampled["target"], control["sampled"], spec.vocab_size
-                ),
-                "accepted_tokens": control["metrics"].get(
-                    "vllm:spec_decode_num_accepted_tokens", 0
-                ),
-                "cudagraph_mode": control.get("cudagraph_mode"),
-            }
+            chain_control = score_sampled(sampled["target"], control, spec.vocab_size)
+            chain_control["cudagraph_mode"] = control.get("cudagraph_mode")
         else:
             chain_control = {"error": control.get("error", "no samples")}
         print(json.dumps({"sampling_dflash_chain_control": chain_control}))
