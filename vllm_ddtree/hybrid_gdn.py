@@ -331,11 +331,11 @@ class HybridTreeStep:
             if check:
                 size = layer.conv_state.shape[0]
                 check_index_range(f"GDN layer {number} conv block", layer.conv_blocks, size, valid)
-                if layer.ssm_blocks is not None:
+            if layer.ssm_blocks is not None:
+                if check:
                     size = layer.ssm_state.shape[0]
                     name = f"GDN layer {number} SSM block"
                     check_index_range(name, layer.ssm_blocks, size, valid)
-            if layer.ssm_blocks is not None:
                 blocks = layer.ssm_blocks.long()
                 src = torch.where(valid, blocks.gather(1, leaf).squeeze(1), NULL_BLOCK)
                 dst = torch.where(
@@ -389,20 +389,21 @@ def check_gdn_metadata(metadata, num_blocks: int) -> None:
 
 def wrap_metadata_builder(builder_cls) -> None:
     """Check each GatedDeltaNet metadata ``builder_cls.build`` returns (``check_gdn_metadata``
-    against the engine's block count) while ``VLLM_DDTREE_CHECK_INDICES=1``; idempotent."""
-    original = builder_cls.build
-    if hasattr(original, "ddtree_original"):
-        return
+    against the engine's block count) while ``VLLM_DDTREE_CHECK_INDICES=1``; once per process
+    (``vllm_patches._wrap_function``)."""
+    from vllm_ddtree.vllm_patches import _wrap_function
 
-    def build(self, *args, **kwargs):
-        metadata = original(self, *args, **kwargs)
-        num_blocks = getattr(self.vllm_config.cache_config, "num_gpu_blocks", None)
-        if num_blocks and checking_indices():
-            check_gdn_metadata(metadata, num_blocks)
-        return metadata
+    def make_build(original):
+        def build(self, *args, **kwargs):
+            metadata = original(self, *args, **kwargs)
+            num_blocks = getattr(self.vllm_config.cache_config, "num_gpu_blocks", None)
+            if num_blocks and checking_indices():
+                check_gdn_metadata(metadata, num_blocks)
+            return metadata
 
-    build.ddtree_original = original
-    builder_cls.build = build
+        return build
+
+    _wrap_function(builder_cls, "build", GDN_METADATA_MODULE, make_build)
 
 
 _ACTIVE: HybridTreeStep | None = None
