@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from tests.benchmark_modules import load_benchmark
 from vllm_ddtree.config import DDTreeConfigError, split_speculative_config
 from vllm_ddtree.cost_model import (
     NEAR_TIE,
@@ -19,6 +20,7 @@ from vllm_ddtree.cost_model import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+bench_e2e = load_benchmark("bench_e2e")
 BENCH = os.path.join(ROOT, "benchmarks", "results", "bench_e2e.json")
 BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "v2_runner_f8ddc72", "bench_e2e.json")
 # A later bench on the V2 runner (not fitted: the packaged profile is judged against it).
@@ -85,15 +87,10 @@ def test_the_packaged_v2_profile_is_never_slower_than_the_chain_in_a_later_bench
     """The packaged V2 profile's choice at each batch size of a bench it was not fitted to,
     measured there (mean tok/s over the prompt sets of that batch), against the chain. (The
     bench recorded what "auto" served when it ran, budget 32 at batch 1, before ``NEAR_TIE``.)"""
-    import sys
-
-    sys.path.insert(0, ROOT)
-    from benchmarks.bench_e2e import auto_choice_rows
-
     with open(BENCH_V2_LATER) as f:
         summary = json.load(f)
     assert {r["auto_serves"] for r in summary["auto"] if r["batch"] == 1} == {"ddtree_v2_b32"}
-    rows = auto_choice_rows(summary)
+    rows = bench_e2e.auto_choice_rows(summary)
     for batch in sorted({r["batch"] for r in rows}):
         at_batch = [r for r in rows if r["batch"] == batch and r["temperature"] == 0]
         chosen = sum(r["auto_tok_per_s"] for r in at_batch) / len(at_batch)
@@ -117,12 +114,7 @@ def test_at_a_near_tie_the_smaller_tree_held_up_better_where_the_chain_is_strong
             engines = json.load(f)["engines"]
 
         def rate(name, dataset, engines=engines):
-            rows = engines[name]["rows"]
-            return next(
-                r["tok_per_s"]
-                for r in rows
-                if (r["dataset"], r["batch"], r["temperature"]) == (dataset, 1, 0)
-            )
+            return bench_e2e.engine_row(engines, name, dataset, 1, 0)["tok_per_s"]
 
         for budget in ratios:
             ratios[budget].append(
@@ -141,30 +133,21 @@ def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower(
     """At TP = 2 DDTree runs on the V1 runner, whose packaged profile chooses the chain; the
     TP = 2 bench measured every DDTree budget slower than the chain there, so that choice is
     the faster one, and bench_e2e.py recorded it as "auto"'s engine."""
-    import sys
-
     from vllm_ddtree.config import choose_runner
-
-    sys.path.insert(0, ROOT)
-    from benchmarks.bench_e2e import auto_choice_rows
 
     with open(BENCH_TP2) as f:
         summary = json.load(f)
     assert summary["tensor_parallel_size"] == 2
     assert choose_runner(on_gpu=True, has_recurrent_layers=False, tensor_parallel_size=2) == "v1"
-    rows = auto_choice_rows(summary)
+    rows = bench_e2e.auto_choice_rows(summary)
     assert rows == summary["auto"]
     assert rows and {r["auto_serves"] for r in rows} == {"dflash"}
     trees = [n for n in summary["engines"] if n.startswith("ddtree_b")]
     assert trees, "the bench has DDTree rows to judge the choice by"
     for r in rows:
         for name in trees:
-            tree = next(
-                t
-                for t in summary["engines"][name]["rows"]
-                if (t["dataset"], t["batch"], t["temperature"])
-                == (r["dataset"], r["batch"], r["temperature"])
-            )
+            key = (r["dataset"], r["batch"], r["temperature"])
+            tree = bench_e2e.engine_row(summary["engines"], name, *key)
             assert tree["tok_per_s"] < r["chain_tok_per_s"], (name, r["dataset"])
 
 
