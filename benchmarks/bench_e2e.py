@@ -729,7 +729,7 @@ def summarize(engines, args, budgets, batches, started, note: str = "") -> list[
         "batches": batches,
         "repeats": args.repeats,
         "compile": args.compile,
-        "tensor_parallel_size": getattr(args, "tp", 1),
+        "tensor_parallel_size": args.tp,
         "max_tokens": args.max_tokens,
         "engines": {
             k: {kk: vv for kk, vv in v.items() if kk != "outputs_t0"} for k, v in engines.items()

@@ -210,15 +210,15 @@ case "$STEP" in
     # at TP = 2 took ~85 s to start (the first on a fresh host): ENGINE_TIMEOUT defaults to 170.
     need_checkpoint
     TP_SIZE=${TP:-2}
-    PADDED=/tmp/tp$TP_SIZE
-    python3 benchmarks/pad_heads.py /tmp/train/SmolLM2-135M-Instruct \
-      "$PADDED/SmolLM2-135M-Instruct-tp$TP_SIZE" --tp "$TP_SIZE" || exit 6
-    python3 benchmarks/pad_heads.py "${DRAFTER:-/tmp/drafter}" \
-      "$PADDED/SmolLM2-135M-Instruct-DFlash-tp$TP_SIZE" --tp "$TP_SIZE" || exit 6
+    PADDED_TARGET=/tmp/tp$TP_SIZE/SmolLM2-135M-Instruct-tp$TP_SIZE
+    PADDED_DRAFTER=/tmp/tp$TP_SIZE/SmolLM2-135M-Instruct-DFlash-tp$TP_SIZE
+    python3 benchmarks/pad_heads.py /tmp/train/SmolLM2-135M-Instruct "$PADDED_TARGET" \
+      --tp "$TP_SIZE" || exit 6
+    python3 benchmarks/pad_heads.py "${DRAFTER:-/tmp/drafter}" "$PADDED_DRAFTER" \
+      --tp "$TP_SIZE" || exit 6
     WORK=${BENCH_WORK:-/tmp/vllm-ddtree-tp-bench}
     timeout "${BENCH_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py --work "$WORK" --tp "$TP_SIZE" \
-      --target "$PADDED/SmolLM2-135M-Instruct-tp$TP_SIZE" \
-      --drafter "$PADDED/SmolLM2-135M-Instruct-DFlash-tp$TP_SIZE" \
+      --target "$PADDED_TARGET" --drafter "$PADDED_DRAFTER" \
       --prompts /tmp/prompts.json --out "$OUT" --deadline "${DEADLINE:-540}" \
       --compile "${COMPILE:-graphs}" --skip "${SKIP:-dflash_v1}" --budgets "${BUDGETS:-16,32}" \
       --batches "${BATCHES:-1}" --temperatures "${TEMPS:-0}" \
