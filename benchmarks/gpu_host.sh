@@ -14,6 +14,7 @@
 #                  options, SKIP_LOSSLESS=1 leaves the grid out)
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
+#       tp-grid  - two GPUs: lossless_gpu.py --tp 2 alone (LOSSLESS_ARGS, e.g. --runner v2)
 #       pair     - lossless_pair.py on one GPU (PAIR_DTYPES, default float32)
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
 #       tp-bench - bench_e2e.py at tensor parallel TP on the SmolLM2 pair, heads zero-padded
@@ -133,6 +134,15 @@ case "$STEP" in
       echo "pair $dtype rc=$?"; grep -E '^\{' "$OUT/lossless_pair_$dtype.log" | cut -c1-300
     done
     wait $TP; echo "tp rc=$?"
+    grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_tp2.log" | cut -c1-300 ;;
+  tp-grid)
+    # Two GPUs: the oracle grid alone at tensor parallel 2 (no checkpoint needed;
+    # LOSSLESS_ARGS adds options, e.g. "--runner v2 --quick": DDTree on the V2 runner at TP = 2).
+    timeout "${TP_TIMEOUT:-420}" python3 benchmarks/lossless_gpu.py --tp 2 \
+      --parallel "${TP_PARALLEL:-6}" --budgets "${TP_BUDGETS:-8,64}" --modes graphs \
+      --work /tmp/vllm-ddtree-tp-grid ${LOSSLESS_ARGS:-} --out "$OUT" \
+      > "$OUT/lossless_gpu_tp2.log" 2>&1
+    echo "tp grid rc=$?"; (cd /tmp/vllm-ddtree-tp-grid && tar czf "$OUT/tp_grid_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_tp2.log" | cut -c1-300 ;;
   pair)
     # The real pair against the target alone on one GPU (lossless_pair.py; PAIR_DTYPES, e.g.
