@@ -255,8 +255,8 @@ def main() -> int:
         choices=("qwen3_next", "qwen3_5"),
         default="qwen3_next",
         help="with --hybrid: the tiny target's class, Qwen3NextForCausalLM (MoE, needs bundle "
-        "part 3) or Qwen3_5ForConditionalGeneration (dense Qwen3.5/3.6; vLLM imports its image "
-        "processor, so the host needs torchvision)",
+        "part 3) or Qwen3_5ForConditionalGeneration (dense Qwen3.5/3.6, served with "
+        "language_model_only: text prompts, no vision tower)",
     )
     parser.add_argument(
         "--hybrid-states",
@@ -391,6 +391,10 @@ def main() -> int:
         os.environ["VLLM_DDTREE_HYBRID"] = "1"
         engine_extra.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
         engine_extra["mamba_ssm_cache_dtype"] = args.hybrid_states
+        if args.hybrid_arch == "qwen3_5":
+            # Text prompts only: vLLM then builds no image processor (the tiny checkpoint has
+            # no preprocessor config) and runs no vision tower.
+            engine_extra["language_model_only"] = True
 
     if args.runner != "auto":
         os.environ["VLLM_DDTREE_RUNNER"] = args.runner  # the engines' processes inherit it

@@ -79,7 +79,9 @@ def chain_outputs(layer: Layer, window, state, x, a, b):
     return out, pool[n - 1], history
 
 
-def tree_step(step, layer, table, num_accepted, gen, budget, depth, num_draft, graph_pad=0):
+def tree_step(
+    step, layer, table, num_accepted, gen, budget, depth, num_draft, graph_pad=0, publish=True
+):
     """One verify forward of the layer through the step's dispatch targets. Row ``r`` has
     ``1 + num_draft[r]`` tokens (vLLM may schedule fewer drafts than the budget; the tree is
     then cut to its first ``num_draft[r]`` nodes, as the runner hooks do). Returns the trees and
@@ -89,11 +91,13 @@ def tree_step(step, layer, table, num_accepted, gen, budget, depth, num_draft, g
     CUDA graph padded by that many requests (and as many tokens): ``query_start_loc`` of the
     conv call and ``ssm_state_indices`` / ``num_accepted_tokens`` of the recurrence padded
     (null block 0, one accepted), the conv's state indices and the recurrence's ``cu_seqlens``
-    for the real rows only."""
+    for the real rows only. ``publish=False``: another layer of the step the last published
+    trees belong to."""
     num_reqs, tokens = table.shape
     trees = build_trees(torch.randn(num_reqs, depth, 3, generator=gen) * 2, budget)
     trees.num_nodes = torch.minimum(trees.num_nodes, num_draft)
-    step.publish(trees.parents, trees.num_nodes, num_draft)
+    if publish:
+        step.publish(trees.parents, trees.num_nodes, num_draft)
     lengths = 1 + num_draft
     query_start = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     total = int(query_start[-1])
@@ -232,8 +236,9 @@ def check_two_tree_steps(atol: float = 1e-5) -> None:
 
 def test_index_checks_pass_a_correct_step_and_name_a_bad_block(monkeypatch):
     """``VLLM_DDTREE_CHECK_INDICES=1`` (a debugging switch): the two exact steps pass its
-    checks; a state-block index past the cache, which the commit would gather from, raises
-    naming the layer and the block instead of reaching the gather."""
+    checks; a state-block index past the cache raises naming the layer and the block instead
+    of reaching a gather, and so does a block buffer written over between the forward's GDN
+    call and the commit (on the H200 something wrote floats there: the check names where)."""
     monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
     check_two_tree_steps()
     gen = torch.Generator().manual_seed(1)
@@ -242,13 +247,44 @@ def test_index_checks_pass_a_correct_step_and_name_a_bad_block(monkeypatch):
     num_draft = torch.tensor([budget, budget])
     ones = torch.ones(num_reqs, dtype=torch.int32)
     tree_step(step, layer, table, ones, gen, budget, depth, num_draft)
+    step.watch("nowhere")  # nothing wrote over the buffers
     (gdn_layer,) = step.layers.values()
     gdn_layer.ssm_blocks[1, 2] = layer.ssm_cache.shape[0] + 5
+    with pytest.raises(
+        RuntimeError,
+        match=r"GDN layer 0's SSM state blocks were written over "
+        r"in the walk \(step 1, rows \[1\]",
+    ):
+        step.watch("in the walk")
     accepted = torch.tensor([[0, 1, -1, -1], [0, 1, 2, -1]])
-    with pytest.raises(RuntimeError, match=r"GDN layer 0 SSM block out of range .*\[1, 2\]"):
+    with pytest.raises(RuntimeError, match="written over before the GDN commit"):
         step.commit(accepted, torch.tensor([1, 2]), num_draft)
+    bad = table.clone()
+    bad[1, 2] = layer.ssm_cache.shape[0] + 5
+    with pytest.raises(RuntimeError, match=r"SSM state block out of range .*\[1, 2\]"):
+        tree_step(step, layer, bad, ones, gen, budget, depth, num_draft)
     with pytest.raises(RuntimeError, match="conv state block out of range"):
         tree_step(step, layer, table + 1000, ones, gen, budget, depth, num_draft)
+
+
+def test_index_checks_name_a_gdn_layer_the_step_did_not_route(monkeypatch):
+    """With the checks on, a step whose GDN layers ran eagerly but skipped one layer's tree
+    call (its buffers still describe the previous step) raises before the commit reads them."""
+    monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
+    gen = torch.Generator().manual_seed(2)
+    num_reqs, budget, depth = 2, 4, 3
+    first, table, step = layer_table_step(num_reqs, budget, gen)
+    second = Layer(num_reqs, budget, gen)
+    num_draft = torch.tensor([budget, budget])
+    ones = torch.ones(num_reqs, dtype=torch.int32)
+    for layer, publish in ((first, True), (second, False)):
+        tree_step(step, layer, table, ones, gen, budget, depth, num_draft, publish=publish)
+    accepted = torch.tensor([[0, 1, -1, -1], [0, 1, 2, -1]])
+    taken = torch.tensor([1, 2])
+    step.commit(accepted, taken, num_draft)  # both layers called: passes
+    tree_step(step, first, table, ones, gen, budget, depth, num_draft)  # the next step: one
+    with pytest.raises(RuntimeError, match=r"GDN layers \[1\] did not run"):
+        step.commit(accepted, taken, num_draft)
 
 
 def test_index_checks_cover_vllms_gdn_metadata(monkeypatch):

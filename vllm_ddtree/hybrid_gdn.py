@@ -111,6 +111,10 @@ class GDNLayerStep:
         window: ``K - 1``, the committed inputs the conv reads.
         ssm_state: float32 ``[blocks, Hv, V, K]`` SSM cache (set by the recurrence call).
         ssm_blocks: int32 ``[rows, T]``, each node's state block.
+        number: the layer's place in call order (0 = the first GDN layer), for messages.
+        written_at: the step whose eager call last filled ``conv_blocks`` / ``ssm_blocks``
+            (kept only while ``VLLM_DDTREE_CHECK_INDICES=1``), with copies of what it wrote
+            in ``expected_conv_blocks`` / ``expected_ssm_blocks``.
     """
 
     conv_state: torch.Tensor
@@ -119,6 +123,10 @@ class GDNLayerStep:
     window: int
     ssm_state: torch.Tensor | None = None
     ssm_blocks: torch.Tensor | None = None
+    number: int = 0
+    written_at: int = -1
+    expected_conv_blocks: torch.Tensor | None = None
+    expected_ssm_blocks: torch.Tensor | None = None
 
 
 class HybridTreeStep:
@@ -138,6 +146,8 @@ class HybridTreeStep:
         self.layers: dict[int, GDNLayerStep] = {}
         self._conv_layer: GDNLayerStep | None = None
         self.routed_calls = 0  # speculative GDN calls sent to the tree kernels
+        self.step_number = 0  # publish() counts the verify steps
+        self._routed_at_publish = 0
 
     def _rows_of(self, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch row -> speculative row (requests with drafts, in order; others -> the spare
@@ -149,6 +159,8 @@ class HybridTreeStep:
     def publish(self, parents: torch.Tensor, num_nodes: torch.Tensor, num_draft: torch.Tensor):
         """Before the forward: the trees' ``parents`` long ``[R, B]`` (tree index of each
         node's parent, 0 = root) and ``num_nodes`` long ``[R]``, batch rows -> spec rows."""
+        self.step_number += 1
+        self._routed_at_publish = self.routed_calls
         rows, has = self._rows_of(num_draft)
         width = min(parents.shape[1], self.tokens_per_row - 1)
         table = torch.full(
@@ -175,6 +187,7 @@ class HybridTreeStep:
                 conv_blocks=torch.zeros(rows, dtype=torch.int32, device=x.device),
                 inputs=torch.zeros(rows, tokens, x.shape[-1], dtype=x.dtype, device=x.device),
                 window=width - 1,
+                number=len(self.layers),
             )
             self.layers[key] = layer
         layer.conv_state = conv_state  # the cache the engine uses now (not a profiling one)
@@ -185,6 +198,48 @@ class HybridTreeStep:
         fewer drafts than the budget, e.g. near ``max_model_len``; the trees were cut to
         match."""
         return row_token_index(query_start_loc, num_rows, self.tokens_per_row, total)
+
+    def watch(self, where: str) -> None:
+        """With ``VLLM_DDTREE_CHECK_INDICES=1`` (outside CUDA-graph capture): raise, naming
+        ``where`` (the operations since the last watch), if any GDN layer's state-block
+        buffers no longer hold what this step's eager calls wrote there: something wrote over
+        them. A no-op otherwise."""
+        if not checking_indices():
+            return
+        for layer in self.layers.values():
+            if layer.written_at != self.step_number:
+                continue
+            for name, buffer, expected in (
+                ("conv", layer.conv_blocks, layer.expected_conv_blocks),
+                ("SSM", layer.ssm_blocks, layer.expected_ssm_blocks),
+            ):
+                if expected is None or buffer is None:
+                    continue
+                found = buffer[: expected.shape[0]]
+                changed = (found != expected).reshape(expected.shape[0], -1).any(1)
+                if bool(changed.any()):
+                    rows = torch.nonzero(changed).flatten()[:4].tolist()
+                    raise RuntimeError(
+                        f"vllm-ddtree: GDN layer {layer.number}'s {name} state blocks were "
+                        f"written over {where} (step {self.step_number}, rows {rows}: "
+                        f"{found[rows].tolist()} instead of {expected[rows].tolist()}; "
+                        f"{CHECK_INDICES_ENV}=1)"
+                    )
+
+    def _check_every_layer_called(self) -> None:
+        """With the index checks on, after a step whose layers ran eagerly (not a full CUDA
+        graph replay, where no Python runs): every GDN layer must have gone through the tree
+        path this step, or its buffers still describe an earlier step."""
+        if self.routed_calls == self._routed_at_publish:
+            return  # a full-graph replay: the graph filled the buffers
+        stale = [
+            layer.number for layer in self.layers.values() if layer.written_at != self.step_number
+        ]
+        if stale and bool((self.num_tokens > 0).any()):
+            raise RuntimeError(
+                f"vllm-ddtree: GDN layers {stale} did not run through the tree path in step "
+                f"{self.step_number}, whose trees the commit applies ({CHECK_INDICES_ENV}=1)"
+            )
 
     def tree_conv(
         self,
@@ -213,13 +268,19 @@ class HybridTreeStep:
         self.routed_calls += 1
         width = weight.shape[-1]
         layer = self._layer(conv_state, weight, x)
-        if checking_indices():
+        check = checking_indices()
+        if check:
+            self.watch(f"before GDN layer {layer.number}'s conv call")
             check_index_range("conv state block", conv_state_indices, conv_state.shape[0])
             ends = query_start_loc[: num_rows + 1].long()
             check_index_range("conv query_start_loc", ends, total + 1)
         index = self._token_index(query_start_loc, num_rows, total)
         layer.inputs[:num_rows].copy_(gather_rows(x, index))
         layer.conv_blocks[:num_rows].copy_(conv_state_indices)
+        if check:
+            layer.written_at = self.step_number
+            layer.expected_conv_blocks = layer.conv_blocks[:num_rows].clone()
+            layer.expected_ssm_blocks = None
         conv = tree_causal_conv1d if use_triton(x.device) else tree_causal_conv1d_ref
         rows = conv(
             layer.inputs[:num_rows],
@@ -232,6 +293,8 @@ class HybridTreeStep:
             activation="silu" if activation in (True, "silu", "swish") else None,
         )
         self._conv_layer = layer
+        if check:
+            self.watch(f"in GDN layer {layer.number}'s tree conv")
         return scatter_rows(rows, index, total)
 
     def tree_recurrence(
@@ -281,7 +344,9 @@ class HybridTreeStep:
         start = ssm_state_indices.long().gather(
             1, (num_accepted_tokens[:num_rows].long() - 1).clamp(min=0).unsqueeze(1)
         )
-        if checking_indices():
+        check = checking_indices()
+        if check:
+            self.watch("between a GDN layer's conv and recurrence calls")
             blocks = initial_state.shape[0]
             check_index_range("SSM state block", ssm_state_indices, blocks)
             check_index_range("SSM start block", start, blocks)
@@ -307,6 +372,9 @@ class HybridTreeStep:
                 self.max_rows + 1, self.tokens_per_row, dtype=torch.int32, device=q.device
             )
         layer.ssm_blocks[:num_rows].copy_(ssm_state_indices)
+        if check:
+            layer.expected_ssm_blocks = layer.ssm_blocks[:num_rows].clone()
+            self.watch(f"in GDN layer {layer.number}'s tree recurrence")
         return scatter_rows(out, index, total).unsqueeze(0), initial_state
 
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor):
@@ -323,6 +391,8 @@ class HybridTreeStep:
         valid = self.num_tokens > 0
         check = checking_indices()
         if check:
+            self.watch("before the GDN commit")
+            self._check_every_layer_called()
             check_index_range("accepted drafts", taken, accepted.shape[1], valid)
             check_index_range("accepted node", path, self.tokens_per_row, valid)
         leaf = path.gather(1, taken.unsqueeze(1))

@@ -397,11 +397,16 @@ def _wrap_sample(original):
                 output_size=logits.shape[0],
             )
 
+        gdn = hybrid_gdn.active_step()
+        if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
+            gdn.watch("in the target's forward after its last GDN layer, or its logits")
         with step_range("ddtree::target_tokens"):
             _ban_stop_tokens_before_min_tokens(
                 logits, sampling_metadata, trees, first_row, step.num_draft
             )
             chosen = _target_tokens(logits, sampling_metadata, request_of_row)
+        if gdn is not None:
+            gdn.watch("in choosing the target's tokens")
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
         out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1
         with step_range("ddtree::follow_tree"):
@@ -411,10 +416,12 @@ def _wrap_sample(original):
         step.accepted, step.num_accepted = accepted, num_accepted
         if os.environ.get(RANK_CHECK_ENV) == "1":
             _check_ranks_agree(step)
+        if gdn is not None:
+            gdn.watch("in the walk")
         with step_range("ddtree::commit_kv"):
             _commit_kv(self, step)
-            gdn = hybrid_gdn.active_step()
             if gdn is not None:
+                gdn.watch("in the KV commit")
                 gdn.commit(accepted, num_accepted, step.num_draft)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
 
