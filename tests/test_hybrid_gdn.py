@@ -424,3 +424,42 @@ def test_the_gdn_layers_speculative_rows_must_be_the_tree_rows():
         check_gdn_rows_are_tree_rows(np.array([8, -1, 5]), np.array([8, 8, 5]))
     with pytest.raises(RuntimeError, match=r"batch rows \[0, 2\]"):
         check_gdn_rows_are_tree_rows(np.array([-1, -1, 0]), np.array([8, 0, 0]))
+
+
+class GDNLikeModule(torch.nn.Module):
+    """What ``prepare_layers`` looks for: vLLM's GDN layer holds ``conv1d.weight`` ``[C, 1, K]``
+    and ``A_log``."""
+
+    def __init__(self, layer: Layer):
+        super().__init__()
+        self.conv1d = torch.nn.Module()
+        self.conv1d.weight = torch.nn.Parameter(layer.weight.unsqueeze(1))
+        self.A_log = torch.nn.Parameter(layer.A_log)
+
+
+def test_layer_buffers_are_made_before_capture_and_the_calls_use_them(monkeypatch):
+    """Buffers made inside a CUDA-graph capture come from the graph pool, where the piecewise
+    graphs captured earlier keep their temporaries: on the H200 their replays wrote floats over
+    a layer's block buffers between its GDN call and the commit (hybrid sampling with vLLM's
+    default FULL_AND_PIECEWISE graphs). ``prepare_layers`` (run before vLLM captures) makes them
+    for every GDN layer of the model, the layers' calls find those same buffers, and a layer
+    first seen inside a capture is refused with a clear error instead."""
+    gen = torch.Generator().manual_seed(3)
+    num_reqs, budget, depth = 2, 4, 3
+    layer, table, step = layer_table_step(num_reqs, budget, gen)
+    model = torch.nn.Sequential(GDNLikeModule(layer), torch.nn.Linear(2, 2))
+    assert step.prepare_layers(model) == 1
+    (prepared,) = step.layers.values()
+    assert prepared.inputs.shape == (step.max_rows + 1, budget + 1, CHANNELS)
+    # The layer's calls pass the view of the same weight (vLLM: conv1d.weight.view(C, K)).
+    layer.weight = model[0].conv1d.weight.data.view(CHANNELS, WIDTH)
+    ones = torch.ones(num_reqs, dtype=torch.int32)
+    num_draft = torch.tensor([budget, budget])
+    tree_step(step, layer, table, ones, gen, budget, depth, num_draft)
+    (used,) = step.layers.values()
+    assert used is prepared and used.conv_blocks.data_ptr() == prepared.conv_blocks.data_ptr()
+    assert used.conv_blocks[:num_reqs].tolist() == table[:, 0].tolist()
+    monkeypatch.setattr(hybrid_gdn, "capturing", lambda: True)
+    other = Layer(num_reqs, budget, gen)
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        tree_step(step, other, table, ones, gen, budget, depth, num_draft)

@@ -45,12 +45,17 @@ NULL_BLOCK = 0  # vLLM's reserved block: writes there are harmless
 CHECK_INDICES_ENV = "VLLM_DDTREE_CHECK_INDICES"
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def checking_indices() -> bool:
     """Whether ``VLLM_DDTREE_CHECK_INDICES=1`` and the device is not capturing a CUDA graph (a
     check syncs the host, which a capture forbids)."""
     if os.environ.get(CHECK_INDICES_ENV) != "1":
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not capturing()
 
 
 def check_index_range(name: str, index: torch.Tensor, size: int, rows=None) -> None:
@@ -104,8 +109,13 @@ def scatter_rows(rows: torch.Tensor, index: torch.Tensor, total: int) -> torch.T
 class GDNLayerStep:
     """One GDN layer's view of the step, in persistent buffers (rows = speculative rows).
 
+    The buffers exist before any CUDA graph is captured (``HybridTreeStep.prepare_layers``):
+    memory taken inside a capture belongs to vLLM's graph pool, where the temporaries of graphs
+    captured earlier (the piecewise ones) live, so their replays would write over it.
+
     Attributes:
-        conv_state: the ``[blocks, C, K - 1 + B]`` conv cache view vLLM passed.
+        conv_state: the ``[blocks, C, K - 1 + B]`` conv cache view vLLM passed (None until the
+            layer's first call).
         conv_blocks: int32 ``[rows]``, each row's block 0.
         inputs: ``[rows, T, C]``, the conv inputs of every tree token (T = 1 + B).
         window: ``K - 1``, the committed inputs the conv reads.
@@ -117,12 +127,12 @@ class GDNLayerStep:
             in ``expected_conv_blocks`` / ``expected_ssm_blocks``.
     """
 
-    conv_state: torch.Tensor
+    conv_state: torch.Tensor | None
     conv_blocks: torch.Tensor
     inputs: torch.Tensor
     window: int
+    ssm_blocks: torch.Tensor
     ssm_state: torch.Tensor | None = None
-    ssm_blocks: torch.Tensor | None = None
     number: int = 0
     written_at: int = -1
     expected_conv_blocks: torch.Tensor | None = None
@@ -171,6 +181,46 @@ class HybridTreeStep:
         self.parents.index_copy_(0, rows, table)
         self.num_tokens.index_copy_(0, rows, torch.where(has, num_nodes.long() + 1, 0))
 
+    def _add_layer(
+        self, key: int, channels: int, width: int, dtype: torch.dtype, device: torch.device
+    ) -> GDNLayerStep:
+        """New (or resized) buffers for the GDN layer whose conv weight starts at ``key``."""
+        if capturing():
+            raise RuntimeError(
+                "vllm-ddtree: a GatedDeltaNet layer reached the tree path for the first time "
+                "inside a CUDA-graph capture; its buffers must exist before capture (memory "
+                "taken there belongs to the graph pool, which other graphs' replays overwrite): "
+                "HybridTreeStep.prepare_layers did not find this layer in the model"
+            )
+        rows, tokens = self.max_rows + 1, self.tokens_per_row
+        known = self.layers.get(key)
+        layer = GDNLayerStep(
+            conv_state=None,
+            conv_blocks=torch.zeros(rows, dtype=torch.int32, device=device),
+            inputs=torch.zeros(rows, tokens, channels, dtype=dtype, device=device),
+            window=width - 1,
+            ssm_blocks=torch.zeros(rows, tokens, dtype=torch.int32, device=device),
+            number=known.number if known is not None else len(self.layers),
+        )
+        self.layers[key] = layer
+        return layer
+
+    def prepare_layers(self, model: torch.nn.Module) -> int:
+        """Before CUDA graphs are captured: buffers for every GatedDeltaNet layer of ``model``
+        (vLLM's ``QwenGatedDeltaNetAttention``, found by its ``conv1d`` and ``A_log``), keyed
+        as the calls find them. Returns how many layers have buffers."""
+        for module in model.modules():
+            conv = getattr(module, "conv1d", None)
+            weight = getattr(conv, "weight", None)
+            if weight is None or not hasattr(module, "A_log") or weight.dim() != 3:
+                continue
+            key = weight.data_ptr()
+            known = self.layers.get(key)
+            channels, width = weight.shape[0], weight.shape[-1]
+            if known is None or known.inputs.shape[-1] != channels:
+                self._add_layer(key, channels, width, weight.dtype, weight.device)
+        return len(self.layers)
+
     def _layer(
         self, conv_state: torch.Tensor, weight: torch.Tensor, x: torch.Tensor
     ) -> GDNLayerStep:
@@ -178,18 +228,9 @@ class HybridTreeStep:
         one cache tensor (vLLM's hybrid allocator gives one tensor to a layer of each KV-cache
         group, each addressing its own blocks), so the cache cannot tell them apart."""
         key = weight.data_ptr()
-        width = weight.shape[-1]
         layer = self.layers.get(key)
-        if layer is None:
-            rows, tokens = self.max_rows + 1, self.tokens_per_row
-            layer = GDNLayerStep(
-                conv_state=conv_state,
-                conv_blocks=torch.zeros(rows, dtype=torch.int32, device=x.device),
-                inputs=torch.zeros(rows, tokens, x.shape[-1], dtype=x.dtype, device=x.device),
-                window=width - 1,
-                number=len(self.layers),
-            )
-            self.layers[key] = layer
+        if layer is None or layer.inputs.dtype != x.dtype or layer.inputs.shape[-1] != x.shape[-1]:
+            layer = self._add_layer(key, x.shape[-1], weight.shape[-1], x.dtype, x.device)
         layer.conv_state = conv_state  # the cache the engine uses now (not a profiling one)
         return layer
 
@@ -367,10 +408,6 @@ class HybridTreeStep:
         layer = self._conv_layer
         assert layer is not None, "the conv call comes first in each GDN layer"
         layer.ssm_state = initial_state
-        if layer.ssm_blocks is None:
-            layer.ssm_blocks = torch.zeros(
-                self.max_rows + 1, self.tokens_per_row, dtype=torch.int32, device=q.device
-            )
         layer.ssm_blocks[:num_rows].copy_(ssm_state_indices)
         if check:
             layer.expected_ssm_blocks = layer.ssm_blocks[:num_rows].clone()
@@ -398,10 +435,12 @@ class HybridTreeStep:
         leaf = path.gather(1, taken.unsqueeze(1))
         path_len = taken + 1
         for number, layer in enumerate(self.layers.values()):
+            if layer.conv_state is None:
+                continue  # prepared before capture, never called yet
             if check:
                 size = layer.conv_state.shape[0]
                 check_index_range(f"GDN layer {number} conv block", layer.conv_blocks, size, valid)
-            if layer.ssm_blocks is not None:
+            if layer.ssm_state is not None:
                 if check:
                     size = layer.ssm_state.shape[0]
                     name = f"GDN layer {number} SSM block"

@@ -80,7 +80,7 @@ def step_fingerprint(step: StepTrees) -> torch.Tensor:
     )
 
 
-def _check_ranks_agree(step: StepTrees) -> None:
+def check_ranks_agree(step: StepTrees) -> None:
     """``VLLM_DDTREE_CHECK_RANKS=1`` (a check for tests; one all-gather and one host sync per
     step): every tensor-parallel rank built and walked the same trees. Raises otherwise."""
     from vllm.distributed import (
@@ -92,8 +92,8 @@ def _check_ranks_agree(step: StepTrees) -> None:
     world = get_tensor_model_parallel_world_size()
     if world < 2:
         return
-    if not getattr(_check_ranks_agree, "announced", False):
-        _check_ranks_agree.announced = True
+    if not getattr(check_ranks_agree, "announced", False):
+        check_ranks_agree.announced = True
         logger.info("vllm-ddtree: checking that the %d tensor-parallel ranks agree", world)
     mine = step_fingerprint(step)
     every = tensor_model_parallel_all_gather(mine.unsqueeze(0), dim=0)  # [world, 4]
@@ -415,7 +415,7 @@ def _wrap_sample(original):
             )
         step.accepted, step.num_accepted = accepted, num_accepted
         if os.environ.get(RANK_CHECK_ENV) == "1":
-            _check_ranks_agree(step)
+            check_ranks_agree(step)
         if gdn is not None:
             gdn.watch("in the walk")
         with step_range("ddtree::commit_kv"):
@@ -559,7 +559,22 @@ def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
     )
 
 
+def _wrap_capture_model(original):
+    @functools.wraps(original)
+    def capture_model(self, *args, **kwargs):
+        # Hybrid targets: the GDN tree path's per-layer buffers exist before the first capture
+        # (inside one they would come from the graph pool, which replays overwrite).
+        gdn = hybrid_gdn.active_step()
+        if gdn is not None and _ddtree_proposer(self) is not None:
+            found = gdn.prepare_layers(self.get_model())
+            logger.info("vllm-ddtree: buffers for %d GatedDeltaNet layers before capture", found)
+        return original(self, *args, **kwargs)
+
+    return capture_model
+
+
 EXPECTED_SIGNATURES = {
+    "capture_model": ["self"],
     "_prepare_inputs": ["self", "scheduler_output", "num_scheduled_tokens"],
     "_sample": ["self", "logits", "spec_decode_metadata"],
     "propose_draft_token_ids": [
@@ -590,6 +605,7 @@ def install() -> None:
             )
 
     for name, wrap in (
+        ("capture_model", _wrap_capture_model),
         ("_prepare_inputs", _wrap_prepare_inputs),
         ("_sample", _wrap_sample),
         ("propose_draft_token_ids", _wrap_propose),
