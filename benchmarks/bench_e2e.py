@@ -315,20 +315,21 @@ def update_readme(readme: str, summary: dict, rows_link: str) -> None:
 
 def auto_choice_rows(summary: dict) -> list[dict]:
     """What ``"tree_budget": "auto"`` serves at each batch size the chain was measured at:
-    ``choose_budget`` on the packaged cost profile of the DDTree engines' runner (V2 when the run
-    has V2 tree engines) at ``max_num_seqs`` = the batch, and that engine's measured tok/s
+    ``choose_automatic`` with the packaged cost profile of the DDTree engines' runner (V2 when
+    the run has V2 tree engines) at the run's tensor parallel size and ``max_num_seqs`` = the
+    batch, and that engine's measured tok/s
     beside the chain's (one dict per chain row; ``auto_tok_per_s`` None when the chosen budget
     was not measured in this run)."""
-    from vllm_ddtree.cost_model import choose_budget, load_profile
+    from vllm_ddtree.cost_model import choose_automatic
 
     engines = summary["engines"]
     on_v2 = any(name.startswith("ddtree_v2_b") for name in engines)
     prefix = "ddtree_v2_b" if on_v2 else "ddtree_b"
-    profile = load_profile(runner="V2" if on_v2 else "V1")
+    runner, tp = ("V2" if on_v2 else "V1"), summary.get("tensor_parallel_size", 1)
     rows = []
     for chain in engines.get("dflash", {}).get("rows", []):
         key = (chain["dataset"], chain["batch"], chain["temperature"])
-        budget, _ = choose_budget(profile, chain["batch"])
+        budget, _, _ = choose_automatic(chain["batch"], runner, tp)
         name = "dflash" if budget is None else f"{prefix}{budget}"
         chosen = engine_row(engines, name, *key)
         auto = chosen["tok_per_s"] if chosen else None
@@ -498,15 +499,14 @@ def main() -> int:
         type=int,
         default=1,
         help="tensor parallel size of every engine (a target and drafter whose heads it divides, "
-        "e.g. from benchmarks/pad_heads.py); --ddtree-runner v1 measures what the plugin chooses "
-        "at TP > 1, v2 forces the V2 runner",
+        "e.g. from benchmarks/pad_heads.py); the plugin runs DDTree on V2 there too",
     )
     parser.add_argument(
         "--ddtree-runner",
         choices=("v1", "v2", "both"),
         default="v2",
         help="vLLM runner of the DDTree engines (v2: ddtree_v2_bN, the plugin's choice for a "
-        "dense single-GPU target; v1: ddtree_bN; both)",
+        "dense GPU target; v1: ddtree_bN; both)",
     )
     parser.add_argument("--readme", help="rewrite this file's headline block from --readme-from")
     parser.add_argument("--readme-from", default="benchmarks/results/bench_e2e.json")

@@ -214,8 +214,8 @@ case "$STEP" in
   tp-bench)
     # AR vs the DFlash chain vs DDTree at tensor parallel TP (default 2) on the SmolLM2 pair with
     # zero-padded attention heads (benchmarks/pad_heads.py: 9/3 heads -> 12/4, the same function,
-    # which TP = 2 can split); DDTree on the V1 runner (the plugin's choice at TP > 1;
-    # DDTREE_RUNNER=v2 or both: on V2, where vLLM runs the chain at TP = 2). COMPILE:
+    # which TP = 2 can split); DDTree on the V2 runner (the plugin's choice at TP > 1 since
+    # f59dea1; DDTREE_RUNNER=v1 or both for the V1 runner). COMPILE:
     # graphs (default: full graphs, no torch.compile) or default. Needs the checkpoint. An engine
     # at TP = 2 took ~85 s to start (the first on a fresh host): ENGINE_TIMEOUT defaults to 170.
     need_checkpoint
@@ -233,7 +233,7 @@ case "$STEP" in
       --compile "${COMPILE:-graphs}" --skip "${SKIP:-dflash_v1}" --budgets "${BUDGETS:-16,32}" \
       --batches "${BATCHES:-1}" --temperatures "${TEMPS:-0}" \
       --max-tokens "${MAX_TOKENS:-256}" --engine-timeout "${ENGINE_TIMEOUT:-170}" \
-      --ddtree-runner "${DDTREE_RUNNER:-v1}" > "$OUT/bench_e2e.log" 2>&1
+      --ddtree-runner "${DDTREE_RUNNER:-v2}" > "$OUT/bench_e2e.log" 2>&1
     echo "tp bench rc=$?"; (cd "$WORK" && tar czf "$OUT/bench_logs.tgz" ./*.log)
     cat "$OUT/bench_e2e.md" ;;
   bench-e2e)

@@ -137,7 +137,9 @@ def test_drafter_config_is_read_from_a_local_checkpoint(tiny_drafter_path):
     assert ddtree.drafter_block_size == 16 and ddtree.depth == 15
 
 
-def test_the_runner_is_v2_for_dense_single_gpu_targets_unless_the_user_says(monkeypatch):
+def test_the_runner_is_v2_for_dense_gpu_targets_unless_the_user_says(monkeypatch):
+    """V2 for attention-only targets on one GPU or tensor-parallel GPUs (checked at TP = 2:
+    ``benchmarks/results/tp2_v2_f59dea1``), V1 for hybrids, pipeline parallel and the CPU."""
     from vllm_ddtree.config import CHOSEN_RUNNER_ENV, choose_runner, uses_v2_runner
 
     monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
@@ -146,7 +148,7 @@ def test_the_runner_is_v2_for_dense_single_gpu_targets_unless_the_user_says(monk
     assert os.environ[CHOSEN_RUNNER_ENV] == "v2"  # what the engine's processes inherit
     assert choose_runner(**{**dense, "has_recurrent_layers": True}) == "v1"
     assert not uses_v2_runner()
-    assert choose_runner(**{**dense, "tensor_parallel_size": 2}) == "v1"
+    assert choose_runner(**{**dense, "tensor_parallel_size": 2}) == "v2"
     assert choose_runner(**{**dense, "pipeline_parallel_size": 2}) == "v1"
     assert choose_runner(**{**dense, "on_gpu": False}) == "v1"
     assert choose_runner(**dense, vllm_runner_env="0") == "v1"

@@ -130,15 +130,21 @@ def test_at_a_near_tie_the_smaller_tree_held_up_better_where_the_chain_is_strong
 
 
 def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower():
-    """At TP = 2 DDTree runs on the V1 runner, whose packaged profile chooses the chain; the
-    TP = 2 bench measured every DDTree budget slower than the chain there, so that choice is
-    the faster one, and bench_e2e.py recorded it as "auto"'s engine."""
-    from vllm_ddtree.config import choose_runner
+    """The packaged profiles were measured on one GPU: at TP > 1 "auto" serves the chain on
+    either runner unless given a profile of its own. The TP = 2 bench measured every DDTree
+    budget slower than the chain there, so that choice is the faster one, and bench_e2e.py
+    recorded it as "auto"'s engine."""
+    from vllm_ddtree import config
+    from vllm_ddtree.cost_model import PACKAGED_PROFILES, choose_automatic
 
     with open(BENCH_TP2) as f:
         summary = json.load(f)
     assert summary["tensor_parallel_size"] == 2
-    assert choose_runner(on_gpu=True, has_recurrent_layers=False, tensor_parallel_size=2) == "v1"
+    for runner in ("V1", "V2"):
+        assert choose_automatic(1, runner, tensor_parallel_size=2) == (None, {}, None)
+        assert config._automatic_budget(None, 1, 15, runner.lower(), 2) is None
+    # A profile of one's own is used at any tensor parallel size (here the V2 one: a tree).
+    assert choose_automatic(1, "V2", 2, PACKAGED_PROFILES["V2"])[0] is not None
     rows = bench_e2e.auto_choice_rows(summary)
     assert rows == summary["auto"]
     assert rows and {r["auto_serves"] for r in rows} == {"dflash"}

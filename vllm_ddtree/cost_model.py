@@ -247,6 +247,22 @@ def fit_profile(bench: dict, chain_engine: str = "dflash") -> CostProfile:
     )
 
 
+def choose_automatic(
+    batch: int, runner: str, tensor_parallel_size: int = 1, path: str | None = None
+) -> tuple[int | None, dict[str, float], CostProfile | None]:
+    """What ``"tree_budget": "auto"`` serves at ``batch`` concurrent requests: the budget
+    ``choose_budget`` picks on the profile at ``path`` (by default the packaged one of
+    ``runner``, "V1" or "V2"), or None for the DFlash chain; with the predictions and the
+    profile. The packaged profiles were measured on one GPU: at ``tensor_parallel_size`` > 1
+    without a profile of one's own, "auto" serves the chain (predictions empty, profile None),
+    which the TP = 2 bench measured faster than every tree it ran there."""
+    if path is None and tensor_parallel_size > 1:
+        return None, {}, None
+    profile = load_profile(path, runner=runner.upper())
+    budget, predicted = choose_budget(profile, batch)
+    return budget, predicted, profile
+
+
 def load_profile(path: str | None = None, runner: str = "V1") -> CostProfile:
     """The profile at ``path`` (JSON from ``fit_profile``), by default the packaged one of
     ``runner`` ("V1" or "V2", the vLLM model runner DDTree runs on)."""

@@ -179,6 +179,7 @@ def _wrap_create_speculative_config(original):
                 _speculative_config_fields(),
                 max_num_seqs=_max_num_seqs(self),
                 runner=runner,
+                tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
             )
             if parsed is not None:
                 ddtree = parsed
