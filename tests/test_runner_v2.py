@@ -98,7 +98,8 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     """prepare_attn -> sample -> propose's row move, with stand-ins for vLLM's runner, sampler
     and speculator (PyTorch references): a prefill chunk and two trees in one batch, requests
     stored at other state slots than their batch rows. Checks the depth positions and masks the
-    forward gets, the sampler rows (path + bonus, vLLM's num_sampled / num_rejected) and the
+    forward gets, the sampler rows (path + bonus, vLLM's num_sampled / num_rejected), the
+    walked step handed to the rank comparison under ``VLLM_DDTREE_CHECK_RANKS=1`` and the
     drafter's context rows afterwards."""
     from types import SimpleNamespace
 
@@ -199,7 +200,11 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     sample = runner_v2._wrap_sample(lambda *a: pytest.fail("the tree path must run"))
     hidden = torch.zeros(total, dtype=torch.long)
     hidden[batch.logits_indices] = logit_rows
+    checked = []  # tensor parallel: the walked trees go to the rank comparison
+    monkeypatch.setenv(runner_v2.RANK_CHECK_ENV, "1")
+    monkeypatch.setattr(runner_v2, "check_ranks_agree", checked.append)
     output, num_sampled, num_rejected = sample(runner, hidden, batch, None)
+    assert checked == [step] and step.accepted is not None
     assert num_sampled.tolist() == [1, len(rows[1]), len(rows[2])]
     assert num_rejected.tolist() == [0, 1 + budget - len(rows[1]), 5 - len(rows[2])]
     assert output.sampled_token_ids[0, 0] == 7  # the prefill's next token
