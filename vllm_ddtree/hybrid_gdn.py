@@ -21,8 +21,9 @@ vLLM's own bookkeeping puts ``num_accepted`` = accepted drafts + 1. After the wa
 ``HybridTreeStep.commit`` copies the accepted leaf's state into that block and rebuilds the conv
 window (the first ``K - 1`` columns of block 0, where vLLM's prefill writes it too) from the
 accepted path's inputs, which the dispatcher keeps per layer in persistent buffers (so CUDA
-graph replays, which skip this Python, still fill them). SSM states must be float32
-(``--mamba-ssm-cache-dtype float32``).
+graph replays, which skip this Python, still fill them), made before vLLM captures any graph
+(``HybridTreeStep.prepare_layers``). SSM states are float32 or bfloat16
+(``--mamba-ssm-cache-dtype``).
 """
 
 from __future__ import annotations
