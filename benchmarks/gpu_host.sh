@@ -19,6 +19,7 @@
 #       tp-steps - step costs at tensor parallel TP (profile_step.py --target synthetic-tp)
 #       tp-bench - bench_e2e.py at tensor parallel TP on the SmolLM2 pair, heads zero-padded
 #       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
+#       hybrid-check - two GPUs: the hybrid sampling check, plain and with the index checks
 #       v2       - lossless_gpu.py --runner v2: the V2-runner path (dense, one GPU)
 #       hybrid-steps - GDN tree verify cost on large-model layer shapes (profile_step.py)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
@@ -167,6 +168,18 @@ case "$STEP" in
       > "$OUT/lossless_gpu_hybrid.log" 2>&1
     echo "hybrid rc=$?"; (cd "$WORK" && tar czf "$OUT/hybrid_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_hybrid.log" | cut -c1-300 ;;
+  hybrid-check)
+    # Two GPUs: the hybrid sampling check with vLLM's default graphs (GPU 0) beside the same
+    # under VLLM_DDTREE_CHECK_INDICES=1 (index checks and the buffer watch; GPU 1), each alone
+    # on its GPU (~4 minutes; needs part 3); LOSSLESS_ARGS adds options. Eight files come back.
+    ARGS="--quick --budgets 8 --prompts 4 ${LOSSLESS_ARGS:-}"
+    mkdir -p "$OUT/plain" "$OUT/checked"
+    CUDA_VISIBLE_DEVICES=0 HYBRID_WORK=/tmp/vllm-ddtree-hybrid-plain LOSSLESS_ARGS="$ARGS" \
+      bash "$0" hybrid "$OUT/plain" > "$OUT/plain.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 VLLM_DDTREE_CHECK_INDICES=1 HYBRID_WORK=/tmp/vllm-ddtree-hybrid-checked \
+      LOSSLESS_ARGS="$ARGS" bash "$0" hybrid "$OUT/checked" > "$OUT/checked.txt" 2>&1
+    wait
+    tail -n 4 "$OUT/plain.txt" "$OUT/checked.txt" ;;
   v2)
     # The V2-runner path (the plugin's choice for dense single-GPU targets): the oracle grid
     # with CUDA graphs (lossless_gpu.py --runner v2; its own work folder); bench-e2e measures
