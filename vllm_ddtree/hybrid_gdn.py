@@ -433,8 +433,11 @@ class HybridTreeStep:
             self._check_every_layer_called()
             check_index_range("accepted drafts", taken, accepted.shape[1], valid)
             check_index_range("accepted node", path, self.tokens_per_row, valid)
-        leaf = path.gather(1, taken.unsqueeze(1))
-        path_len = taken + 1
+        # Layer-independent parts, once per commit (a GDN layer's share is a few launches):
+        # each row's (leaf, last accepted) tree indices, and where each committed conv column
+        # comes from.
+        leaf_and_taken = torch.cat([path.gather(1, taken.unsqueeze(1)), taken.unsqueeze(1)], 1)
+        sources: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for number, layer in enumerate(self.layers.values()):
             if layer.conv_state is None:
                 continue  # prepared before capture, never called yet
@@ -446,32 +449,45 @@ class HybridTreeStep:
                     size = layer.ssm_state.shape[0]
                     name = f"GDN layer {number} SSM block"
                     check_index_range(name, layer.ssm_blocks, size, valid)
-                blocks = layer.ssm_blocks.long()
-                src = torch.where(valid, blocks.gather(1, leaf).squeeze(1), NULL_BLOCK)
-                dst = torch.where(
-                    valid, blocks.gather(1, taken.unsqueeze(1)).squeeze(1), NULL_BLOCK
+                # [rows, 2]: the accepted leaf's state block, then block [r, num_accepted].
+                pair = layer.ssm_blocks.long().gather(1, leaf_and_taken)
+                pair = torch.where(valid.unsqueeze(1), pair, NULL_BLOCK)
+                layer.ssm_state.index_copy_(
+                    0, pair[:, 1], layer.ssm_state.index_select(0, pair[:, 0])
                 )
-                layer.ssm_state.index_copy_(0, dst, layer.ssm_state.index_select(0, src))
-            self._commit_conv_window(layer, path, path_len, valid)
+            if layer.window not in sources:
+                sources[layer.window] = conv_window_sources(path, taken + 1, layer.window)
+            self._commit_conv_window(layer, sources[layer.window], valid)
 
     @staticmethod
-    def _commit_conv_window(layer: GDNLayerStep, path, path_len, valid) -> None:
+    def _commit_conv_window(layer: GDNLayerStep, sources, valid) -> None:
         """Block 0's first ``K - 1`` conv columns <- the newest ``K - 1`` of (old window, path
-        inputs); oldest first, as vLLM's conv kernels read them."""
+        inputs); oldest first, as vLLM's conv kernels read them (``sources``:
+        ``conv_window_sources``)."""
+        from_path, node, old_column = sources
         kept = layer.window
         blocks = torch.where(valid, layer.conv_blocks.long(), NULL_BLOCK)
         channels = layer.inputs.shape[-1]
         old = layer.conv_state[blocks, :, :kept]  # [rows, C, K - 1], read before any write
-        new = torch.empty_like(old)
-        for column in range(kept):
-            back = kept - column  # 1 = the newest input
-            from_path = back <= path_len
-            node = path.gather(1, (path_len - back).clamp(min=0).unsqueeze(1))
-            x_val = layer.inputs.gather(1, node.unsqueeze(2).expand(-1, 1, channels)).squeeze(1)
-            old_column = (kept - (back - path_len)).clamp(0, kept - 1)
-            h_val = old.gather(2, old_column.view(-1, 1, 1).expand(-1, channels, 1)).squeeze(2)
-            new[:, :, column] = torch.where(from_path.unsqueeze(1), x_val.to(old.dtype), h_val)
+        x_val = layer.inputs.gather(1, node.unsqueeze(2).expand(-1, -1, channels))  # [rows, K-1, C]
+        h_val = old.gather(2, old_column.unsqueeze(1).expand(-1, channels, -1))
+        new = torch.where(from_path.unsqueeze(1), x_val.transpose(1, 2).to(old.dtype), h_val)
         layer.conv_state[blocks, :, :kept] = new
+
+
+def conv_window_sources(
+    path: torch.Tensor, path_len: torch.Tensor, kept: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each of the ``kept`` (``K - 1``) committed conv columns comes from, per row: bool
+    ``[rows, kept]`` whether from the accepted path, long ``[rows, kept]`` the path node (tree
+    index) it is then, and long ``[rows, kept]`` the old window's column otherwise. ``path``
+    long ``[rows, L + 1]`` (tree indices, root first), ``path_len`` long ``[rows]`` (root and
+    accepted nodes). Column ``c`` holds the input ``kept - c`` back from the newest."""
+    back = kept - torch.arange(kept, device=path.device)  # 1 = the newest input
+    from_path = back.unsqueeze(0) <= path_len.unsqueeze(1)
+    node = path.gather(1, (path_len.unsqueeze(1) - back.unsqueeze(0)).clamp(min=0))
+    old_column = (kept - (back.unsqueeze(0) - path_len.unsqueeze(1))).clamp(0, kept - 1)
+    return from_path, node, old_column
 
 
 GDN_METADATA_MODULE = "vllm.v1.attention.backends.gdn_attn"
