@@ -438,16 +438,17 @@ class HybridTreeStep:
         # comes from.
         leaf_and_taken = torch.cat([path.gather(1, taken.unsqueeze(1)), taken.unsqueeze(1)], 1)
         sources: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for number, layer in enumerate(self.layers.values()):
+        for layer in self.layers.values():
             if layer.conv_state is None:
                 continue  # prepared before capture, never called yet
             if check:
                 size = layer.conv_state.shape[0]
-                check_index_range(f"GDN layer {number} conv block", layer.conv_blocks, size, valid)
+                name = f"GDN layer {layer.number} conv block"
+                check_index_range(name, layer.conv_blocks, size, valid)
             if layer.ssm_state is not None:
                 if check:
                     size = layer.ssm_state.shape[0]
-                    name = f"GDN layer {number} SSM block"
+                    name = f"GDN layer {layer.number} SSM block"
                     check_index_range(name, layer.ssm_blocks, size, valid)
                 # [rows, 2]: the accepted leaf's state block, then block [r, num_accepted].
                 pair = layer.ssm_blocks.long().gather(1, leaf_and_taken)
