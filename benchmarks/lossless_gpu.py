@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -110,12 +111,20 @@ def run_engine(job: dict) -> dict:
     return result
 
 
-def run_jobs(jobs: dict[str, dict], work: str, parallel: int, timeout: int) -> dict[str, dict]:
-    """Run each job in its own process, ``parallel`` at a time; name -> result or error."""
+def run_jobs(
+    jobs: dict[str, dict], work: str, parallel: int, timeout: int, deadline: float = math.inf
+) -> dict[str, dict]:
+    """Run each job in its own process, ``parallel`` at a time; name -> result or error. A job
+    still running at ``deadline`` (a ``time.time()``) is stopped and one not yet started is not
+    started, so that the grid's summary is written before an outer time limit."""
     pending = list(jobs.items())
     running: dict[str, tuple[subprocess.Popen, str, float]] = {}
     results: dict[str, dict] = {}
     while pending or running:
+        if time.time() >= deadline:
+            for name, _ in pending:
+                results[name] = {"error": "not started before the grid's --deadline"}
+            pending = []
         while pending and len(running) < parallel:
             name, job = pending.pop(0)
             job_path = os.path.join(work, f"{name}.job.json")
@@ -128,7 +137,7 @@ def run_jobs(jobs: dict[str, dict], work: str, parallel: int, timeout: int) -> d
             running[name] = (child, job_path, time.time())
         time.sleep(1)
         for name, (child, job_path, started) in list(running.items()):
-            if child.poll() is None and time.time() - started < timeout:
+            if child.poll() is None and time.time() - started < timeout and time.time() < deadline:
                 continue
             if child.poll() is None:
                 child.kill()
@@ -237,6 +246,13 @@ def main() -> int:
     parser.add_argument("--modes", help="comma-separated: eager, graphs (default: both)")
     parser.add_argument("--no-sampling", action="store_true", help="greedy grid only")
     parser.add_argument(
+        "--deadline",
+        type=float,
+        default=math.inf,
+        help="seconds from the start after which running engines are stopped and the summary "
+        "written with what finished (set it below an outer time limit)",
+    )
+    parser.add_argument(
         "--cudagraph-mode",
         help="vLLM cudagraph_mode of the CUDA-graph DDTree engines, the sampling one included "
         "(default: vLLM's, FULL_AND_PIECEWISE)",
@@ -252,11 +268,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--hybrid-arch",
-        choices=("qwen3_next", "qwen3_5"),
+        choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
         default="qwen3_next",
         help="with --hybrid: the tiny target's class, Qwen3NextForCausalLM (MoE, needs bundle "
-        "part 3) or Qwen3_5ForConditionalGeneration (dense Qwen3.5/3.6, served with "
-        "language_model_only: text prompts, no vision tower)",
+        "part 3), Qwen3_5ForConditionalGeneration (dense Qwen3.5/3.6) or "
+        "Qwen3_5MoeForConditionalGeneration (Qwen3.5/3.6 MoE, part 3); the Qwen3.5 classes are "
+        "served with language_model_only: text prompts, no vision tower",
     )
     parser.add_argument(
         "--hybrid-states",
@@ -327,6 +344,7 @@ def main() -> int:
         make_tiny_dflash,
         make_tiny_qwen3,
         make_tiny_qwen3_5,
+        make_tiny_qwen3_5_moe,
         make_tiny_qwen3_next,
     )
 
@@ -334,6 +352,7 @@ def main() -> int:
     hybrid_targets = {
         "qwen3_next": (make_tiny_qwen3_next, "Qwen3NextForCausalLM"),
         "qwen3_5": (make_tiny_qwen3_5, "Qwen3_5ForConditionalGeneration"),
+        "qwen3_5_moe": (make_tiny_qwen3_5_moe, "Qwen3_5MoeForConditionalGeneration"),
     }
 
     started = time.time()
@@ -391,7 +410,7 @@ def main() -> int:
         os.environ["VLLM_DDTREE_HYBRID"] = "1"
         engine_extra.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
         engine_extra["mamba_ssm_cache_dtype"] = args.hybrid_states
-        if args.hybrid_arch == "qwen3_5":
+        if args.hybrid_arch in ("qwen3_5", "qwen3_5_moe"):
             # Text prompts only: vLLM then builds no image processor (the tiny checkpoint has
             # no preprocessor config) and runs no vision tower.
             engine_extra["language_model_only"] = True
@@ -416,7 +435,8 @@ def main() -> int:
     jobs = {"reference": {**base, "kwargs": reference_kwargs, "one_at_a_time": True}}
     if not args.no_sampling:
         jobs["sampling_target"] = {**base, "kwargs": reference_kwargs, "sampling": sampling}
-    reference = run_jobs(jobs, args.work, 2, 400)
+    deadline = started + args.deadline
+    reference = run_jobs(jobs, args.work, 2, 400, deadline)
     if "error" in reference["reference"]:
         print(reference["reference"]["error"])
         return 1
@@ -474,7 +494,7 @@ def main() -> int:
             },
             "sampling": sampling,
         }
-    results = run_jobs(jobs, args.work, max(1, args.parallel // args.tp), 480)
+    results = run_jobs(jobs, args.work, max(1, args.parallel // args.tp), 480, deadline)
 
     rows = []
     for name, result in results.items():

@@ -115,20 +115,18 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
     return _save_random(path, Qwen3NextForCausalLM, config, seed)
 
 
-def make_tiny_qwen3_5(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
-    """Save a random-weight dense Qwen3.5 hybrid, ``Qwen3_5ForConditionalGeneration`` (the class
-    vLLM 0.26.0 serves Qwen3.5/3.6 dense checkpoints with), under ``path``: the text model as in
-    ``make_tiny_qwen3_next`` without experts (GatedDeltaNet layers of 2 key / 4 value heads of
-    128, one full-attention layer in 4, untied embeddings) and a one-block vision tower, which
-    text-only prompts never run but the checkpoint must hold."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
+def _qwen3_5_config(config_class, spec: TinyQwen3Spec, **text_extra):
+    """A tiny Qwen3.5-family multimodal config: the text model with the Qwen3-Next fixture's GDN
+    layout (2 key / 4 value heads of 128, one full-attention layer in 4, untied embeddings)
+    plus ``text_extra``, and a one-block vision tower, which text-only prompts never run but
+    the checkpoint must hold."""
     text = _config_fields(spec)
     special = {name: text.pop(name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    config = Qwen3_5Config(
+    return config_class(
         text_config=dict(
             **text,
             **special,
+            **text_extra,
             linear_num_key_heads=2,
             linear_num_value_heads=4,
             linear_key_head_dim=128,
@@ -146,9 +144,37 @@ def make_tiny_qwen3_5(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: in
             out_hidden_size=spec.hidden_size,
         ),
         tie_word_embeddings=False,
-        architectures=["Qwen3_5ForConditionalGeneration"],
     )
+
+
+def make_tiny_qwen3_5(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+    """Save a random-weight dense Qwen3.5 hybrid, ``Qwen3_5ForConditionalGeneration`` (the class
+    vLLM 0.26.0 serves Qwen3.5/3.6 dense checkpoints with), under ``path``: the text model as in
+    ``make_tiny_qwen3_next`` without experts and a one-block vision tower."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    config = _qwen3_5_config(Qwen3_5Config, spec)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
     return _save_random(path, Qwen3_5ForConditionalGeneration, config, seed)
+
+
+def make_tiny_qwen3_5_moe(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+    """Save a random-weight Qwen3.5 MoE hybrid, ``Qwen3_5MoeForConditionalGeneration`` (the class
+    vLLM 0.26.0 serves Qwen3.5/3.6 MoE checkpoints with, e.g. Qwen3.5-35B-A3B), under ``path``:
+    the dense fixture's GDN layout with 4 experts and a shared expert in every layer, every
+    token routed to all 4 (continuous routing weights, as in ``make_tiny_qwen3_next``)."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    config = _qwen3_5_config(
+        Qwen3_5MoeConfig,
+        spec,
+        moe_intermediate_size=spec.intermediate_size // 4,
+        shared_expert_intermediate_size=spec.intermediate_size // 4,
+        num_experts=4,
+        num_experts_per_tok=4,
+    )
+    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    return _save_random(path, Qwen3_5MoeForConditionalGeneration, config, seed)
 
 
 def tiny_drafter_config(
