@@ -27,6 +27,17 @@
 #                  operation (no vLLM needed: runs without the bundle)
 set -uo pipefail
 STEP=$1
+# Every result records the commit it measured: VLLM_DDTREE_COMMIT, else git's HEAD when the
+# checkout has no changes to tracked files (a host's copied tree may carry stale git metadata).
+if [ -z "${VLLM_DDTREE_COMMIT:-}" ]; then
+  if git diff --quiet HEAD -- 2>/dev/null; then
+    VLLM_DDTREE_COMMIT=$(git rev-parse HEAD)
+  else
+    echo "set VLLM_DDTREE_COMMIT to the commit of this tree (git's HEAD here is missing or" \
+      "does not match the files)"; exit 7
+  fi
+fi
+export VLLM_DDTREE_COMMIT
 OUT=${2:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn

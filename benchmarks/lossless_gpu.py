@@ -291,6 +291,15 @@ def main() -> int:
         "near-ties)",
     )
     parser.add_argument(
+        "--f32-dots",
+        choices=("ieee", "tf32"),
+        default="ieee",
+        help="with --hybrid in float32: the precision of float32 Triton dots in every engine "
+        "(TRITON_F32_DEFAULT). vLLM's fused-MoE kernel leaves it to Triton, whose default on "
+        "the GPU is TF32: the MoE target alone then parts from itself across batch shapes at "
+        "logit gaps up to ~0.1, which a token-identity check would blame on the trees",
+    )
+    parser.add_argument(
         "--runner",
         choices=("auto", "v1", "v2"),
         default="auto",
@@ -399,6 +408,7 @@ def main() -> int:
             # vLLM's chunked GDN prefill refuses float32: the test-only chain prefill
             # (vllm_ddtree/float32_gdn_prefill.py), in every engine, reference included.
             os.environ["VLLM_DDTREE_TEST_FLOAT32_GDN"] = "1"
+            os.environ["TRITON_F32_DEFAULT"] = args.f32_dots  # the engines inherit it
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
     if args.no_async_scheduling:
         engine_extra["async_scheduling"] = False
@@ -584,6 +594,7 @@ def main() -> int:
         "tensor_parallel_size": args.tp,
         "launch_blocking": args.launch_blocking,  # CUDA_LAUNCH_BLOCKING=1 in every engine
         "dtype": base.get("dtype", "float32"),
+        "triton_f32_dots": os.environ.get("TRITON_F32_DEFAULT", "Triton's default"),
         "target": {
             **spec.__dict__,
             "hybrid": hybrid_targets[args.hybrid_arch][1] if args.hybrid else None,

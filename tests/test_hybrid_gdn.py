@@ -463,3 +463,41 @@ def test_layer_buffers_are_made_before_capture_and_the_calls_use_them(monkeypatc
     other = Layer(num_reqs, budget, gen)
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         tree_step(step, other, table, ones, gen, budget, depth, num_draft)
+
+
+def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
+    """vLLM calls a batch a uniform decode (and replays the FULL graph of ``1 + budget``-token
+    verify rows) when every request has ``1 + budget`` tokens scheduled; a prompt of exactly
+    that length has too. The hooks make such a step run piecewise: a FULL graph's GDN layers
+    run only the tree branch, on buffers vLLM fills for tree rows alone."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ddtree.runner_hooks import _wrap_determine_batch_execution, rows_without_tree
+
+    budget = 8
+    # vLLM's own rule: one 9-token prefill at budget 8 is a "uniform decode" batch.
+    assert GPUModelRunner._is_uniform_decode(
+        max_num_scheduled_tokens=1 + budget,
+        uniform_decode_query_len=1 + budget,
+        num_tokens=1 + budget,
+        num_reqs=1,
+    )
+    assert rows_without_tree(None)  # no request has drafts (e.g. prefills only)
+    assert rows_without_tree(SimpleNamespace(num_draft_tokens=[budget, 0]))
+    assert not rows_without_tree(SimpleNamespace(num_draft_tokens=[budget, budget]))
+
+    seen = []
+    wrapped = _wrap_determine_batch_execution(lambda self, **kw: seen.append(kw))
+    runner = SimpleNamespace(_ddtree_rows_without_tree=True)
+    wrapped(runner, num_tokens=9, num_reqs=1)
+    assert seen[-1]["force_uniform_decode"] is False
+    wrapped(runner, num_tokens=9, num_reqs=1)  # the answer belongs to one step
+    assert "force_uniform_decode" not in seen[-1]
+    runner._ddtree_rows_without_tree = False  # every request verifies a tree
+    wrapped(runner, num_tokens=18, num_reqs=2)
+    assert "force_uniform_decode" not in seen[-1]
+    runner._ddtree_rows_without_tree = True  # a capture says what it captures
+    wrapped(runner, num_tokens=9, num_reqs=1, force_uniform_decode=True)
+    assert seen[-1]["force_uniform_decode"] is True

@@ -201,6 +201,7 @@ def _wrap_prepare_inputs(original):
             tree_verify.publish(None)
             return result
         logits_indices, spec_decode_metadata = result
+        self._ddtree_rows_without_tree = rows_without_tree(spec_decode_metadata)
         if spec_decode_metadata is None:
             tree_verify.publish(None)
             return result
@@ -209,6 +210,39 @@ def _wrap_prepare_inputs(original):
         return result
 
     return _prepare_inputs
+
+
+def rows_without_tree(spec_decode_metadata) -> bool:
+    """Whether this step has a request that verifies no tree (a prefill, or a decode without
+    drafts): every request does when ``spec_decode_metadata`` is None (host side)."""
+    if spec_decode_metadata is None:
+        return True
+    return min(spec_decode_metadata.num_draft_tokens, default=0) == 0
+
+
+def _wrap_determine_batch_execution(original):
+    """A step with a request that verifies no tree never replays a FULL CUDA graph.
+
+    vLLM calls a batch a uniform decode (and replays the FULL graph captured for
+    ``1 + budget``-token verify rows) whenever every request has ``1 + budget`` tokens
+    scheduled, which a prompt (or a prefill chunk) of exactly that length also has. The
+    GatedDeltaNet layers of such a graph run only the speculative (tree) branch, on state
+    indices and parents from persistent buffers that vLLM's builder fills for speculative
+    rows alone: the prefill's row then runs as a stale tree on another request's state blocks
+    (found on the H200: the one 9-token prompt of the budget-8 hybrid grid; its first token
+    wrong, and other requests of its batch written over). Such a step runs piecewise instead.
+    Capture runs (``force_uniform_decode`` given) are left as vLLM asks."""
+
+    @functools.wraps(original)
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        without_tree = getattr(self, "_ddtree_rows_without_tree", False)
+        self._ddtree_rows_without_tree = False  # one step's answer, read once
+        positional_force = len(args) >= 8  # vLLM 0.26.0 passes it by keyword
+        if without_tree and not positional_force and kwargs.get("force_uniform_decode") is None:
+            kwargs["force_uniform_decode"] = False
+        return original(self, *args, **kwargs)
+
+    return _determine_batch_execution_and_padding
 
 
 def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_tokens) -> None:
@@ -575,6 +609,17 @@ def _wrap_capture_model(original):
 
 EXPECTED_SIGNATURES = {
     "capture_model": ["self"],
+    "_determine_batch_execution_and_padding": [
+        "self",
+        "num_tokens",
+        "num_reqs",
+        "num_scheduled_tokens_np",
+        "max_num_scheduled_tokens",
+        "use_cascade_attn",
+        "allow_microbatching",
+        "force_eager",
+        "force_uniform_decode",
+    ],
     "_prepare_inputs": ["self", "scheduler_output", "num_scheduled_tokens"],
     "_sample": ["self", "logits", "spec_decode_metadata"],
     "propose_draft_token_ids": [
@@ -606,6 +651,7 @@ def install() -> None:
 
     for name, wrap in (
         ("capture_model", _wrap_capture_model),
+        ("_determine_batch_execution_and_padding", _wrap_determine_batch_execution),
         ("_prepare_inputs", _wrap_prepare_inputs),
         ("_sample", _wrap_sample),
         ("propose_draft_token_ids", _wrap_propose),
