@@ -357,3 +357,30 @@ def test_a_hybrid_tree_whose_states_cannot_fit_is_refused_naming_what_fits(
     config = engine_config(target, spec, kv_cache_memory_bytes=1 << 30, **common)
     assert get_ddtree_config(config.speculative_config).tree_budget == 64
     assert config.scheduler_config.max_num_seqs == 16
+
+
+def test_a_tree_narrower_than_the_drafter_is_deep_still_gets_drafter_sized_graphs(
+    tiny_target_path, tiny_drafter_path
+):
+    """vLLM sizes CUDA graphs for 1 + budget tokens per request, the DFlash drafter runs
+    1 + depth: below a budget of depth the largest graph is raised to what the drafter needs
+    (vLLM's own rule at 1 + depth), unless the user chose the graph sizes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def largest_graph(budget, **kwargs):
+        spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": budget}
+        args = EngineArgs(
+            model=tiny_target_path,
+            speculative_config=spec,
+            skip_tokenizer_init=True,
+            max_model_len=512,
+            max_num_seqs=1,
+            **kwargs,
+        )
+        args.create_engine_config()
+        return args.max_cudagraph_capture_size
+
+    assert largest_graph(4) == 2 * (1 + 15)  # one drafter batch of 16 tokens fits
+    assert largest_graph(64) is None  # vLLM's default already covers the drafter
+    assert largest_graph(4, max_cudagraph_capture_size=8) == 8  # the user's choice stands
+    assert largest_graph(4, compilation_config={"cudagraph_capture_sizes": [5]}) is None

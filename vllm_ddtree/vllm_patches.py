@@ -184,6 +184,7 @@ def _wrap_create_speculative_config(original):
             if parsed is not None:
                 ddtree = parsed
                 _choose_attention_backends(self, vllm_dict)
+                _size_graphs_for_the_drafter(self, ddtree)
                 self._ddtree_config = ddtree
             if merged.get("method") == DDTREE_METHOD:
                 # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
@@ -474,6 +475,31 @@ def _patch_model_runner_when_imported() -> None:
         _patch_when_imported(hybrid_gdn.GDN_MODULE, float32_gdn_prefill.install)
     if uses_v2_runner():
         _install_v2_hooks()
+
+
+def _size_graphs_for_the_drafter(engine_args, ddtree: DDTreeConfig) -> None:
+    """Give the DFlash drafter CUDA graphs when the tree is narrower than the drafter is deep.
+
+    vLLM sizes its graphs for ``1 + num_speculative_tokens`` (here ``1 + tree_budget``) tokens
+    per request: its largest is ``min(2 * max_num_seqs * (1 + budget), 512)`` tokens. The
+    drafter runs ``1 + depth`` query tokens per request, and vLLM's DFlash graph manager keeps
+    only the graphs of whole drafter batches within that largest size: below a budget of
+    ``depth``, a drafter batch of one request (16 tokens at depth 15) can exceed every graph
+    (budget 4, one request: largest graph 10 tokens) and then runs without one. Unless the
+    user chose the graph sizes, the largest is set by vLLM's own rule for ``1 + max(budget,
+    depth)`` tokens per request (``EngineArgs.max_cudagraph_capture_size``, read when vLLM
+    builds its compilation config)."""
+    compilation = getattr(engine_args, "compilation_config", None)
+    chosen = (
+        getattr(engine_args, "cudagraph_capture_sizes", None),
+        getattr(engine_args, "max_cudagraph_capture_size", None),
+        getattr(compilation, "cudagraph_capture_sizes", None),
+        getattr(compilation, "max_cudagraph_capture_size", None),
+    )
+    if any(value is not None for value in chosen) or ddtree.tree_budget >= ddtree.depth:
+        return
+    max_num_seqs = _max_num_seqs(engine_args) or 1
+    engine_args.max_cudagraph_capture_size = min(2 * max_num_seqs * (1 + ddtree.depth), 512)
 
 
 def _max_num_seqs(engine_args) -> int | None:
