@@ -49,6 +49,15 @@ def metric_values(llm) -> dict:
     return values
 
 
+def graph_sizes(widths: set[int], max_seqs: int) -> list[int]:
+    """CUDA-graph sizes (tokens) for every running-batch size up to ``max_seqs`` at each of
+    ``widths`` (tokens per request: the target's verify width, the drafter's query width)."""
+    ladder = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 96, 128]
+    return sorted(
+        {w * b for w in widths for b in ladder if b <= max_seqs} | {w * max_seqs for w in widths}
+    )
+
+
 def measure_engine(job: dict, save=None) -> dict:
     """Child process: one engine, every measurement of the job; ``save(result)`` after each
     row, so that an engine stopped by its time limit still reports what it measured."""
@@ -67,9 +76,12 @@ def measure_engine(job: dict, save=None) -> dict:
     width = job["tokens_per_request"]
     max_seqs = max(job["batches"])
     # Full graphs for every running-batch size up to the largest (finished requests shrink a
-    # batch; padding 15 requests up to 64 would distort the timing).
-    ladder = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 96, 128]
-    sizes = sorted({width * b for b in ladder if b <= max_seqs} | {width * max_seqs})
+    # batch; padding 15 requests up to 64 would distort the timing), for the target's verify
+    # width and for the drafter's (1 + depth query tokens per request: vLLM's DFlash graphs
+    # are whole drafter batches within the largest size, so sizes for 1 + budget alone leave a
+    # narrower tree's drafter without graphs).
+    widths = {width, job.get("drafter_tokens_per_request") or width}
+    sizes = graph_sizes(widths, max_seqs)
     compilation_config = {"cudagraph_capture_sizes": sizes}
     if job["compile"] == "graphs":
         compilation_config.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
@@ -78,7 +90,7 @@ def measure_engine(job: dict, save=None) -> dict:
         dtype="bfloat16",
         max_model_len=2048,
         max_num_seqs=max_seqs,
-        max_num_batched_tokens=max(8192, width * max_seqs),
+        max_num_batched_tokens=max(8192, max(widths) * max_seqs),
         gpu_memory_utilization=0.5,
         seed=0,
         disable_log_stats=False,
@@ -582,6 +594,7 @@ def main() -> int:
                 }
             },
             "tokens_per_request": 1 + depth,
+            "drafter_tokens_per_request": 1 + depth,
         },
     ]
     ddtree = [
@@ -591,6 +604,7 @@ def main() -> int:
                 "speculative_config": {"method": "ddtree", "model": args.drafter, "tree_budget": b}
             },
             "tokens_per_request": 1 + b,
+            "drafter_tokens_per_request": 1 + depth,
         }
         for b in budgets
     ]

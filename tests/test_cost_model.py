@@ -282,3 +282,19 @@ def test_auto_budget_inputs_are_checked(tmp_path):
     # The packaged profile serves when none is named.
     vllm_part, _ = split({"method": "ddtree", "model": "d", "tree_budget": "auto"})
     assert vllm_part["method"] == "dflash"
+
+
+def test_the_bench_gives_every_drafter_batch_a_cuda_graph():
+    """bench_e2e's graph sizes cover the drafter's query width (1 + depth per request) beside
+    the tree's verify width: vLLM's DFlash graphs are whole drafter batches no larger than
+    the largest size, so sizes for 1 + budget alone left a budget-4 tree's drafter without
+    graphs (the benches up to 26003c4 measured DDTree that way)."""
+    depth = 15
+    for budget in (4, 8, 16, 32):
+        for max_seqs in (1, 4, 16):
+            sizes = bench_e2e.graph_sizes({1 + budget, 1 + depth}, max_seqs)
+            for batch in range(1, max_seqs + 1):
+                assert (1 + depth) * batch <= sizes[-1]
+                assert (1 + budget) * batch <= sizes[-1]
+            assert (1 + depth) in sizes and (1 + budget) in sizes
+    assert bench_e2e.graph_sizes({5}, 1) == [5]  # the old sizes of a budget-4 tree at batch 1
