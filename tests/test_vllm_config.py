@@ -14,6 +14,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
+from tests.vllm_graphs import vllm_default_sizes, vllm_v2_drafter_graphs  # noqa: E402
 from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
 from vllm_ddtree.vllm_patches import get_ddtree_config  # noqa: E402
 
@@ -381,6 +382,12 @@ def test_a_tree_narrower_than_the_drafter_is_deep_still_gets_drafter_sized_graph
         return args.max_cudagraph_capture_size
 
     assert largest_graph(4) == 2 * (1 + 15)  # one drafter batch of 16 tokens fits
+    # What that means in vLLM's own code: its default sizes at budget 4 and one request, and
+    # the V2 DFlash graph manager's choice of drafter batches from them.
+    assert vllm_default_sizes(max_num_seqs=1, num_speculative_tokens=4) == [1, 2, 4, 8]
+    assert vllm_v2_drafter_graphs([1, 2, 4, 8], 1) == []
+    raised = vllm_default_sizes(max_num_seqs=1, num_speculative_tokens=4, largest=32)
+    assert vllm_v2_drafter_graphs(raised, 1) == [1]
     assert largest_graph(64) is None  # vLLM's default already covers the drafter
     assert largest_graph(4, max_cudagraph_capture_size=8) == 8  # the user's choice stands
     assert largest_graph(4, compilation_config={"cudagraph_capture_sizes": [5]}) is None

@@ -1,0 +1,56 @@
+"""vLLM 0.26.0's CUDA-graph sizing rules, run on stand-in configs (no GPU, no engine): which
+sizes vLLM picks by default, and which drafter batches its V2 graph manager captures from them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+
+def vllm_default_sizes(max_num_seqs: int, num_speculative_tokens: int, largest=None):
+    """vLLM 0.26.0's default CUDA-graph sizes (``VllmConfig._set_cudagraph_sizes`` on a
+    stand-in config: default graphs, no sequence parallelism) for ``largest`` (None: its own)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.config.vllm import VllmConfig
+
+    compilation = SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        max_cudagraph_capture_size=largest,
+        cudagraph_capture_sizes=None,
+        pass_config=SimpleNamespace(enable_sp=False),
+        post_init_cudagraph_sizes=lambda: None,
+    )
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=False),
+        compilation_config=compilation,
+        num_speculative_tokens=num_speculative_tokens,
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        performance_mode="balanced",
+    )
+    VllmConfig._set_cudagraph_sizes(config)
+    return compilation.cudagraph_capture_sizes
+
+
+def vllm_v2_drafter_graphs(sizes: list[int], max_num_seqs: int, width: int = 16) -> list[int]:
+    """The batch sizes (requests) vLLM 0.26.0's V2 graph manager captures FULL graphs for, for
+    a DFlash drafter of ``width`` query tokens per request, given capture ``sizes`` (its own
+    ``_init_candidates``, run on a stand-in manager: no GPU needed)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    manager = SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=max(sizes)
+        ),
+        cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
+        max_num_reqs=max_num_seqs,
+        decode_query_len=width,
+        vllm_config=SimpleNamespace(speculative_config=None),
+        lora_capture_cases=[0],
+        _candidates={},
+        _capture_descs={},
+        use_breakable_cg=False,
+    )
+    CudaGraphManager._init_candidates(manager)
+    return sorted(d.num_reqs for d in manager._capture_descs.get(CUDAGraphMode.FULL, []))
