@@ -230,7 +230,8 @@ def _wrap_determine_batch_execution(original):
     indices and parents from persistent buffers that vLLM's builder fills for speculative
     rows alone: the prefill's row then runs as a stale tree on another request's state blocks
     (found on the H200: the one 9-token prompt of the budget-8 hybrid grid; its first token
-    wrong, and other requests of its batch written over). Such a step runs piecewise instead.
+    wrong, and other requests of its batch written over; vLLM issue #49918, PR #47123 open).
+    Such a step runs piecewise instead.
     Capture runs (``force_uniform_decode`` given) are left as vLLM asks."""
 
     @functools.wraps(original)
