@@ -20,6 +20,7 @@
 #       tp-bench - bench_e2e.py at tensor parallel TP on the SmolLM2 pair, heads zero-padded
 #       hybrid   - lossless_gpu.py --hybrid: the GDN tree path on a tiny Qwen3-Next (part 3)
 #       hybrid-check - two GPUs: the hybrid sampling check, plain and with the index checks
+#       hybrid-full - two GPUs: the full hybrid grid split by budget (HYBRID_ARCH)
 #       v2       - lossless_gpu.py --runner v2: the V2-runner path (dense, one GPU)
 #       hybrid-steps - GDN tree verify cost on large-model layer shapes (profile_step.py)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
@@ -191,6 +192,21 @@ case "$STEP" in
       LOSSLESS_ARGS="$ARGS" bash "$0" hybrid "$OUT/checked" > "$OUT/checked.txt" 2>&1
     wait
     tail -n 4 "$OUT/plain.txt" "$OUT/checked.txt" ;;
+  hybrid-full)
+    # Two GPUs: the full hybrid grid (64 prompts x 256 tokens, CUDA graphs) split by budget,
+    # 8 and 256 on GPU 0, 64 with the T = 1 sampling check on GPU 1 (~7 minutes at 26003c4;
+    # needs part 3). HYBRID_ARCH: qwen3_next (default), qwen3_5 or qwen3_5_moe; LOSSLESS_ARGS
+    # adds options to both.
+    ARCH="--hybrid-arch ${HYBRID_ARCH:-qwen3_next} --modes graphs --deadline ${DEADLINE:-500}"
+    mkdir -p "$OUT/b8_b256" "$OUT/b64"
+    CUDA_VISIBLE_DEVICES=0 PARALLEL=4 HYBRID_WORK=/tmp/vllm-ddtree-hybrid-a \
+      LOSSLESS_ARGS="$ARCH --budgets 8,256 --no-sampling ${LOSSLESS_ARGS:-}" \
+      bash "$0" hybrid "$OUT/b8_b256" > "$OUT/b8_b256.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 PARALLEL=4 HYBRID_WORK=/tmp/vllm-ddtree-hybrid-b \
+      LOSSLESS_ARGS="$ARCH --budgets 64 ${LOSSLESS_ARGS:-}" \
+      bash "$0" hybrid "$OUT/b64" > "$OUT/b64.txt" 2>&1
+    wait
+    tail -n 6 "$OUT/b8_b256.txt" "$OUT/b64.txt" ;;
   v2)
     # The V2-runner path (the plugin's choice for dense single-GPU targets): the oracle grid
     # with CUDA graphs (lossless_gpu.py --runner v2; its own work folder); bench-e2e measures
