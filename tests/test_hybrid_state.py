@@ -89,56 +89,40 @@ def test_the_tiny_hybrid_target_is_a_qwen3_next_with_real_gdn_head_shapes(tmp_pa
     assert config.linear_num_value_heads == 2 * config.linear_num_key_heads
 
 
-def test_the_tiny_qwen3_5_is_the_class_vllm_serves_qwen3_5_with_the_same_gdn_layers(tmp_path):
-    """The dense Qwen3.5 fixture (``lossless_gpu.py --hybrid --hybrid-arch qwen3_5``): the
-    multimodal class vLLM 0.26.0 maps Qwen3.5/3.6 dense checkpoints to, whose text model has
-    the Qwen3-Next fixture's GDN layout; its weights load back into that class."""
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_the_tiny_qwen3_5_classes_are_what_vllm_serves_them_with(arch, tmp_path):
+    """The Qwen3.5/3.6 fixtures (``lossless_gpu.py --hybrid --hybrid-arch qwen3_5`` or
+    ``qwen3_5_moe``): the multimodal classes vLLM 0.26.0 maps those checkpoints to, whose text
+    model has the Qwen3-Next fixture's GDN layout, untied embeddings and a vision tower text
+    prompts never run; the MoE one routes every token to all its experts, saved one per name
+    as the released checkpoints hold them (what vLLM's expert loader reads)."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
+    from vllm_ddtree import testing
     from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
-    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_qwen3_5
 
-    path = make_tiny_qwen3_5(str(tmp_path / "qwen3_5"), TinyQwen3Spec(num_hidden_layers=4))
+    make, architecture = {
+        "qwen3_5": (testing.make_tiny_qwen3_5, "Qwen3_5ForConditionalGeneration"),
+        "qwen3_5_moe": (testing.make_tiny_qwen3_5_moe, "Qwen3_5MoeForConditionalGeneration"),
+    }[arch]
+    path = make(str(tmp_path / arch), testing.TinyQwen3Spec(num_hidden_layers=4))
     config = AutoConfig.from_pretrained(path)
-    assert config.architectures == ["Qwen3_5ForConditionalGeneration"]
-    assert config.architectures[0] in GDN_TREE_ARCHITECTURES
+    assert config.architectures == [architecture] and architecture in GDN_TREE_ARCHITECTURES
     text = config.text_config
     assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    assert not text.tie_word_embeddings and text.vocab_size == TinyQwen3Spec().vocab_size
+    assert not text.tie_word_embeddings and text.vocab_size == testing.TinyQwen3Spec().vocab_size
     shapes = GDNStateShapes.from_hf_config(config)
     assert (shapes.num_gdn_layers, shapes.num_k_heads, shapes.num_v_heads) == (3, 2, 4)
     with safe_open(f"{path}/model.safetensors", "pt") as f:
         names = set(f.keys())
     assert "lm_head.weight" in names and "model.language_model.embed_tokens.weight" in names
     assert any(name.startswith("model.visual.") for name in names)
-
-
-def test_the_tiny_qwen3_5_moe_is_the_class_vllm_serves_qwen3_5_moe_with(tmp_path):
-    """The Qwen3.5/3.6 MoE fixture (``lossless_gpu.py --hybrid --hybrid-arch qwen3_5_moe``):
-    the class vLLM 0.26.0 maps those checkpoints to, the dense fixture's GDN layers, every
-    token routed to all experts, and experts saved one per name as the released checkpoints
-    hold them (what vLLM's expert loader reads)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
-    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_qwen3_5_moe
-
-    path = make_tiny_qwen3_5_moe(str(tmp_path / "qwen3_5_moe"), TinyQwen3Spec(num_hidden_layers=4))
-    config = AutoConfig.from_pretrained(path)
-    assert config.architectures == ["Qwen3_5MoeForConditionalGeneration"]
-    assert config.architectures[0] in GDN_TREE_ARCHITECTURES
-    text = config.text_config
-    assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    assert text.num_experts_per_tok == text.num_experts == 4
-    shapes = GDNStateShapes.from_hf_config(config)
-    assert (shapes.num_gdn_layers, shapes.num_k_heads, shapes.num_v_heads) == (3, 2, 4)
-    with safe_open(f"{path}/model.safetensors", "pt") as f:
-        names = set(f.keys())
-    layer = "model.language_model.layers.0.mlp"
-    assert {f"{layer}.experts.{e}.gate_proj.weight" for e in range(4)} <= names
-    assert f"{layer}.shared_expert.up_proj.weight" in names and f"{layer}.gate.weight" in names
+    if arch == "qwen3_5_moe":
+        assert text.num_experts_per_tok == text.num_experts == 4
+        mlp = "model.language_model.layers.0.mlp"
+        assert {f"{mlp}.experts.{e}.gate_proj.weight" for e in range(4)} <= names
+        assert f"{mlp}.shared_expert.up_proj.weight" in names and f"{mlp}.gate.weight" in names
 
 
 def test_bf16_states_halve_the_slot_layout_and_the_check_names_them():

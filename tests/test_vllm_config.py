@@ -19,13 +19,16 @@ from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
 from vllm_ddtree.vllm_patches import get_ddtree_config  # noqa: E402
 
 
-def engine_config(target, spec, **kwargs):
+def engine_args(target, spec, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(
+    return EngineArgs(
         model=target, speculative_config=spec, skip_tokenizer_init=True, max_model_len=512, **kwargs
     )
-    return args.create_engine_config()
+
+
+def engine_config(target, spec, **kwargs):
+    return engine_args(target, spec, **kwargs).create_engine_config()
 
 
 def test_plugin_is_discovered_through_the_entry_point():
@@ -366,18 +369,10 @@ def test_a_tree_narrower_than_the_drafter_is_deep_still_gets_drafter_sized_graph
     """vLLM sizes CUDA graphs for 1 + budget tokens per request, the DFlash drafter runs
     1 + depth: below a budget of depth the largest graph is raised to what the drafter needs
     (vLLM's own rule at 1 + depth), unless the user chose the graph sizes."""
-    from vllm.engine.arg_utils import EngineArgs
 
     def largest_graph(budget, **kwargs):
         spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": budget}
-        args = EngineArgs(
-            model=tiny_target_path,
-            speculative_config=spec,
-            skip_tokenizer_init=True,
-            max_model_len=512,
-            max_num_seqs=1,
-            **kwargs,
-        )
+        args = engine_args(tiny_target_path, spec, max_num_seqs=1, **kwargs)
         args.create_engine_config()
         return args.max_cudagraph_capture_size
 

@@ -42,6 +42,14 @@ def hybrid_run(drafter, name, budget, oracle=None, **kwargs):
     return entry
 
 
+def trees_match_single_steps(target, single, trees, max_tokens, expect_in_log):
+    """Run ``single`` (budget 1: the reference) and the ``trees`` runs, check the log names
+    ``expect_in_log`` and every tree run gives the reference's tokens with deep acceptance."""
+    results, log = run_engines(target, [single, *trees], PROMPTS, max_tokens=max_tokens)
+    assert expect_in_log in log
+    check_trees_match_single_steps(results, single["name"], [run["name"] for run in trees])
+
+
 def check_trees_match_single_steps(results, single, trees):
     assert results[single]["metrics"][ACCEPTED] == 0  # the reference: one token per step
     for name in trees:
@@ -54,14 +62,12 @@ def check_trees_match_single_steps(results, single, trees):
 def test_hybrid_trees_decode_exactly_what_single_token_steps_do(hybrid_pair, monkeypatch):
     monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
     target, drafter = hybrid_pair
-    runs = [
-        hybrid_run(drafter, "single", 1),
+    trees = [
         hybrid_run(drafter, "budget8", 8, "single"),
         hybrid_run(drafter, "budget32", 32, "single"),
     ]
-    results, log = run_engines(target, runs, PROMPTS, max_tokens=32)
-    assert "GatedDeltaNet tree path active" in log
-    check_trees_match_single_steps(results, "single", ("budget8", "budget32"))
+    single = hybrid_run(drafter, "single", 1)
+    trees_match_single_steps(target, single, trees, 32, "GatedDeltaNet tree path active")
 
 
 @pytest.mark.vllm_engine
@@ -75,13 +81,11 @@ def test_hybrid_trees_with_tensor_parallel_2(hybrid_pair, monkeypatch):
     monkeypatch.setenv("VLLM_DDTREE_CHECK_RANKS", "1")
     target, drafter = hybrid_pair
     sharded = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    runs = [
-        hybrid_run(drafter, "single_tp2", 1, **sharded),
-        hybrid_run(drafter, "budget8_tp2", 8, "single_tp2", **sharded),
-    ]
-    results, log = run_engines(target, runs, PROMPTS, max_tokens=24)
-    assert "checking that the 2 tensor-parallel ranks agree" in log
-    check_trees_match_single_steps(results, "single_tp2", ("budget8_tp2",))
+    single = hybrid_run(drafter, "single_tp2", 1, **sharded)
+    trees = [hybrid_run(drafter, "budget8_tp2", 8, "single_tp2", **sharded)]
+    trees_match_single_steps(
+        target, single, trees, 24, "checking that the 2 tensor-parallel ranks agree"
+    )
 
 
 @pytest.mark.vllm_engine
@@ -100,10 +104,6 @@ def test_hybrid_trees_on_the_qwen3_5_classes(arch, tmp_path, tiny_spec, monkeypa
     target = make_target[arch](str(tmp_path / arch), tiny_spec)
     drafter = make_tiny_dflash(str(tmp_path / "tiny-dflash"), tiny_spec)
     text_only = {"language_model_only": True}
-    runs = [
-        hybrid_run(drafter, "single", 1, **text_only),
-        hybrid_run(drafter, "budget8", 8, "single", **text_only),
-    ]
-    results, log = run_engines(target, runs, PROMPTS, max_tokens=24)
-    assert "GatedDeltaNet tree path active" in log
-    check_trees_match_single_steps(results, "single", ("budget8",))
+    single = hybrid_run(drafter, "single", 1, **text_only)
+    trees = [hybrid_run(drafter, "budget8", 8, "single", **text_only)]
+    trees_match_single_steps(target, single, trees, 24, "GatedDeltaNet tree path active")
