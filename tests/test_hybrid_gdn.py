@@ -474,7 +474,7 @@ def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_ddtree.runner_hooks import _wrap_determine_batch_execution, rows_without_tree
+    from vllm_ddtree.runner_hooks import _wrap_determine_batch_execution, rows_without_drafts
 
     budget = 8
     # vLLM's own rule: one 9-token prefill at budget 8 is a "uniform decode" batch.
@@ -484,20 +484,40 @@ def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
         num_tokens=1 + budget,
         num_reqs=1,
     )
-    assert rows_without_tree(None)  # no request has drafts (e.g. prefills only)
-    assert rows_without_tree(SimpleNamespace(num_draft_tokens=[budget, 0]))
-    assert not rows_without_tree(SimpleNamespace(num_draft_tokens=[budget, budget]))
+    assert rows_without_drafts(None)  # no request has drafts (e.g. prefills only)
+    assert rows_without_drafts(SimpleNamespace(num_draft_tokens=[budget, 0]))
+    assert not rows_without_drafts(SimpleNamespace(num_draft_tokens=[budget, budget]))
 
     seen = []
     wrapped = _wrap_determine_batch_execution(lambda self, **kw: seen.append(kw))
-    runner = SimpleNamespace(_ddtree_rows_without_tree=True)
+    runner = SimpleNamespace(_ddtree_rows_without_drafts=True)
     wrapped(runner, num_tokens=9, num_reqs=1)
     assert seen[-1]["force_uniform_decode"] is False
     wrapped(runner, num_tokens=9, num_reqs=1)  # the answer belongs to one step
     assert "force_uniform_decode" not in seen[-1]
-    runner._ddtree_rows_without_tree = False  # every request verifies a tree
+    runner._ddtree_rows_without_drafts = False  # every request verifies a tree
     wrapped(runner, num_tokens=18, num_reqs=2)
     assert "force_uniform_decode" not in seen[-1]
-    runner._ddtree_rows_without_tree = True  # a capture says what it captures
+    runner._ddtree_rows_without_drafts = True  # a capture says what it captures
     wrapped(runner, num_tokens=9, num_reqs=1, force_uniform_decode=True)
     assert seen[-1]["force_uniform_decode"] is True
+
+
+def test_a_chain_served_for_ddtree_gets_the_same_guard():
+    """Where "tree_budget": "auto" chose vLLM's DFlash chain, a prompt of 1 + 15 tokens is the
+    same trap (vLLM issue #49918): the hooks mark such a step for the chain's engines too, and
+    leave plain DFlash engines alone."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.runner_hooks import _wrap_prepare_inputs
+    from vllm_ddtree.vllm_patches import DDTREE_CHAIN_ATTR
+
+    with_a_prefill = SimpleNamespace(num_draft_tokens=[15, 0])
+    prepare = _wrap_prepare_inputs(lambda self, out, counts: (None, with_a_prefill))
+    served = SimpleNamespace(drafter=None, speculative_config=SimpleNamespace())
+    setattr(served.speculative_config, DDTREE_CHAIN_ATTR, True)
+    prepare(served, None, [16, 16])
+    assert served._ddtree_rows_without_drafts is True
+    plain = SimpleNamespace(drafter=None, speculative_config=SimpleNamespace())
+    prepare(plain, None, [16, 16])
+    assert not hasattr(plain, "_ddtree_rows_without_drafts")

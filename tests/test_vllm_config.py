@@ -16,7 +16,7 @@ vllm = pytest.importorskip("vllm")
 
 from tests.vllm_graphs import vllm_default_sizes, vllm_v2_drafter_graphs  # noqa: E402
 from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
-from vllm_ddtree.vllm_patches import get_ddtree_config  # noqa: E402
+from vllm_ddtree.vllm_patches import DDTREE_CHAIN_ATTR, get_ddtree_config  # noqa: E402
 
 
 def engine_args(target, spec, **kwargs):
@@ -83,10 +83,14 @@ def test_auto_budget_chooses_for_the_engines_max_num_seqs(
     ddtree = get_ddtree_config(config.speculative_config)
     assert ddtree is not None and 16 <= ddtree.tree_budget <= 64
     assert config.speculative_config.num_speculative_tokens == ddtree.tree_budget
+    assert not getattr(config.speculative_config, DDTREE_CHAIN_ATTR, False)
     config = engine(9.0)  # costly tree steps: vLLM's DFlash chain at the drafter's depth
     assert get_ddtree_config(config.speculative_config) is None
     sc = config.speculative_config
     assert sc.method == "dflash" and sc.num_speculative_tokens == 15
+    # Marked as served for "ddtree" (the runner hooks guard its graph dispatch), in the
+    # engine's processes too.
+    assert getattr(pickle.loads(pickle.dumps(sc)), DDTREE_CHAIN_ATTR, False)
 
 
 def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
@@ -96,6 +100,7 @@ def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
     )
     assert config.speculative_config.method == "dflash"
     assert get_ddtree_config(config.speculative_config) is None
+    assert not getattr(config.speculative_config, DDTREE_CHAIN_ATTR, False)
 
 
 def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(

@@ -199,9 +199,11 @@ def _wrap_prepare_inputs(original):
         self._ddtree_step = None
         if drafter is None:
             tree_verify.publish(None)
+            if serves_chain_for_ddtree(self):  # "auto" chose vLLM's chain: the same guard
+                self._ddtree_rows_without_drafts = rows_without_drafts(result[1])
             return result
         logits_indices, spec_decode_metadata = result
-        self._ddtree_rows_without_tree = rows_without_tree(spec_decode_metadata)
+        self._ddtree_rows_without_drafts = rows_without_drafts(spec_decode_metadata)
         if spec_decode_metadata is None:
             tree_verify.publish(None)
             return result
@@ -212,12 +214,21 @@ def _wrap_prepare_inputs(original):
     return _prepare_inputs
 
 
-def rows_without_tree(spec_decode_metadata) -> bool:
-    """Whether this step has a request that verifies no tree (a prefill, or a decode without
-    drafts): every request does when ``spec_decode_metadata`` is None (host side)."""
+def rows_without_drafts(spec_decode_metadata) -> bool:
+    """Whether this step has a request that verifies no drafts, no tree (a prefill, or a
+    decode without drafts): every request does when ``spec_decode_metadata`` is None (host
+    side)."""
     if spec_decode_metadata is None:
         return True
     return min(spec_decode_metadata.num_draft_tokens, default=0) == 0
+
+
+def serves_chain_for_ddtree(runner) -> bool:
+    """Whether ``runner``'s engine was asked for ``"method": "ddtree"`` and ``"tree_budget":
+    "auto"`` chose vLLM's DFlash chain for it (``vllm_patches.DDTREE_CHAIN_ATTR``)."""
+    from vllm_ddtree.vllm_patches import DDTREE_CHAIN_ATTR
+
+    return bool(getattr(getattr(runner, "speculative_config", None), DDTREE_CHAIN_ATTR, False))
 
 
 def _wrap_determine_batch_execution(original):
@@ -231,13 +242,14 @@ def _wrap_determine_batch_execution(original):
     rows alone: the prefill's row then runs as a stale tree on another request's state blocks
     (found on the H200: the one 9-token prompt of the budget-8 hybrid grid; its first token
     wrong, and other requests of its batch written over; vLLM issue #49918, PR #47123 open).
-    Such a step runs piecewise instead.
+    Such a step runs piecewise instead, in DDTree engines and in engines where "auto" serves
+    vLLM's chain, whose 16-token prompts the same bug hits.
     Capture runs (``force_uniform_decode`` given) are left as vLLM asks."""
 
     @functools.wraps(original)
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
-        without_tree = getattr(self, "_ddtree_rows_without_tree", False)
-        self._ddtree_rows_without_tree = False  # one step's answer, read once
+        without_tree = getattr(self, "_ddtree_rows_without_drafts", False)
+        self._ddtree_rows_without_drafts = False  # one step's answer, read once
         positional_force = len(args) >= 8  # vLLM 0.26.0 passes it by keyword
         if without_tree and not positional_force and kwargs.get("force_uniform_decode") is None:
             kwargs["force_uniform_decode"] = False

@@ -72,6 +72,9 @@ logger = logging.getLogger("vllm.ddtree")
 
 WRITTEN_FOR_VLLM = "0.26.0"
 DDTREE_ATTR = "ddtree_config"
+# Set on the SpeculativeConfig of an engine asked for "ddtree" whose "tree_budget": "auto" chose
+# vLLM's DFlash chain (the runner hooks still guard its CUDA-graph dispatch).
+DDTREE_CHAIN_ATTR = "ddtree_served_chain"
 _PATCHED_FLAG = "__vllm_ddtree_patched__"
 
 
@@ -155,6 +158,7 @@ def _wrap_create_speculative_config(original):
             self.speculative_config["method"] = DDTREE_METHOD
             self.spec_method = None
         raw = self.speculative_config
+        asked_for_ddtree = False
         if isinstance(raw, dict):
             merged = dict(raw)
             if getattr(self, "spec_model", None) is not None and "model" not in merged:
@@ -162,7 +166,8 @@ def _wrap_create_speculative_config(original):
             if getattr(self, "spec_tokens", None) is not None:
                 merged.setdefault("num_speculative_tokens", self.spec_tokens)
             runner = None
-            if merged.get("method") == DDTREE_METHOD:
+            asked_for_ddtree = merged.get("method") == DDTREE_METHOD
+            if asked_for_ddtree:
                 # The target first: refused whatever budget "auto" would choose.
                 check_target_is_supported(
                     getattr(target_model_config.hf_config, "architectures", None),
@@ -193,6 +198,14 @@ def _wrap_create_speculative_config(original):
                 self.spec_tokens = None
                 self.speculative_config = vllm_dict
         spec = original(self, target_model_config, target_parallel_config)
+        if ddtree is None and spec is not None:
+            # "auto" chose the chain (now or in an earlier call with these arguments, after
+            # which they hold vLLM's DFlash request).
+            self._ddtree_served_chain = asked_for_ddtree or getattr(
+                self, "_ddtree_served_chain", False
+            )
+            if self._ddtree_served_chain:
+                setattr(spec, DDTREE_CHAIN_ATTR, True)
         if ddtree is not None and spec is not None:
             hf_config = spec.draft_model_config.hf_config if spec.draft_model_config else None
             if hf_config is not None:
