@@ -296,8 +296,8 @@ def main() -> int:
         default="ieee",
         help="with --hybrid in float32: the precision of float32 Triton dots in every engine "
         "(TRITON_F32_DEFAULT). vLLM's fused-MoE kernel leaves it to Triton, whose default on "
-        "the GPU is TF32: the MoE target alone then parts from itself across batch shapes at "
-        "logit gaps up to ~0.1, which a token-identity check would blame on the trees",
+        "the GPU is TF32: the suspected (not yet shown) cause of the float32 MoE target alone "
+        "parting from itself across batch shapes (benchmarks/results/hybrid_26003c4)",
     )
     parser.add_argument(
         "--runner",

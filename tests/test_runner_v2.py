@@ -109,6 +109,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     from vllm_ddtree import runner_v2
     from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
     from vllm_ddtree.proposal_store import ProposalStore
+    from vllm_ddtree.runner_hooks import RANK_CHECK_ENV
     from vllm_ddtree.tree import build_trees
 
     budget, depth, vocab = 6, 4, 40
@@ -201,7 +202,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     hidden = torch.zeros(total, dtype=torch.long)
     hidden[batch.logits_indices] = logit_rows
     checked = []  # tensor parallel: the walked trees go to the rank comparison
-    monkeypatch.setenv(runner_v2.RANK_CHECK_ENV, "1")
+    monkeypatch.setenv(RANK_CHECK_ENV, "1")
     monkeypatch.setattr(runner_v2, "check_ranks_agree", checked.append)
     output, num_sampled, num_rejected = sample(runner, hidden, batch, None)
     assert checked == [step] and step.accepted is not None

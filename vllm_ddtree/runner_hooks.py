@@ -81,8 +81,11 @@ def step_fingerprint(step: StepTrees) -> torch.Tensor:
 
 
 def check_ranks_agree(step: StepTrees) -> None:
-    """``VLLM_DDTREE_CHECK_RANKS=1`` (a check for tests; one all-gather and one host sync per
-    step): every tensor-parallel rank built and walked the same trees. Raises otherwise."""
+    """Under ``VLLM_DDTREE_CHECK_RANKS=1`` (a check for tests; one all-gather and one host sync
+    per step; off, one environment lookup): every tensor-parallel rank built and walked the same
+    trees. Raises otherwise."""
+    if os.environ.get(RANK_CHECK_ENV) != "1":
+        return
     from vllm.distributed import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
@@ -197,13 +200,13 @@ def _wrap_prepare_inputs(original):
         result = original(self, scheduler_output, num_scheduled_tokens)
         drafter = _ddtree_proposer(self)
         self._ddtree_step = None
+        logits_indices, spec_decode_metadata = result
+        # For the graph dispatch after this (in "auto"'s chain too, where the same bug hits).
+        if drafter is not None or serves_chain_for_ddtree(self):
+            self._ddtree_rows_without_drafts = rows_without_drafts(spec_decode_metadata)
         if drafter is None:
             tree_verify.publish(None)
-            if serves_chain_for_ddtree(self):  # "auto" chose vLLM's chain: the same guard
-                self._ddtree_rows_without_drafts = rows_without_drafts(result[1])
             return result
-        logits_indices, spec_decode_metadata = result
-        self._ddtree_rows_without_drafts = rows_without_drafts(spec_decode_metadata)
         if spec_decode_metadata is None:
             tree_verify.publish(None)
             return result
@@ -461,8 +464,7 @@ def _wrap_sample(original):
                 trees, chosen, first_row, step.num_draft, out_width
             )
         step.accepted, step.num_accepted = accepted, num_accepted
-        if os.environ.get(RANK_CHECK_ENV) == "1":
-            check_ranks_agree(step)
+        check_ranks_agree(step)
         if gdn is not None:
             gdn.watch("in the walk")
         with step_range("ddtree::commit_kv"):

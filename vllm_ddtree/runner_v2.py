@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 
 import numpy as np
 import torch
@@ -43,12 +42,7 @@ from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.oracle import DeviceOracle, oracle_path
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.proposal_store import ProposalStore
-from vllm_ddtree.runner_hooks import (
-    RANK_CHECK_ENV,
-    StepTableUpload,
-    check_ranks_agree,
-    set_tree_step_inputs,
-)
+from vllm_ddtree.runner_hooks import StepTableUpload, check_ranks_agree, set_tree_step_inputs
 from vllm_ddtree.tree import DDTreeBatch
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -296,8 +290,7 @@ def _wrap_sample(original):
                 step.trees, chosen.long(), first_row, step.num_draft, out_width
             )
         step.accepted, step.num_accepted = accepted, num_accepted
-        if os.environ.get(RANK_CHECK_ENV) == "1":
-            check_ranks_agree(step)  # tensor parallel: every rank built and walked these trees
+        check_ranks_agree(step)  # tensor parallel: every rank built and walked these trees
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled,
             input_batch.seq_lens,

@@ -191,7 +191,7 @@ def _wrap_create_speculative_config(original):
                 _choose_attention_backends(self, vllm_dict)
                 _size_graphs_for_the_drafter(self, ddtree)
                 self._ddtree_config = ddtree
-            if merged.get("method") == DDTREE_METHOD:
+            if asked_for_ddtree:
                 # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
                 # chose); flags folded above must not be applied twice by vLLM.
                 self.spec_model = None
