@@ -232,6 +232,8 @@ def run_child(job: dict, work: str, timeout: int) -> dict:
         with open(log_path) as f:
             log_text = f.read()
         first = next((ln for ln in log_text.splitlines() if "Error" in ln), "")
+        if timed_out:  # killed before its first row: say so, not only the log's last lines
+            first = f"stopped by the per-engine time limit ({timeout} s) before any row. {first}"
         result = {"error": f"{first[:400]} ... {log_text[-800:]}", "rows": []}
     result["wall_seconds"] = time.time() - start
     print(
@@ -269,7 +271,7 @@ def headline_table(summary: dict, rows_link: str = "benchmarks/results/bench_e2e
         return engine_row(engines, name, dataset, 1, 0)
 
     lines = [
-        f"Batch 1, T = 0, {summary['gpu']}, commit {summary['commit']} "
+        f"Batch 1, T = 0, {summary['gpu']}, commit {str(summary['commit'])[:7]} "
         f"([all rows]({rows_link})): output tok/s (acceptance length).",
         "",
         "| prompts | AR | DFlash chain | DDTree (best budget) | DDTree / chain "

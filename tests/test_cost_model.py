@@ -24,10 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 bench_e2e = load_benchmark("bench_e2e")
 BENCH = os.path.join(ROOT, "benchmarks", "results", "bench_e2e.json")
 BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "v2_runner_f8ddc72", "bench_e2e.json")
-# A later bench on the V2 runner (not fitted: the packaged profile is judged against it).
+# Later benches on the V2 runner (not fitted: the packaged profile is judged against them);
+# a62595a's is the first with CUDA graphs sized for DDTree's drafter (86a0399).
 BENCH_V2_LATER = os.path.join(ROOT, "benchmarks", "results", "v2_default_e72fe79", "bench_e2e.json")
-# Tensor parallel 2 (DDTree on the V1 runner, the plugin's choice there; not fitted).
+BENCH_V2_GRAPHS = os.path.join(ROOT, "benchmarks", "results", "bench_a62595a", "bench_e2e.json")
+# Tensor parallel 2 (not fitted): DDTree on the V1 runner (6b83ee1) and on V2, its runner there
+# since f59dea1, with drafter-sized graphs (a62595a).
 BENCH_TP2 = os.path.join(ROOT, "benchmarks", "results", "tp2_bench_6b83ee1", "bench_e2e.json")
+BENCH_TP2_V2 = os.path.join(ROOT, "benchmarks", "results", "tp2_bench_a62595a", "bench_e2e.json")
 VLLM_FIELDS = ["method", "model", "num_speculative_tokens"]
 DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
 
@@ -84,13 +88,21 @@ def test_the_fit_chooses_what_its_bench_measured_faster_at_each_batch(bench):
             assert trees[budget] > chain, (batch, budget, trees, chain)
 
 
-def test_the_packaged_v2_profile_is_never_slower_than_the_chain_in_a_later_bench():
+@pytest.mark.parametrize(
+    "bench, served_at_batch_1",
+    # e72fe79's bench recorded budget 32 at batch 1 (before ``NEAR_TIE``), a62595a's budget 16.
+    [(BENCH_V2_LATER, "ddtree_v2_b32"), (BENCH_V2_GRAPHS, "ddtree_v2_b16")],
+    ids=["e72fe79", "a62595a"],
+)
+def test_the_packaged_v2_profile_is_never_slower_than_the_chain_in_a_later_bench(
+    bench, served_at_batch_1
+):
     """The packaged V2 profile's choice at each batch size of a bench it was not fitted to,
-    measured there (mean tok/s over the prompt sets of that batch), against the chain. (The
-    bench recorded what "auto" served when it ran, budget 32 at batch 1, before ``NEAR_TIE``.)"""
-    with open(BENCH_V2_LATER) as f:
+    measured there (mean tok/s over the prompt sets of that batch, T = 0), against the chain;
+    ``served_at_batch_1`` is what the bench recorded as "auto"'s engine when it ran."""
+    with open(bench) as f:
         summary = json.load(f)
-    assert {r["auto_serves"] for r in summary["auto"] if r["batch"] == 1} == {"ddtree_v2_b32"}
+    assert {r["auto_serves"] for r in summary["auto"] if r["batch"] == 1} == {served_at_batch_1}
     rows = bench_e2e.auto_choice_rows(summary)
     for batch in sorted({r["batch"] for r in rows}):
         at_batch = [r for r in rows if r["batch"] == batch and r["temperature"] == 0]
@@ -99,6 +111,23 @@ def test_the_packaged_v2_profile_is_never_slower_than_the_chain_in_a_later_bench
         assert chosen >= chain, (batch, at_batch)
     assert {r["auto_serves"] for r in rows if r["batch"] == 16} == {"dflash"}
     assert {r["auto_serves"] for r in rows if r["batch"] == 1} == {"ddtree_v2_b16"}
+
+
+def test_a_refit_on_the_bench_with_drafter_graphs_chooses_as_the_packaged_v2_profile():
+    """a62595a's bench (budgets 16 and 32, drafter graphs at every batch) fitted anew gives the
+    packaged V2 profile's choice at every batch size, and step costs within 5% of it: the
+    profile fitted before the drafter's graphs were sized stands (it also holds budget 8)."""
+    with open(BENCH_V2_GRAPHS) as f:
+        refit = fit_profile(json.load(f))
+    packaged = load_profile(runner="V2")
+    for batch in (1, 2, 4, 8, 16, 64):
+        assert choose_budget(refit, batch)[0] == choose_budget(packaged, batch)[0], batch
+    for name in ("chain", "tree"):
+        for batch in (1, 16):
+            tokens = batch * (1 + 16)
+            assert getattr(refit, name).step_ms(tokens, batch) == pytest.approx(
+                getattr(packaged, name).step_ms(tokens, batch), rel=0.05
+            )
 
 
 def test_at_a_near_tie_the_smaller_tree_held_up_better_where_the_chain_is_strong():
@@ -130,7 +159,8 @@ def test_at_a_near_tie_the_smaller_tree_held_up_better_where_the_chain_is_strong
     assert mean[16] == pytest.approx(mean[32], rel=0.01)
 
 
-def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower():
+@pytest.mark.parametrize("bench", [BENCH_TP2, BENCH_TP2_V2], ids=["v1_6b83ee1", "v2_a62595a"])
+def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower(bench):
     """The packaged profiles were measured on one GPU: at TP > 1 "auto" serves the chain on
     either runner unless given a profile of its own. The TP = 2 bench measured every DDTree
     budget slower than the chain there, so that choice is the faster one, and bench_e2e.py
@@ -138,7 +168,7 @@ def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower(
     from vllm_ddtree import config
     from vllm_ddtree.cost_model import PACKAGED_PROFILES, choose_automatic
 
-    with open(BENCH_TP2) as f:
+    with open(bench) as f:
         summary = json.load(f)
     assert summary["tensor_parallel_size"] == 2
     for runner in ("V1", "V2"):
@@ -149,7 +179,8 @@ def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower(
     rows = bench_e2e.auto_choice_rows(summary)
     assert rows == summary["auto"]
     assert rows and {r["auto_serves"] for r in rows} == {"dflash"}
-    trees = [n for n in summary["engines"] if n.startswith("ddtree_b")]
+    prefix = tree_engine_prefix(summary["engines"])
+    trees = [n for n in summary["engines"] if n.startswith(prefix)]
     assert trees, "the bench has DDTree rows to judge the choice by"
     for r in rows:
         for name in trees:
@@ -298,3 +329,19 @@ def test_the_bench_gives_every_drafter_batch_a_cuda_graph():
             sizes = bench_e2e.graph_sizes({1 + budget, 1 + depth}, max_seqs)
             graphs = vllm_v2_drafter_graphs(sizes, max_seqs)
             assert graphs[0] == 1 and graphs[-1] == max_seqs, (budget, max_seqs, graphs)
+
+
+def test_an_engine_stopped_before_its_first_row_says_so(tmp_path, monkeypatch):
+    """An engine the per-engine time limit (the run's deadline included) kills before it
+    measured a row is reported as stopped, not as a failure whose cause is its log's tail."""
+    import subprocess
+
+    def killed(cmd, timeout, **kwargs):
+        kwargs["stdout"].write("Capturing CUDA graphs ...\n")
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(subprocess, "run", killed)
+    result = bench_e2e.run_child({"name": "ddtree_v2_b8"}, str(tmp_path), timeout=80)
+    assert result["rows"] == []
+    assert result["error"].startswith("stopped by the per-engine time limit (80 s) before any row")
+    assert "Capturing CUDA graphs" in result["error"]
