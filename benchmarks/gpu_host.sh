@@ -169,7 +169,7 @@ case "$STEP" in
       echo "pair $dtype rc=$?"; grep -E '^\{' "$OUT/lossless_pair_$dtype.log" | cut -c1-300
     done ;;
   hybrid)
-    # The experimental GDN tree path on a tiny Qwen3-Next (needs bundle part 3: MoE ops): the
+    # The GDN tree path on a tiny Qwen3-Next (needs bundle part 3: MoE ops): the
     # lossless grid and the sampling check (lossless_gpu.py --hybrid; LOSSLESS_ARGS adds options).
     # Its own work folder, so that it can run beside `train` (which runs the dense grid) on
     # another GPU of the host (CUDA_VISIBLE_DEVICES); HYBRID_WORK names another folder for a

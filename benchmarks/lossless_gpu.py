@@ -20,9 +20,9 @@ Writes JSON; exits non-zero on any divergence, failed engine or failed sampling 
     python benchmarks/lossless_gpu.py --out benchmarks/results [--quick] [--tp 2] [--hybrid]
 
 ``--hybrid``: the target is a tiny Qwen3-Next (GatedDeltaNet + attention, GDN heads of 128),
-run through the experimental GDN tree path (``VLLM_DDTREE_HYBRID=1``, float32 SSM states, no
-prefix caching, Triton GDN prefill); float32 activations by default, with vLLM's chunked GDN
-prefill (which refuses float32) replaced in every engine by the test-only chain prefill
+run through the GDN tree path (float32 SSM states, no prefix caching, Triton GDN prefill);
+float32 activations by default, with vLLM's chunked GDN prefill (which refuses float32)
+replaced in every engine by the test-only chain prefill
 (``VLLM_DDTREE_TEST_FLOAT32_GDN=1``, ``vllm_ddtree/float32_gdn_prefill.py``): in bf16 the target
 alone and any speculative path, vLLM's own chain included, part at near-ties within a few
 tokens (``--hybrid-dtype bfloat16``); budgets 8/64/256; needs vLLM's MoE ops.
@@ -237,7 +237,7 @@ def main() -> int:
     parser.add_argument(
         "--hybrid",
         action="store_true",
-        help="a tiny Qwen3-Next target (GatedDeltaNet + attention; experimental tree path)",
+        help="a tiny Qwen3-Next target (GatedDeltaNet + attention; the GDN tree path)",
     )
     parser.add_argument("--parallel", type=int, default=6, help="engines at once")
     parser.add_argument("--prompts", type=int, help="override the number of prompts")
@@ -415,9 +415,8 @@ def main() -> int:
     if args.tp > 1:
         os.environ["VLLM_DDTREE_CHECK_RANKS"] = "1"  # every step: all ranks' trees agree
     if args.hybrid:
-        # The experimental GDN tree path: float32 node states, no prefix caching (vLLM's
-        # "align" state layout), Triton GDN prefill (the host has no FlashInfer).
-        os.environ["VLLM_DDTREE_HYBRID"] = "1"
+        # The GDN tree path: float32 node states, no prefix caching (vLLM's "align" state
+        # layout), Triton GDN prefill (the host has no FlashInfer).
         engine_extra.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
         engine_extra["mamba_ssm_cache_dtype"] = args.hybrid_states
         if args.hybrid_arch in ("qwen3_5", "qwen3_5_moe"):

@@ -160,7 +160,6 @@ def profile_method(args, method: str) -> dict:
         from vllm_ddtree.config import HYBRID_ENGINE_ARGS
 
         # Every method with the settings the GDN tree path needs (same cache layout for all).
-        os.environ["VLLM_DDTREE_HYBRID"] = "1"
         kwargs.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
     cuda = torch.cuda.is_available()
     llm = LLM(

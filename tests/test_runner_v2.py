@@ -1,4 +1,4 @@
-"""The experimental V2-runner path (``vllm_ddtree/runner_v2.py``) on the CPU: vLLM's V2 runner
+"""The V2-runner path (``vllm_ddtree/runner_v2.py``) on the CPU: vLLM's V2 runner
 cannot run here, so these check what can be checked without it: the seams it wraps still exist
 with the parameters it uses, the walk's output is what V2's ``post_update`` consumes, and the
 runner choice follows ``VLLM_DDTREE_RUNNER``. Its end-to-end check is

@@ -298,28 +298,38 @@ def test_each_engine_config_keeps_the_runner_chosen_for_it(
     assert on_v2.use_v2_model_runner is True and on_v1.use_v2_model_runner is False
 
 
-def test_a_hybrid_target_is_refused_unless_the_experimental_gdn_path_is_on(
-    tmp_path, tiny_drafter_path, monkeypatch
-):
-    """Qwen3-Next (GatedDeltaNet + attention): a tree's branches would share recurrent state,
-    so "ddtree" is refused before any engine starts, naming the experimental switch; plain
-    "dflash" still builds."""
-    monkeypatch.delenv("VLLM_DDTREE_HYBRID", raising=False)
+def test_a_recurrent_target_without_gdn_tree_states_is_refused():
+    """A recurrent target other than the GatedDeltaNet classes (e.g. a Mamba model): a tree's
+    branches would share its state, so "ddtree" is refused before any engine starts, naming the
+    classes that are served and the chain; attention-only targets pass."""
+    from vllm_ddtree.config import check_target_is_supported
+
+    with pytest.raises(DDTreeConfigError, match="recurrent layers.*Qwen3NextForCausalLM.*'dflash'"):
+        check_target_is_supported(["MambaForCausalLM"], True, "float32")
+    check_target_is_supported(["MambaForCausalLM"], False)  # no recurrent layers: nothing to do
+    for arch in ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration"):
+        check_target_is_supported([arch], True, "float32")
+
+
+def test_a_gdn_hybrid_target_is_served_without_a_switch(tmp_path, tiny_drafter_path):
+    """Qwen3-Next (GatedDeltaNet + attention) builds with "ddtree" as it is: vLLM's default SSM
+    state dtype ("auto": the model's) and no switch; the chain still builds too."""
     target = tiny_qwen3_next(tmp_path)
-    with pytest.raises(DDTreeConfigError, match="recurrent layers.*VLLM_DDTREE_HYBRID=1"):
-        engine_config(target, {"method": "ddtree", "model": tiny_drafter_path})
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    config = engine_config(target, spec, enable_prefix_caching=False)
+    assert get_ddtree_config(config.speculative_config).tree_budget == 8
+    assert config.cache_config.mamba_cache_mode == "none"
     chain = {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 15}
     config = engine_config(target, chain)
     assert config.speculative_config.method == "dflash"
 
 
-def test_the_experimental_gdn_path_needs_float32_or_bf16_states_and_no_prefix_caching(
-    tmp_path, tiny_drafter_path, monkeypatch
+def test_the_gdn_tree_path_needs_float32_or_bf16_states_and_no_prefix_caching(
+    tmp_path, tiny_drafter_path
 ):
-    """With VLLM_DDTREE_HYBRID=1 a Qwen3-Next target is accepted only with float32 or bfloat16
-    SSM states (tree node states; "auto" is the model's dtype) and without prefix caching, each
-    error naming the flag that fixes it."""
-    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
+    """A Qwen3-Next target is accepted only with float32 or bfloat16 SSM states (tree node
+    states; "auto" is the model's dtype) and without prefix caching, each error naming the flag
+    that fixes it."""
     target = tiny_qwen3_next(tmp_path)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
     with pytest.raises(DDTreeConfigError, match="one of float32, bfloat16.*'float16'"):
@@ -338,14 +348,13 @@ def test_the_experimental_gdn_path_needs_float32_or_bf16_states_and_no_prefix_ca
 
 
 def test_a_hybrid_tree_whose_states_cannot_fit_is_refused_naming_what_fits(
-    tmp_path, tiny_drafter_path, monkeypatch
+    tmp_path, tiny_drafter_path
 ):
     """The GDN tree path keeps 1 + tree_budget state blocks per request (vLLM's layout). When
     those alone exceed the memory vLLM may use, the engine is refused before it starts, and the
     message names a tree_budget and a max_num_seqs that fit (checked here to fit)."""
     from vllm_ddtree.hybrid_state import GDNStateShapes, slot_layout_bytes
 
-    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
     target = tiny_qwen3_next(tmp_path)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 64}
     common = dict(mamba_ssm_cache_dtype="float32", enable_prefix_caching=False, max_num_seqs=16)

@@ -59,8 +59,7 @@ def check_trees_match_single_steps(results, single, trees):
 
 
 @pytest.mark.vllm_engine
-def test_hybrid_trees_decode_exactly_what_single_token_steps_do(hybrid_pair, monkeypatch):
-    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
+def test_hybrid_trees_decode_exactly_what_single_token_steps_do(hybrid_pair):
     target, drafter = hybrid_pair
     trees = [
         hybrid_run(drafter, "budget8", 8, "single"),
@@ -76,7 +75,6 @@ def test_hybrid_trees_with_tensor_parallel_2(hybrid_pair, monkeypatch):
     """TP = 2 (vLLM-CPU, gloo): GDN heads, conv channels and attention heads sharded, so each
     rank keeps its heads' node states and commits them; every rank walks the same trees (checked
     at every step)."""
-    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("VLLM_DDTREE_CHECK_RANKS", "1")
     target, drafter = hybrid_pair
@@ -90,13 +88,12 @@ def test_hybrid_trees_with_tensor_parallel_2(hybrid_pair, monkeypatch):
 
 @pytest.mark.vllm_engine
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
-def test_hybrid_trees_on_the_qwen3_5_classes(arch, tmp_path, tiny_spec, monkeypatch):
+def test_hybrid_trees_on_the_qwen3_5_classes(arch, tmp_path, tiny_spec):
     """The classes vLLM 0.26.0 serves Qwen3.5/3.6 checkpoints with,
     ``Qwen3_5ForConditionalGeneration`` (dense) and ``Qwen3_5MoeForConditionalGeneration``
     (served language-model-only: text prompts, no vision tower), through the same tree path."""
     from vllm_ddtree import testing
 
-    monkeypatch.setenv("VLLM_DDTREE_HYBRID", "1")
     make_target = {
         "qwen3_5": testing.make_tiny_qwen3_5,
         "qwen3_5_moe": testing.make_tiny_qwen3_5_moe,

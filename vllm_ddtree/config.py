@@ -130,13 +130,12 @@ def check_drafter_is_dflash(drafter_config: Mapping[str, Any], model: str) -> No
 
 
 # Hybrid targets whose GatedDeltaNet layer (vLLM's QwenGatedDeltaNetAttention) the tree path
-# routes (vllm_ddtree.hybrid_gdn), behind VLLM_DDTREE_HYBRID=1 until checked on a GPU.
+# routes (vllm_ddtree.hybrid_gdn); lossless on the full hybrid grid on an H200 since a62595a.
 GDN_TREE_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
 )
-HYBRID_ENV = "VLLM_DDTREE_HYBRID"
 # The engine arguments the GDN tree path is checked with: float32 states (bfloat16 is accepted
 # too, see ``check_target_is_supported``) and vLLM's plain state layout (required).
 HYBRID_ENGINE_ARGS = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": False}
@@ -229,7 +228,7 @@ def check_target_is_supported(
     A tree's branches share one forward pass: attention isolates them with the ancestor mask,
     a recurrent layer (GatedDeltaNet, Mamba: vLLM's hybrid and state-space models) would carry
     one branch's state into its siblings. GatedDeltaNet targets get per-node states through
-    ``vllm_ddtree.hybrid_gdn`` (experimental: ``VLLM_DDTREE_HYBRID=1``), with float32 or
+    ``vllm_ddtree.hybrid_gdn`` (``GDN_TREE_ARCHITECTURES``), with float32 or
     bfloat16 SSM states (``mamba_ssm_cache_dtype``, "auto" already resolved to the model's
     dtype by the caller) and without prefix caching (vLLM's "align"/"all" state layouts move
     states between blocks); other recurrent targets are refused before any engine process
@@ -239,17 +238,13 @@ def check_target_is_supported(
     if not has_recurrent_layers:
         return
     names = list(architectures or [])
-    experimental = os.environ.get(HYBRID_ENV, "") == "1"
-    if not experimental or not any(name in GDN_TREE_ARCHITECTURES for name in names):
-        how = (
-            f"(GatedDeltaNet targets {', '.join(GDN_TREE_ARCHITECTURES)}: experimental, "
-            f"{HYBRID_ENV}=1)"
-        )
+    if not any(name in GDN_TREE_ARCHITECTURES for name in names):
         raise DDTreeConfigError(
             f"method 'ddtree' does not support this target yet: {names} has recurrent layers "
-            "(GatedDeltaNet/Mamba state), which a draft tree cannot share across branches "
-            f"without per-node state {how}. Use method 'dflash' (chain) for this target, or a "
-            "target whose layers are all attention."
+            "(Mamba-style state), which a draft tree cannot share across branches without "
+            "per-node state, and DDTree keeps per-node states only for the GatedDeltaNet "
+            f"targets {', '.join(GDN_TREE_ARCHITECTURES)}. Use method 'dflash' (chain) for "
+            "this target, or a target whose layers are all attention."
         )
     if mamba_ssm_cache_dtype not in GDN_STATE_DTYPES:
         raise DDTreeConfigError(

@@ -1,9 +1,9 @@
-"""DDTree on hybrid targets (experimental): vLLM's GatedDeltaNet layers verify a draft tree.
+"""DDTree on hybrid targets: vLLM's GatedDeltaNet layers verify a draft tree.
 
-Enabled with ``VLLM_DDTREE_HYBRID=1`` (without it hybrid targets are refused before the engine
-starts). vLLM-CPU (bf16 GDN only) runs its own speculative GDN code, ``_spec_forward`` in
-``ops/cpu/gdn_attention.py``, which ``install`` routes the same way on a CPU device
-(``tests/test_vllm_hybrid_e2e.py``).
+Serves the classes in ``config.GDN_TREE_ARCHITECTURES`` (other recurrent targets are refused
+before the engine starts). vLLM-CPU (bf16 GDN only) runs its own speculative GDN code,
+``_spec_forward`` in ``ops/cpu/gdn_attention.py``, which ``install`` routes the same way on a
+CPU device (``tests/test_vllm_hybrid_e2e.py``).
 
 vLLM 0.26.0's ``QwenGatedDeltaNetAttention._forward_core`` sends its speculative rows (the
 requests with drafts, first in the batch) through two chain-shaped calls it looks up in its own

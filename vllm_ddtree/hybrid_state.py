@@ -3,7 +3,7 @@
 Two layouts. vLLM 0.26.0 keeps, for a chain, ``1 + num_speculative_tokens`` state blocks per
 request for the request's lifetime, each a full conv window and SSM state of every GDN layer
 (``MambaSpec.num_speculative_blocks``). Extended to trees that is ``1 + budget`` blocks per
-request (``slot_layout_bytes``): what the experimental tree path (``hybrid_gdn``) uses now,
+request (``slot_layout_bytes``): what the tree path (``hybrid_gdn``) uses now,
 since vLLM allocates and indexes it, and fine for small models and budgets, but tens of times
 what a GPU can spare at useful budgets on real hybrids.
 
