@@ -13,6 +13,8 @@ Each measurement is repeated ``--repeats`` times; the median output tokens/s is 
 time per output token, mean acceptance length (tokens per target forward) and the
 accepted-depth histogram (vLLM's per-position acceptance counters, differenced). At T = 0 the
 outputs of every engine are compared token by token with AR's (lossless on a real pair).
+Last, on one GPU, each engine decodes one prompt under torch.profiler: the step-time split
+(``benchmarks/step_split.py``: draft, tree build, tree inputs, walk, commit, the rest).
 
 Writes bench_e2e.json, bench_e2e.md and two plots (speedup over AR and acceptance length vs
 budget) into --out.
@@ -32,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.step_split import profiled_step_split, split_table  # noqa: E402
 from vllm_ddtree.cost_model import tree_engine_prefix  # noqa: E402
 
 DATASETS = ("humaneval", "mtbench", "sharegpt")
@@ -124,6 +127,7 @@ def measure_engine(job: dict, save=None) -> dict:
 
     run([prompt_sets[DATASETS[0]][0]], 0.0, True)  # warm-up
     config = llm.llm_engine.vllm_config
+    extras: dict = {}
 
     def result() -> dict:
         return {
@@ -131,6 +135,7 @@ def measure_engine(job: dict, save=None) -> dict:
             "outputs_t0": outputs_t0,
             "runner": "V2" if config.use_v2_model_runner else "V1",
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+            **extras,
         }
 
     for temperature in job["temperatures"]:
@@ -199,6 +204,20 @@ def measure_engine(job: dict, save=None) -> dict:
                 print(json.dumps({"engine": job["name"], **rows[-1]}), flush=True)
                 if save is not None:
                     save(result())
+    # The step-time split needs the engine in this process (one GPU: at tensor parallel the
+    # model runs in worker processes, which this profiler does not see).
+    in_process = job.get("tensor_parallel_size", 1) == 1
+    if job.get("step_split", True) and in_process:
+        if time.time() - started > job["time_limit"]:
+            print("time limit: skipped the step-time split", flush=True)
+        else:
+            prompt = prompt_sets[DATASETS[0]][0]
+            extras["step_split"] = profiled_step_split(
+                llm, prompt, job["max_tokens"], metric_values
+            )
+            print(json.dumps({"engine": job["name"], **extras}), flush=True)
+            if save is not None:
+                save(result())
     return result()
 
 
@@ -430,6 +449,7 @@ def write_report(summary: dict, out: str) -> None:
         if result.get("error"):
             lines.append(f"| {name} | error: {result['error'][:200]!r} | | | | | | |")
     lines += auto_choice_table(summary)
+    lines += split_table(engines)
     lines += ["", "## T = 0 outputs vs AR", ""]
     for name, verdict in summary["identical_to_ar"].items():
         lines.append(f"- {name}: {verdict}")
@@ -509,6 +529,11 @@ def main() -> int:
     parser.add_argument("--compile", choices=sorted(COMPILE_NOTES), default="default")
     parser.add_argument("--skip", default="", help="engine names to leave out, e.g. dflash_v1")
     parser.add_argument(
+        "--no-step-split",
+        action="store_true",
+        help="leave out the profiled request of each engine (the step-time split)",
+    )
+    parser.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -580,6 +605,7 @@ def main() -> int:
         "batch1_prompts": args.batch1_prompts,
         "compile": args.compile,
         "tensor_parallel_size": args.tp,
+        "step_split": not args.no_step_split,
         # Measurements stop starting after this; the engine's process still reports.
         # (from the engine process's start, engine start included).
         "time_limit": max(10, args.engine_timeout - 25),

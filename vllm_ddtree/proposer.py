@@ -89,7 +89,8 @@ class DDTreeProposer(DFlashProposer):
         if self.ddtree is None:
             return super().propose(num_speculative_tokens, *args, **kwargs)
         self._tree_tokens: torch.Tensor | None = None
-        super().propose(self.ddtree.depth, *args, **kwargs)
+        with step_range("ddtree::draft"):  # the drafter pass and the tree build
+            super().propose(self.ddtree.depth, *args, **kwargs)
         tokens = self._tree_tokens
         self._tree_tokens = None
         # Keep vLLM's own view of the draft width equal to the budget (scheduler slots).

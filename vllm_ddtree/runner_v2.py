@@ -161,7 +161,8 @@ def _speculator_class():
                     self.ddtree.tree_budget,
                 )
             self.proposals.flush()  # the drafter run overwrites the per-row trees
-            super().propose(input_batch, *args, **kwargs)
+            with step_range("ddtree::draft"):  # the drafter's graph: its pass and the trees
+                super().propose(input_batch, *args, **kwargs)
             num_reqs = input_batch.num_reqs
             if not dummy_run:
                 self.proposals.proposed(

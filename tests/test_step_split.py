@@ -1,0 +1,85 @@
+"""The bench's step-time split (benchmarks/step_split.py): phases from the ddtree::* ranges."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.benchmark_modules import load_benchmark
+from tests.vllm_runs import run_helper
+from vllm_ddtree.profiling import step_range
+
+step_split_module = load_benchmark("step_split")
+
+
+def event(key: str, host_us: float, device_us: float = 0.0):
+    return SimpleNamespace(key=key, count=1, cpu_time_total=host_us, device_time_total=device_us)
+
+
+def test_phases_per_forward_count_each_range_once_and_the_rest_is_the_uncovered_wall():
+    events = [
+        event("ddtree::draft", 4000, 300),
+        event("ddtree::draft", 0, 2000),  # the GPU annotation of the same range
+        event("ddtree::build_trees", 1000, 500),  # inside draft: not subtracted again
+        event("ddtree::prepare_tree_inputs", 600, 100),
+        event("ddtree::target_tokens", 200, 40),
+        event("ddtree::follow_tree", 400, 60),
+        event("ddtree::commit_kv", 800, 200),
+        event("aten::mm", 9000, 9000),  # not a phase
+    ]
+    split = step_split_module.step_split(events, 2, 0.010, on_device=True)
+    phases = split["phases_per_forward"]
+    assert split["wall_ms_per_forward"] == pytest.approx(5.0)
+    assert phases["draft"] == {"host_ms": pytest.approx(2.0), "device_ms": pytest.approx(1.0)}
+    assert phases["tree build"]["host_ms"] == pytest.approx(0.5)
+    assert phases["walk"] == {"host_ms": pytest.approx(0.3), "device_ms": pytest.approx(0.05)}
+    assert split["rest_host_ms"] == pytest.approx(5.0 - (2.0 + 0.3 + 0.3 + 0.4))
+    # An engine without DDTree ranges (AR, the chain): the whole wall is the rest.
+    chain = step_split_module.step_split([event("aten::mm", 1000)], 4, 0.008, on_device=False)
+    assert chain["phases_per_forward"] == {} and chain["rest_host_ms"] == pytest.approx(2.0)
+
+
+def test_the_split_reads_the_profilers_own_events():
+    """The real ``key_averages()`` of ranges opened by ``step_range``, nested as in the V1
+    runner (the tree build inside the draft)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            with step_range("ddtree::draft"):
+                with step_range("ddtree::build_trees"):
+                    torch.randn(64, 64) @ torch.randn(64, 64)
+            with step_range("ddtree::commit_kv"):
+                torch.zeros(1024).add_(1)
+    split = step_split_module.step_split(prof.key_averages(), 3, 1.0, on_device=False)
+    phases = split["phases_per_forward"]
+    assert set(phases) == {"draft", "tree build", "commit"}
+    assert 0 < phases["tree build"]["host_ms"] <= phases["draft"]["host_ms"]
+    assert "device_ms" not in phases["draft"]
+    covered = phases["draft"]["host_ms"] + phases["commit"]["host_ms"]
+    assert split["rest_host_ms"] == pytest.approx(split["wall_ms_per_forward"] - covered)
+
+
+def test_the_report_table_has_a_row_per_engine_with_a_split():
+    split = step_split_module.step_split(
+        [event("ddtree::draft", 3000, 1000), event("ddtree::commit_kv", 1000, 500)],
+        2,
+        0.006,
+        on_device=True,
+    )
+    lines = step_split_module.split_table({"ddtree_v2_b16": {"step_split": split}, "ar": {}})
+    rows = [line for line in lines if line.startswith("| ddtree_v2_b16")]
+    assert len(rows) == 1 and "| 1.50 (0.50) |" in rows[0] and rows[0].endswith("| 1.00 |")
+    assert step_split_module.split_table({"ar": {"rows": []}}) == []
+
+
+@pytest.mark.vllm_engine
+def test_a_ddtree_engine_reports_every_phase_of_its_step(tiny_target_path, tiny_drafter_path):
+    """A DDTree engine on this machine (V1 runner on vLLM-CPU), in-process as the bench runs it:
+    one request under the profiler gives every phase of the tree step, per target forward."""
+    split, _ = run_helper("run_step_split.py", tiny_target_path, tiny_drafter_path, "8", "24")
+    phases = split["phases_per_forward"]
+    assert set(phases) == {"draft", "tree build", "tree inputs", "walk", "commit"}
+    assert all(p["host_ms"] > 0 for p in phases.values())
+    assert 1 <= split["target_forwards"] <= 24
+    assert split["rest_host_ms"] > 0
