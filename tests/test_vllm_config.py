@@ -312,12 +312,14 @@ def test_a_recurrent_target_without_gdn_tree_states_is_refused():
 
 
 def test_a_gdn_hybrid_target_is_served_without_a_switch(tmp_path, tiny_drafter_path):
-    """Qwen3-Next (GatedDeltaNet + attention) builds with "ddtree" as it is: vLLM's default SSM
-    state dtype ("auto": the model's) and no switch; the chain still builds too."""
+    """Qwen3-Next (GatedDeltaNet + attention) builds with "ddtree" and vLLM's defaults: SSM
+    state dtype "auto" (the model's), prefix caching off (vLLM 0.26.0 keeps it opt-in for
+    hybrids), no switch; the chain still builds too."""
     target = tiny_qwen3_next(tmp_path)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
-    config = engine_config(target, spec, enable_prefix_caching=False)
+    config = engine_config(target, spec)
     assert get_ddtree_config(config.speculative_config).tree_budget == 8
+    assert not config.cache_config.enable_prefix_caching
     assert config.cache_config.mamba_cache_mode == "none"
     chain = {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 15}
     config = engine_config(target, chain)
