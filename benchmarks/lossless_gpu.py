@@ -348,27 +348,13 @@ def main() -> int:
 
     from vllm_ddtree.config import HYBRID_ENGINE_ARGS, choose_runner
     from vllm_ddtree.demo import first_divergence
-    from vllm_ddtree.testing import (
-        TinyQwen3Spec,
-        make_tiny_dflash,
-        make_tiny_qwen3,
-        make_tiny_qwen3_5,
-        make_tiny_qwen3_5_moe,
-        make_tiny_qwen3_next,
-    )
-
-    # --hybrid-arch: the fixture and the vLLM model class it is served with.
-    hybrid_targets = {
-        "qwen3_next": (make_tiny_qwen3_next, "Qwen3NextForCausalLM"),
-        "qwen3_5": (make_tiny_qwen3_5, "Qwen3_5ForConditionalGeneration"),
-        "qwen3_5_moe": (make_tiny_qwen3_5_moe, "Qwen3_5MoeForConditionalGeneration"),
-    }
+    from vllm_ddtree.testing import HYBRID_TARGETS, TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
     started = time.time()
     os.makedirs(args.work, exist_ok=True)
     spec = TinyQwen3Spec(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     if args.hybrid:
-        make_hybrid, _ = hybrid_targets[args.hybrid_arch]
+        make_hybrid, _ = HYBRID_TARGETS[args.hybrid_arch]
         target = make_hybrid(os.path.join(args.work, f"target-hybrid-{args.hybrid_arch}"), spec)
     else:
         target = make_tiny_qwen3(os.path.join(args.work, "target"), spec)
@@ -596,7 +582,7 @@ def main() -> int:
         "triton_f32_dots": os.environ.get("TRITON_F32_DEFAULT", "Triton's default"),
         "target": {
             **spec.__dict__,
-            "hybrid": hybrid_targets[args.hybrid_arch][1] if args.hybrid else None,
+            "hybrid": HYBRID_TARGETS[args.hybrid_arch][1] if args.hybrid else None,
             "ssm_states": args.hybrid_states if args.hybrid else None,
         },
         "drafter": "test oracle, p_top 0.7 (target's greedy future ranked 1st, else 2nd)",

@@ -102,10 +102,7 @@ def test_the_tiny_qwen3_5_classes_are_what_vllm_serves_them_with(arch, tmp_path)
     from vllm_ddtree import testing
     from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
 
-    make, architecture = {
-        "qwen3_5": (testing.make_tiny_qwen3_5, "Qwen3_5ForConditionalGeneration"),
-        "qwen3_5_moe": (testing.make_tiny_qwen3_5_moe, "Qwen3_5MoeForConditionalGeneration"),
-    }[arch]
+    make, architecture = testing.HYBRID_TARGETS[arch]
     path = make(str(tmp_path / arch), testing.TinyQwen3Spec(num_hidden_layers=4))
     config = AutoConfig.from_pretrained(path)
     assert config.architectures == [architecture] and architecture in GDN_TREE_ARCHITECTURES

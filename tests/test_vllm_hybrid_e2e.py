@@ -47,13 +47,10 @@ def trees_match_single_steps(target, single, trees, max_tokens, expect_in_log):
     ``expect_in_log`` and every tree run gives the reference's tokens with deep acceptance."""
     results, log = run_engines(target, [single, *trees], PROMPTS, max_tokens=max_tokens)
     assert expect_in_log in log
-    check_trees_match_single_steps(results, single["name"], [run["name"] for run in trees])
-
-
-def check_trees_match_single_steps(results, single, trees):
-    assert results[single]["metrics"][ACCEPTED] == 0  # the reference: one token per step
-    for name in trees:
-        assert results[name]["tokens"] == results[single]["tokens"], name
+    reference = results[single["name"]]
+    assert reference["metrics"][ACCEPTED] == 0  # the reference: one token per step
+    for name in (run["name"] for run in trees):
+        assert results[name]["tokens"] == reference["tokens"], name
         metrics = results[name]["metrics"]
         assert 1 + metrics[ACCEPTED] / metrics[DRAFTS] > 2.0, (name, metrics)
 
@@ -92,13 +89,10 @@ def test_hybrid_trees_on_the_qwen3_5_classes(arch, tmp_path, tiny_spec):
     """The classes vLLM 0.26.0 serves Qwen3.5/3.6 checkpoints with,
     ``Qwen3_5ForConditionalGeneration`` (dense) and ``Qwen3_5MoeForConditionalGeneration``
     (served language-model-only: text prompts, no vision tower), through the same tree path."""
-    from vllm_ddtree import testing
+    from vllm_ddtree.testing import HYBRID_TARGETS
 
-    make_target = {
-        "qwen3_5": testing.make_tiny_qwen3_5,
-        "qwen3_5_moe": testing.make_tiny_qwen3_5_moe,
-    }
-    target = make_target[arch](str(tmp_path / arch), tiny_spec)
+    make_target, _ = HYBRID_TARGETS[arch]
+    target = make_target(str(tmp_path / arch), tiny_spec)
     drafter = make_tiny_dflash(str(tmp_path / "tiny-dflash"), tiny_spec)
     text_only = {"language_model_only": True}
     single = hybrid_run(drafter, "single", 1, **text_only)

@@ -177,6 +177,15 @@ def make_tiny_qwen3_5_moe(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed
     return _save_random(path, Qwen3_5MoeForConditionalGeneration, config, seed)
 
 
+# The tiny hybrid fixtures by name (``lossless_gpu.py --hybrid-arch``): the maker and the vLLM
+# model class its checkpoint is served with.
+HYBRID_TARGETS = {
+    "qwen3_next": (make_tiny_qwen3_next, "Qwen3NextForCausalLM"),
+    "qwen3_5": (make_tiny_qwen3_5, "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": (make_tiny_qwen3_5_moe, "Qwen3_5MoeForConditionalGeneration"),
+}
+
+
 def tiny_drafter_config(
     target_spec: TinyQwen3Spec = TinyQwen3Spec(),
     num_layers: int = 1,
