@@ -9,12 +9,16 @@ template applied):
 - batch 1: ``--batch1-prompts`` prompts of each set, one request at a time;
 - batch b > 1: b prompts (round-robin over the sets) submitted together, ``max_num_seqs`` = b;
 - T = 0 and T = 1 (per-request seeds), ``--max-tokens`` new tokens at most (EOS ends early).
-Each measurement is repeated ``--repeats`` times; the median output tokens/s is reported, with
+Each measurement is repeated ``--repeats`` times after one untimed run per batch size and
+temperature; the median output tokens/s is reported, with
 time per output token, mean acceptance length (tokens per target forward) and the
 accepted-depth histogram (vLLM's per-position acceptance counters, differenced). At T = 0 the
 outputs of every engine are compared token by token with AR's (lossless on a real pair).
-Last, on one GPU, each engine decodes one prompt under torch.profiler: the step-time split
-(``benchmarks/step_split.py``: draft, tree build, tree inputs, walk, commit, the rest).
+Last, on one GPU, each engine decodes under torch.profiler at batch 1 (each temperature) and
+at the largest batch up to 16 (T = 0): the step-time split (``benchmarks/step_split.py``:
+draft, tree build, tree inputs, walk, commit, the rest, the GPU's busy time, top operators).
+``--resume`` keeps the engines an earlier run on the same GPU finished in ``--work``, so one
+run can span several calls of a GPU lease.
 
 Writes bench_e2e.json, bench_e2e.md and two plots (speedup over AR and acceptance length vs
 budget) into --out.
@@ -59,6 +63,16 @@ def graph_sizes(widths: set[int], max_seqs: int) -> list[int]:
     return sorted(
         {w * b for w in widths for b in ladder if b <= max_seqs} | {w * max_seqs for w in widths}
     )
+
+
+def split_configs(batches: list[int], temperatures: list[float]) -> list[tuple[int, float]]:
+    """The (batch, temperature) runs profiled for the step-time split: batch 1 at every
+    temperature, and the largest batch up to 16 at T = 0."""
+    configs = [(1, t) for t in temperatures]
+    larger = [b for b in batches if 1 < b <= 16]
+    if larger and 0.0 in temperatures:
+        configs.append((max(larger), 0.0))
+    return configs
 
 
 def measure_engine(job: dict, save=None) -> dict:
@@ -127,7 +141,7 @@ def measure_engine(job: dict, save=None) -> dict:
 
     run([prompt_sets[DATASETS[0]][0]], 0.0, True)  # warm-up
     config = llm.llm_engine.vllm_config
-    extras: dict = {}
+    extras: dict = {"device_id": device_id()}
 
     def result() -> dict:
         return {
@@ -151,10 +165,16 @@ def measure_engine(job: dict, save=None) -> dict:
                     for i in range(batch)
                 ]
                 groups = {"mixed": mixed}
+            warmed = False
             for name, prompts in groups.items():
                 if time.time() - started > job["time_limit"]:
                     print(f"time limit: skipped {name} batch {batch} T={temperature}", flush=True)
                     continue
+                if not warmed:
+                    # Untimed, once per batch size and temperature: the kernels this batch's
+                    # shapes and sampling need are compiled before the first timed repeat.
+                    run(prompts, temperature, batch == 1)
+                    warmed = True
                 samples = []
                 for repeat in range(job["repeats"]):
                     tokens, seconds, before, after = run(prompts, temperature, batch == 1)
@@ -208,17 +228,52 @@ def measure_engine(job: dict, save=None) -> dict:
     # model runs in worker processes, which this profiler does not see).
     in_process = job.get("tensor_parallel_size", 1) == 1
     if job.get("step_split", True) and in_process:
-        if time.time() - started > job["time_limit"]:
-            print("time limit: skipped the step-time split", flush=True)
-        else:
-            prompt = prompt_sets[DATASETS[0]][0]
-            extras["step_split"] = profiled_step_split(
-                llm, prompt, job["max_tokens"], metric_values
+        extras["step_split"] = []
+        for batch, temperature in split_configs(job["batches"], job["temperatures"]):
+            if time.time() - started > job["time_limit"]:
+                print(f"time limit: skipped the step-time split {batch} {temperature}", flush=True)
+                continue
+            sets = list(prompt_sets.values())
+            prompts = [sets[i % len(sets)][i // len(sets)] for i in range(batch)]
+            extras["step_split"].append(
+                profiled_step_split(
+                    llm, prompts, min(job["max_tokens"], 128), metric_values, temperature
+                )
             )
             print(json.dumps({"engine": job["name"], **extras}), flush=True)
             if save is not None:
                 save(result())
+    extras["complete"] = True
     return result()
+
+
+def device_id() -> str:
+    """This process's GPU: its UUID (engines resumed from an earlier call must have run on
+    the same GPU), else "cpu"."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return str(torch.cuda.get_device_properties(0).uuid)
+
+
+def finished_result(job: dict, work: str, device: str) -> dict | None:
+    """``--resume``: the complete result of this same job (its time limit aside) left in
+    ``work`` by an earlier run on GPU ``device``, else None."""
+    path = os.path.join(work, f"{job['name']}.job.json")
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        with open(path + ".result") as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    same = {k: v for k, v in json.loads(json.dumps(job)).items() if k != "time_limit"}
+    earlier.pop("time_limit", None)
+    if earlier != same or not result.get("complete") or result.get("device_id") != device:
+        return None
+    result["resumed"] = True
+    return result
 
 
 def run_child(job: dict, work: str, timeout: int) -> dict:
@@ -255,6 +310,9 @@ def run_child(job: dict, work: str, timeout: int) -> dict:
             first = f"stopped by the per-engine time limit ({timeout} s) before any row. {first}"
         result = {"error": f"{first[:400]} ... {log_text[-800:]}", "rows": []}
     result["wall_seconds"] = time.time() - start
+    if not timed_out and result.get("complete"):
+        with open(path + ".result", "w") as f:  # with its wall time, for --resume
+            json.dump(result, f)
     print(
         f"[{time.strftime('%H:%M:%S')}] {job['name']}: {result['wall_seconds']:.0f} s", flush=True
     )
@@ -526,6 +584,12 @@ def main() -> int:
     parser.add_argument("--batch1-prompts", type=int, default=2)
     parser.add_argument("--engine-timeout", type=int, default=110)
     parser.add_argument("--deadline", type=int, default=540, help="seconds for all engines")
+    parser.add_argument(
+        "--engine-min",
+        type=int,
+        default=60,
+        help="seconds an engine needs at least: none starts with less of the deadline left",
+    )
     parser.add_argument("--compile", choices=sorted(COMPILE_NOTES), default="default")
     parser.add_argument("--skip", default="", help="engine names to leave out, e.g. dflash_v1")
     parser.add_argument(
@@ -558,6 +622,12 @@ def main() -> int:
         help="rebuild the results from the engines' logs in this folder (a run cut short)",
     )
     parser.add_argument("--device-name", default="unknown", help="with --collect")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the complete results of engines an earlier run left in --work on this GPU "
+        "(same job) and run only the others: one run over several calls of a lease",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -656,9 +726,17 @@ def main() -> int:
     jobs = [job for job in jobs if job["name"] not in skipped]
     engines: dict[str, dict] = {}
     started = time.time()
+    device = device_id() if args.resume else ""
+    failed: list[str] = []
     for job in jobs:
+        earlier = finished_result({**common, **job}, args.work, device) if args.resume else None
+        if earlier is not None:
+            print(f"{job['name']}: resumed from an earlier run on this GPU", flush=True)
+            engines[job["name"]] = earlier
+            failed = summarize(engines, args, budgets, batches, started)
+            continue
         left = args.deadline - (time.time() - started)
-        if left < 60:
+        if left < max(60, args.engine_min):
             engines[job["name"]] = {"error": "skipped: the run's deadline", "rows": []}
             continue
         timeout = int(min(args.engine_timeout, left - 15))
@@ -763,6 +841,7 @@ def summarize(engines, args, budgets, batches, started, note: str = "") -> list[
             else "cpu"
         ),
         "note": note,
+        "device_id": "" if args.collect else device_id(),
         "target_name": os.path.basename(os.path.normpath(args.target)),
         "drafter_name": os.path.basename(os.path.normpath(args.drafter)),
         # Which weights were measured (the drafter may sit in a scratch folder on the host).

@@ -278,6 +278,8 @@ case "$STEP" in
     cat "$OUT/bench_e2e.md" ;;
   bench-e2e)
     # BENCH_WORK names another work folder, for a second bench at once on the other GPU.
+    # RESUME=1 keeps the engines an earlier bench-e2e call finished there (the same GPU, the
+    # same settings): call it again with more budgets to spread one run over several calls.
     need_checkpoint
     WORK=${BENCH_WORK:-/tmp/vllm-ddtree-bench}
     timeout "${BENCH_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py --work "$WORK" \
@@ -286,7 +288,8 @@ case "$STEP" in
       --compile "${COMPILE:-default}" --skip "${SKIP:-}" --budgets "${BUDGETS:-64,16,256}" \
       --batches "${BATCHES:-1,16,64}" --temperatures "${TEMPS:-0,1}" \
       --max-tokens "${MAX_TOKENS:-256}" --engine-timeout "${ENGINE_TIMEOUT:-110}" \
-      --ddtree-runner "${DDTREE_RUNNER:-v2}" \
+      --ddtree-runner "${DDTREE_RUNNER:-v2}" --repeats "${REPEATS:-3}" ${RESUME:+--resume} \
+      --engine-min "${ENGINE_MIN:-60}" \
       > "$OUT/bench_e2e.log" 2>&1
     echo "bench rc=$?"; (cd "$WORK" && tar czf "$OUT/bench_logs.tgz" ./*.log)
     cat "$OUT/bench_e2e.md" ;;

@@ -27,13 +27,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item")
+from benchmarks.step_split import LAUNCH_EVENTS, SYNC_EVENTS  # noqa: E402
+
 # "graphs": full CUDA graphs of decode/verify batches, no torch.compile (engines start fast;
 # vLLM's V1 runner then runs the DFlash drafter eagerly). "default": vLLM's defaults
 # (torch.compile, FULL_AND_PIECEWISE: the V1 drafter gets piecewise graphs), what `vllm serve` does.
 COMPILE_MODES = {"graphs": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "default": None}
-# Eager kernel launches (PyTorch, Triton) vs CUDA-graph replays: is the step graph-captured?
-LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 def synthetic_config(name: str):

@@ -11,11 +11,18 @@ the target's verify forward and vLLM's own step (scheduler, sampler, outputs).
 Host ms is the range's wall time on the host (waits for the device included); device ms is
 the time the GPU spent in it (the profiler's device total). The profiler slows the host, so
 the wall time here is above the bench's unprofiled ms/step; compare phases with each other.
+Beside the phases: the GPU's busy ms per forward (every kernel and copy, annotations left out:
+a step far above it waits on the host), the operators and kernels with the most host and
+device time, and the host synchronisations and kernel launches per forward.
 """
 
 from __future__ import annotations
 
 import time
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item")
+# Eager kernel launches (PyTorch, Triton) vs CUDA-graph replays: is the step graph-captured?
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 # phase -> the ``ddtree::*`` ranges it sums (per target forward).
 PHASES = {
@@ -30,12 +37,16 @@ TOP_LEVEL = ("draft", "tree inputs", "walk", "commit")
 REST = "verify and the rest"
 
 
-def step_split(events, target_forwards: int, wall_seconds: float, on_device: bool) -> dict:
+def step_split(
+    events, target_forwards: int, wall_seconds: float, on_device: bool, top: int = 12
+) -> dict:
     """Per target forward: the profiled wall ms, each phase's host (and, ``on_device``, device)
     ms, and ``REST``, from ``events`` (torch.profiler's ``key_averages()``: ``key``, ``count``,
-    ``cpu_time_total`` and ``device_time_total`` in microseconds). A range can appear twice
-    (its host entry and its GPU annotation): each range counts its largest host and device
-    totals once."""
+    ``cpu_time_total``, ``device_time_total`` and their ``self_`` parts in microseconds,
+    ``device_type``, ``is_user_annotation``). A range can appear twice (its host entry and its
+    GPU annotation): each range counts its largest host and device totals once. Also, per
+    forward: ``device_busy_ms`` (``on_device``), the ``top`` operators by self host and by
+    self device time, host synchronisations and kernel launches."""
     forwards = max(1, target_forwards)
     host_us: dict[str, float] = {}
     device_us: dict[str, float] = {}
@@ -53,19 +64,56 @@ def step_split(events, target_forwards: int, wall_seconds: float, on_device: boo
             phases[phase]["device_ms"] = sum(device_us[k] for k in present) / 1000.0 / forwards
     wall_ms = 1000.0 * wall_seconds / forwards
     covered = sum(phases[p]["host_ms"] for p in TOP_LEVEL if p in phases)
-    return {
+    split = {
         "target_forwards": target_forwards,
         "wall_ms_per_forward": wall_ms,
         "phases_per_forward": phases,
         "rest_host_ms": wall_ms - covered,
+        "host_syncs_per_forward": _counts(events, SYNC_EVENTS, forwards),
+        "launches_per_forward": _counts(events, LAUNCH_EVENTS, forwards),
+        "top_host_ops": _top(events, "self_cpu_time_total", forwards, top),
     }
+    if on_device:
+        on_gpu = [e for e in events if _on_gpu(e)]
+        busy_us = sum(float(getattr(e, "self_device_time_total", 0.0) or 0.0) for e in on_gpu)
+        split["device_busy_ms"] = busy_us / 1000.0 / forwards
+        split["top_device_ops"] = _top(on_gpu, "self_device_time_total", forwards, top)
+    return split
 
 
-def profiled_step_split(llm, prompt: list[int], max_tokens: int, counters) -> dict:
-    """One request of ``prompt`` (token ids), T = 0, under torch.profiler on engine ``llm``
-    (which must run in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU); its
-    ``step_split``. ``counters(llm)`` reads vLLM's metrics (target forwards: the drafts made,
-    else one per output token)."""
+def _on_gpu(event) -> bool:
+    """A kernel, copy or memset on the GPU (not a host op, not a range's GPU annotation)."""
+    device_type = str(getattr(event, "device_type", "CPU"))
+    return not device_type.endswith("CPU") and not getattr(event, "is_user_annotation", False)
+
+
+def _counts(events, keys: tuple[str, ...], forwards: int) -> dict[str, float]:
+    return {e.key: e.count / forwards for e in events if e.key in keys}
+
+
+def _top(events, attribute: str, forwards: int, top: int) -> list[dict]:
+    """The ``top`` events by ``attribute`` (microseconds): name (cut to 120 characters), calls
+    and ms per forward."""
+    ranked = sorted(events, key=lambda e: float(getattr(e, attribute, 0.0) or 0.0), reverse=True)
+    return [
+        {
+            "name": e.key[:120],
+            "calls": e.count / forwards,
+            "ms": float(getattr(e, attribute, 0.0) or 0.0) / 1000.0 / forwards,
+        }
+        for e in ranked[:top]
+        if float(getattr(e, attribute, 0.0) or 0.0) > 0
+    ]
+
+
+def profiled_step_split(
+    llm, prompts: list[list[int]], max_tokens: int, counters, temperature: float = 0.0
+) -> dict:
+    """``prompts`` (token ids) submitted together at ``temperature`` (per-request seeds) under
+    torch.profiler on engine ``llm`` (which must run in this process:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU); their ``step_split``, with ``batch`` and
+    ``temperature``. ``counters(llm)`` reads vLLM's metrics (target forwards: the drafts made
+    over the requests, else the longest output's tokens)."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -74,50 +122,76 @@ def profiled_step_split(llm, prompt: list[int], max_tokens: int, counters) -> di
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_device:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens)
+        for i in range(len(prompts))
+    ]
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     before = counters(llm)
     start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [params], use_tqdm=False)
+        out = llm.generate(requests, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     drafts = counters(llm).get("vllm:spec_decode_num_drafts", 0) - before.get(
         "vllm:spec_decode_num_drafts", 0
     )
-    forwards = int(drafts) or len(out[0].outputs[0].token_ids)
-    return step_split(prof.key_averages(), forwards, seconds, on_device)
+    # A step drafts once per running request: forwards ~ drafts / batch (exact at batch 1).
+    longest = max(len(o.outputs[0].token_ids) for o in out)
+    forwards = round(drafts / len(prompts)) if drafts else longest
+    split = step_split(prof.key_averages(), max(1, forwards), seconds, on_device)
+    return {"batch": len(prompts), "temperature": temperature, **split}
 
 
 def split_table(engines: dict[str, dict]) -> list[str]:
-    """Markdown lines: one row per engine with a ``step_split`` (host ms per target forward,
-    device ms in parentheses); none when no engine has one."""
+    """Markdown lines: per profiled batch and temperature, one row per engine with a split
+    (``step_split``: a list of ``profiled_step_split`` results) in host ms per target forward
+    (device ms in parentheses) and the GPU's busy ms; none when no engine has one."""
     measured = {name: e["step_split"] for name, e in engines.items() if e.get("step_split")}
     if not measured:
         return []
     lines = [
         "",
-        "## Step-time split (batch 1, T = 0, one request under torch.profiler)",
+        "## Step-time split (one run per batch and temperature under torch.profiler)",
         "",
         "Per target forward, host ms (device ms). draft: the drafter pass and the tree build "
         "(tree build: inside it, V1 only); walk: target tokens + tree walk; commit: the "
-        f"accepted K/V; {REST}: wall minus those (the verify forward and vLLM's step). The "
-        "profiler slows the host: compare phases, not these walls with ms/step above.",
-        "",
-        f"| engine | forwards | wall ms | {' | '.join(PHASES)} | {REST} |",
-        "| --- | --- | --- |" + " --- |" * (len(PHASES) + 1),
+        f"accepted K/V; {REST}: wall minus those (the verify forward and vLLM's step); GPU "
+        "busy: every kernel and copy (a wall far above it waits on the host). The profiler "
+        "slows the host: compare phases, not these walls with ms/step above.",
     ]
-    for name, split in measured.items():
-        cells = []
-        for phase in PHASES:
-            value = split["phases_per_forward"].get(phase)
-            if value is None:
-                cells.append("")
-            elif "device_ms" in value:
-                cells.append(f"{value['host_ms']:.2f} ({value['device_ms']:.2f})")
-            else:
-                cells.append(f"{value['host_ms']:.2f}")
-        lines.append(
-            f"| {name} | {split['target_forwards']} | {split['wall_ms_per_forward']:.2f} | "
-            + " | ".join(cells)
-            + f" | {split['rest_host_ms']:.2f} |"
-        )
+    configs = sorted(
+        {(s["batch"], s["temperature"]) for splits in measured.values() for s in splits}
+    )
+    for batch, temperature in configs:
+        lines += [
+            "",
+            f"Batch {batch}, T = {temperature:g}:",
+            "",
+            f"| engine | forwards | wall ms | GPU busy ms | {' | '.join(PHASES)} | {REST} |",
+            "| --- | --- | --- | --- |" + " --- |" * (len(PHASES) + 1),
+        ]
+        for name, splits in measured.items():
+            for split in splits:
+                if (split["batch"], split["temperature"]) == (batch, temperature):
+                    lines.append(_split_row(name, split))
     return lines
+
+
+def _split_row(name: str, split: dict) -> str:
+    cells = []
+    for phase in PHASES:
+        value = split["phases_per_forward"].get(phase)
+        if value is None:
+            cells.append("")
+        elif "device_ms" in value:
+            cells.append(f"{value['host_ms']:.2f} ({value['device_ms']:.2f})")
+        else:
+            cells.append(f"{value['host_ms']:.2f}")
+    busy = split.get("device_busy_ms")
+    return (
+        f"| {name} | {split['target_forwards']} | {split['wall_ms_per_forward']:.2f} | "
+        + ("" if busy is None else f"{busy:.2f}")
+        + " | "
+        + " | ".join(cells)
+        + f" | {split['rest_host_ms']:.2f} |"
+    )

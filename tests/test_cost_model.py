@@ -345,3 +345,29 @@ def test_an_engine_stopped_before_its_first_row_says_so(tmp_path, monkeypatch):
     assert result["rows"] == []
     assert result["error"].startswith("stopped by the per-engine time limit (80 s) before any row")
     assert "Capturing CUDA graphs" in result["error"]
+
+
+def test_resume_keeps_only_a_complete_result_of_the_same_job_on_the_same_gpu(tmp_path, monkeypatch):
+    """``--resume`` (one run over several calls of a lease) reuses an engine's result only when
+    the earlier engine finished, ran the same job (its time limit aside) and ran on this GPU."""
+    import subprocess
+
+    job = {"name": "ddtree_v2_b8", "batches": [1, 16], "time_limit": 125}
+    finished = {"rows": [{"batch": 1}], "complete": True, "device_id": "GPU-1"}
+
+    def engine(cmd, timeout, **kwargs):  # the child writes its result, then exits
+        with open(cmd[-1] + ".result", "w") as f:
+            json.dump(finished, f)
+
+    monkeypatch.setattr(subprocess, "run", engine)
+    first = bench_e2e.run_child(job, str(tmp_path), timeout=80)
+    assert first["complete"] and "wall_seconds" in first
+    again = bench_e2e.finished_result({**job, "time_limit": 300}, str(tmp_path), "GPU-1")
+    assert again["resumed"] and again["rows"] == finished["rows"]
+    assert "wall_seconds" in again  # kept for the resumed run's report
+    other_job = {**job, "batches": [1, 4]}
+    assert bench_e2e.finished_result(other_job, str(tmp_path), "GPU-1") is None
+    assert bench_e2e.finished_result(job, str(tmp_path), "GPU-2") is None
+    finished["complete"] = False  # stopped by its time limit: run again
+    bench_e2e.run_child(job, str(tmp_path), timeout=80)
+    assert bench_e2e.finished_result(job, str(tmp_path), "GPU-1") is None

@@ -14,8 +14,23 @@ from vllm_ddtree.profiling import step_range
 step_split_module = load_benchmark("step_split")
 
 
-def event(key: str, host_us: float, device_us: float = 0.0):
-    return SimpleNamespace(key=key, count=1, cpu_time_total=host_us, device_time_total=device_us)
+def event(key: str, host_us: float, device_us: float = 0.0, **fields):
+    fields.setdefault("count", 1)
+    return SimpleNamespace(key=key, cpu_time_total=host_us, device_time_total=device_us, **fields)
+
+
+def kernel(key: str, device_us: float, count: int = 1):
+    """A GPU event as key_averages() gives it (no host time; self time = its time)."""
+    return SimpleNamespace(
+        key=key,
+        count=count,
+        cpu_time_total=0.0,
+        self_cpu_time_total=0.0,
+        device_time_total=device_us,
+        self_device_time_total=device_us,
+        device_type="DeviceType.CUDA",
+        is_user_annotation=False,
+    )
 
 
 def test_phases_per_forward_count_each_range_once_and_the_rest_is_the_uncovered_wall():
@@ -67,19 +82,70 @@ def test_the_report_table_has_a_row_per_engine_with_a_split():
         0.006,
         on_device=True,
     )
-    lines = step_split_module.split_table({"ddtree_v2_b16": {"step_split": split}, "ar": {}})
+    at_1 = {"batch": 1, "temperature": 0.0, **split}
+    at_16 = {**at_1, "batch": 16}
+    lines = step_split_module.split_table(
+        {"ddtree_v2_b16": {"step_split": [at_1, at_16]}, "ar": {}}
+    )
     rows = [line for line in lines if line.startswith("| ddtree_v2_b16")]
-    assert len(rows) == 1 and "| 1.50 (0.50) |" in rows[0] and rows[0].endswith("| 1.00 |")
+    assert len(rows) == 2 and "| 1.50 (0.50) |" in rows[0] and rows[0].endswith("| 1.00 |")
+    assert lines.index("Batch 1, T = 0:") < lines.index("Batch 16, T = 0:")
     assert step_split_module.split_table({"ar": {"rows": []}}) == []
+
+
+def test_gpu_busy_time_counts_kernels_once_and_leaves_out_annotations_and_host_ops():
+    """The GPU's busy ms per forward is the kernels' and copies' own time: not the host ops that
+    launched them (their device totals repeat the kernels') nor a range's GPU annotation."""
+    events = [
+        kernel("nvjet_gemm", 3000, count=60),
+        kernel("Memcpy HtoD (Pinned -> Device)", 200, count=4),
+        event(
+            "aten::mm",
+            900,
+            3000,
+            self_cpu_time_total=700,
+            self_device_time_total=0,
+            device_type="DeviceType.CPU",
+        ),
+        event(
+            "ddtree::draft",
+            0,
+            2500,
+            self_device_time_total=2500,
+            device_type="DeviceType.CUDA",
+            is_user_annotation=True,
+        ),
+        event("cudaStreamSynchronize", 50, self_cpu_time_total=50, count=1),
+        event("cudaGraphLaunch", 80, self_cpu_time_total=80, count=1),
+    ]
+    split = step_split_module.step_split(events, 2, 0.004, on_device=True, top=2)
+    assert split["device_busy_ms"] == pytest.approx((3000 + 200) / 1000 / 2)
+    names = [op["name"] for op in split["top_device_ops"]]
+    assert names == ["nvjet_gemm", "Memcpy HtoD (Pinned -> Device)"]
+    assert split["top_device_ops"][0] == {"name": "nvjet_gemm", "calls": 30, "ms": 1.5}
+    assert split["top_host_ops"][0]["name"] == "aten::mm"
+    assert split["host_syncs_per_forward"] == {"cudaStreamSynchronize": 0.5}
+    assert split["launches_per_forward"] == {"cudaGraphLaunch": 0.5}
+    assert "device_busy_ms" not in step_split_module.step_split(events, 2, 0.004, on_device=False)
+
+
+def test_the_bench_profiles_batch_1_at_each_temperature_and_its_largest_batch_to_16_at_t0():
+    bench = load_benchmark("bench_e2e")
+    assert bench.split_configs([1, 4, 16, 64], [0.0, 1.0]) == [(1, 0.0), (1, 1.0), (16, 0.0)]
+    assert bench.split_configs([1], [0.0]) == [(1, 0.0)]
+    assert bench.split_configs([1, 4], [1.0]) == [(1, 1.0)]
 
 
 @pytest.mark.vllm_engine
 def test_a_ddtree_engine_reports_every_phase_of_its_step(tiny_target_path, tiny_drafter_path):
     """A DDTree engine on this machine (V1 runner on vLLM-CPU), in-process as the bench runs it:
     one request under the profiler gives every phase of the tree step, per target forward."""
-    split, _ = run_helper("run_step_split.py", tiny_target_path, tiny_drafter_path, "8", "24")
-    phases = split["phases_per_forward"]
-    assert set(phases) == {"draft", "tree build", "tree inputs", "walk", "commit"}
-    assert all(p["host_ms"] > 0 for p in phases.values())
-    assert 1 <= split["target_forwards"] <= 24
-    assert split["rest_host_ms"] > 0
+    splits, _ = run_helper("run_step_split.py", tiny_target_path, tiny_drafter_path, "8", "24")
+    for split, batch in zip(splits, (1, 2), strict=True):
+        assert (split["batch"], split["temperature"]) == (batch, 0.0)
+        phases = split["phases_per_forward"]
+        assert set(phases) == {"draft", "tree build", "tree inputs", "walk", "commit"}
+        assert all(p["host_ms"] > 0 for p in phases.values())
+        assert 1 <= split["target_forwards"] <= 24
+        assert split["rest_host_ms"] > 0
+        assert split["top_host_ops"] and "device_busy_ms" not in split

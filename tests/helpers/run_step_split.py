@@ -1,9 +1,9 @@
-"""One DDTree engine on this machine, one request under torch.profiler: the bench's step split.
+"""One DDTree engine on this machine, batch 1 and 2 under torch.profiler: the bench's step split.
 
     python run_step_split.py TARGET DRAFTER BUDGET MAX_TOKENS
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in
-``benchmarks/bench_e2e.py``. Prints ``RESULT {step_split}``.
+``benchmarks/bench_e2e.py``. Prints ``RESULT [step_split at batch 1, at batch 2]``.
 """
 
 import json
@@ -32,5 +32,9 @@ if __name__ == "__main__":
         speculative_config={"method": "ddtree", "model": drafter, "tree_budget": int(budget)},
     )
     llm.generate([{"prompt_token_ids": list(range(10, 26))}], use_tqdm=False)  # warm-up
-    split = profiled_step_split(llm, list(range(10, 26)), int(max_tokens), metric_values)
-    print("RESULT " + json.dumps(split))
+    prompts = [list(range(10, 26)), list(range(40, 52))]
+    splits = [
+        profiled_step_split(llm, prompts[:batch], int(max_tokens), metric_values)
+        for batch in (1, 2)
+    ]
+    print("RESULT " + json.dumps(splits))
