@@ -56,13 +56,21 @@ def metric_values(llm) -> dict:
     return values
 
 
-def graph_sizes(widths: set[int], max_seqs: int) -> list[int]:
-    """CUDA-graph sizes (tokens) for every running-batch size up to ``max_seqs`` at each of
-    ``widths`` (tokens per request: the target's verify width, the drafter's query width)."""
+def graph_sizes(verify_width: int, max_seqs: int, drafter_width: int | None = None) -> list[int]:
+    """CUDA-graph sizes (tokens): the target's verify batch at every running-batch size up to
+    ``max_seqs`` (``verify_width`` tokens per request), and the drafter's query batches
+    (``drafter_width`` tokens per request) on a ladder up to ``max_seqs``.
+
+    Every verify size is there, not a ladder of them: vLLM's V2 graph manager sends a batch to
+    the smallest captured size at least as large, and a FULL graph there serves it only if that
+    size is a multiple of the verify width. With a ladder, a verify batch between two ladder
+    sizes (15 requests x 17 tokens) landed on a drafter size (16 x 16 tokens) and ran
+    piecewise (vLLM's ``dispatch``, tests/test_cost_model.py)."""
     ladder = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 96, 128]
-    return sorted(
-        {w * b for w in widths for b in ladder if b <= max_seqs} | {w * max_seqs for w in widths}
-    )
+    verify = {verify_width * b for b in range(1, max_seqs + 1)}
+    drafter_width = drafter_width or verify_width
+    drafter = {drafter_width * b for b in ladder if b <= max_seqs} | {drafter_width * max_seqs}
+    return sorted(verify | drafter)
 
 
 def split_configs(batches: list[int], temperatures: list[float]) -> list[tuple[int, float]]:
@@ -97,8 +105,9 @@ def measure_engine(job: dict, save=None) -> dict:
     # width and for the drafter's (1 + depth query tokens per request: vLLM's DFlash graphs
     # are whole drafter batches within the largest size, so sizes for 1 + budget alone leave a
     # narrower tree's drafter without graphs).
-    widths = {width, job.get("drafter_tokens_per_request") or width}
-    sizes = graph_sizes(widths, max_seqs)
+    drafter_width = job.get("drafter_tokens_per_request") or width
+    widths = {width, drafter_width}
+    sizes = graph_sizes(width, max_seqs, drafter_width)
     compilation_config = {"cudagraph_capture_sizes": sizes}
     if job["compile"] == "graphs":
         compilation_config.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.benchmark_modules import load_benchmark
-from tests.vllm_graphs import vllm_v2_drafter_graphs
+from tests.vllm_graphs import vllm_v2_drafter_graphs, vllm_v2_verify_modes
 from vllm_ddtree.config import DDTreeConfigError, split_speculative_config
 from vllm_ddtree.cost_model import (
     NEAR_TIE,
@@ -322,13 +322,39 @@ def test_the_bench_gives_every_drafter_batch_a_cuda_graph():
     graph at batch 1 (the chain's, multiples of 16, always one); its sizes now cover both."""
     pytest.importorskip("vllm")
     depth = 15
-    assert vllm_v2_drafter_graphs(bench_e2e.graph_sizes({1 + 16}, 1), 1) == []  # the old way
-    assert vllm_v2_drafter_graphs(bench_e2e.graph_sizes({1 + depth}, 1), 1) == [1]  # the chain
+    assert vllm_v2_drafter_graphs(bench_e2e.graph_sizes(1 + 16, 1), 1) == []  # the old way
+    assert vllm_v2_drafter_graphs(bench_e2e.graph_sizes(1 + depth, 1), 1) == [1]  # the chain
     for budget in (4, 8, 16, 32, 64):
         for max_seqs in (1, 4, 16):
-            sizes = bench_e2e.graph_sizes({1 + budget, 1 + depth}, max_seqs)
+            sizes = bench_e2e.graph_sizes(1 + budget, max_seqs, 1 + depth)
             graphs = vllm_v2_drafter_graphs(sizes, max_seqs)
             assert graphs[0] == 1 and graphs[-1] == max_seqs, (budget, max_seqs, graphs)
+
+
+def test_the_bench_gives_every_verify_batch_a_full_cuda_graph():
+    """vLLM's V2 graph manager (vLLM's default FULL_AND_PIECEWISE; its own ``dispatch``) sends
+    a verify batch to the smallest captured size at least as large; only a multiple of the
+    verify width has a FULL graph. The bench's sizes before ea98718's run (a ladder of batch
+    sizes at both widths) sent many DDTree verify batches to a drafter size and ran them
+    piecewise (budget 16, 64 requests at most: 40 of the 64 batch sizes); every running-batch
+    size now has a FULL graph, for every budget and for the chain."""
+    pytest.importorskip("vllm")
+    depth = 15
+    ladder = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
+
+    def ladder_sizes(widths, max_seqs):  # the sizes of ea98718's run
+        return sorted(
+            {w * b for w in widths for b in ladder if b <= max_seqs}
+            | {w * max_seqs for w in widths}
+        )
+
+    old = vllm_v2_verify_modes(ladder_sizes({1 + 16, 1 + depth}, 64), 64, 1 + 16)
+    assert sum(mode != "FULL" for mode in old.values()) == 40 and old[15] == "PIECEWISE"
+    for budget in (4, 8, 15, 16, 32, 64, 128, 256):
+        for max_seqs in (1, 4, 16, 64):
+            sizes = bench_e2e.graph_sizes(1 + budget, max_seqs, 1 + depth)
+            modes = vllm_v2_verify_modes(sizes, max_seqs, 1 + budget)
+            assert set(modes.values()) == {"FULL"}, (budget, max_seqs, modes)
 
 
 def test_an_engine_stopped_before_its_first_row_says_so(tmp_path, monkeypatch):

@@ -54,3 +54,34 @@ def vllm_v2_drafter_graphs(sizes: list[int], max_num_seqs: int, width: int = 16)
     )
     CudaGraphManager._init_candidates(manager)
     return sorted(d.num_reqs for d in manager._capture_descs.get(CUDAGraphMode.FULL, []))
+
+
+def vllm_v2_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dict[int, str]:
+    """The CUDA-graph mode vLLM 0.26.0's V2 graph manager (vLLM's default FULL_AND_PIECEWISE)
+    dispatches a uniform verify batch of ``b`` requests x ``width`` tokens to, for every ``b``
+    up to ``max_num_seqs``, given capture ``sizes`` (its own ``_init_candidates`` and
+    ``dispatch``, run on a stand-in manager: no GPU needed). ``{b: "FULL" | "PIECEWISE" |
+    "NONE"}``."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    manager = SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=max(sizes)
+        ),
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        max_num_reqs=max_num_seqs,
+        decode_query_len=width,
+        vllm_config=SimpleNamespace(speculative_config=None),
+        lora_capture_cases=[0],
+        _candidates={},
+        _capture_descs={},
+        use_breakable_cg=False,
+        _graphs_captured=True,
+        _resolve_effective_loras=lambda loras: loras,
+    )
+    CudaGraphManager._init_candidates(manager)
+    return {
+        b: CudaGraphManager.dispatch(manager, b, b * width, width, 0).cg_mode.name
+        for b in range(1, max_num_seqs + 1)
+    }
