@@ -28,6 +28,7 @@ BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "v2_runner_f8ddc72", "ben
 # a62595a's is the first with CUDA graphs sized for DDTree's drafter (86a0399).
 BENCH_V2_LATER = os.path.join(ROOT, "benchmarks", "results", "v2_default_e72fe79", "bench_e2e.json")
 BENCH_V2_GRAPHS = os.path.join(ROOT, "benchmarks", "results", "bench_a62595a", "bench_e2e.json")
+BENCH_V2_GRID = os.path.join(ROOT, "benchmarks", "results", "bench_ea98718", "bench_e2e.json")
 # Tensor parallel 2 (not fitted): DDTree on the V1 runner (6b83ee1) and on V2, its runner there
 # since f59dea1, with drafter-sized graphs (a62595a).
 BENCH_TP2 = os.path.join(ROOT, "benchmarks", "results", "tp2_bench_6b83ee1", "bench_e2e.json")
@@ -90,9 +91,14 @@ def test_the_fit_chooses_what_its_bench_measured_faster_at_each_batch(bench):
 
 @pytest.mark.parametrize(
     "bench, served_at_batch_1",
-    # e72fe79's bench recorded budget 32 at batch 1 (before ``NEAR_TIE``), a62595a's budget 16.
-    [(BENCH_V2_LATER, "ddtree_v2_b32"), (BENCH_V2_GRAPHS, "ddtree_v2_b16")],
-    ids=["e72fe79", "a62595a"],
+    # e72fe79's bench recorded budget 32 at batch 1 (before ``NEAR_TIE``), a62595a's and
+    # ea98718's budget 16.
+    [
+        (BENCH_V2_LATER, "ddtree_v2_b32"),
+        (BENCH_V2_GRAPHS, "ddtree_v2_b16"),
+        (BENCH_V2_GRID, "ddtree_v2_b16"),
+    ],
+    ids=["e72fe79", "a62595a", "ea98718"],
 )
 def test_the_packaged_v2_profile_is_never_slower_than_the_chain_in_a_later_bench(
     bench, served_at_batch_1
