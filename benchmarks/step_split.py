@@ -23,6 +23,10 @@ import time
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item")
 # Eager kernel launches (PyTorch, Triton) vs CUDA-graph replays: is the step graph-captured?
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+# vLLM's attention op as the host sees it: called once per attention layer in a forward that
+# runs outside a FULL CUDA graph (piecewise graphs or eager; a prefill always does), never in
+# a FULL graph's replay.
+EAGER_ATTENTION_OPS = ("vllm::unified_attention_with_output", "vllm::unified_attention")
 
 # phase -> the ``ddtree::*`` ranges it sums (per target forward).
 PHASES = {
@@ -71,6 +75,7 @@ def step_split(
         "rest_host_ms": wall_ms - covered,
         "host_syncs_per_forward": _counts(events, SYNC_EVENTS, forwards),
         "launches_per_forward": _counts(events, LAUNCH_EVENTS, forwards),
+        "eager_attention_per_forward": sum(_counts(events, EAGER_ATTENTION_OPS, forwards).values()),
         "top_host_ops": _top(events, "self_cpu_time_total", forwards, top),
     }
     if on_device:
@@ -156,7 +161,9 @@ def split_table(engines: dict[str, dict]) -> list[str]:
         "Per target forward, host ms (device ms). draft: the drafter pass and the tree build "
         "(tree build: inside it, V1 only); walk: target tokens + tree walk; commit: the "
         f"accepted K/V; {REST}: wall minus those (the verify forward and vLLM's step); GPU "
-        "busy: every kernel and copy (a wall far above it waits on the host). The profiler "
+        "busy: every kernel and copy (a wall far above it waits on the host); eager attn: "
+        "vLLM's attention op called by the host per forward, once per attention layer in a "
+        "forward outside a FULL CUDA graph (each request's prefill is one). The profiler "
         "slows the host: compare phases, not these walls with ms/step above.",
     ]
     configs = sorted(
@@ -167,8 +174,9 @@ def split_table(engines: dict[str, dict]) -> list[str]:
             "",
             f"Batch {batch}, T = {temperature:g}:",
             "",
-            f"| engine | forwards | wall ms | GPU busy ms | {' | '.join(PHASES)} | {REST} |",
-            "| --- | --- | --- | --- |" + " --- |" * (len(PHASES) + 1),
+            f"| engine | forwards | wall ms | GPU busy ms | eager attn | {' | '.join(PHASES)} "
+            f"| {REST} |",
+            "| --- | --- | --- | --- | --- |" + " --- |" * (len(PHASES) + 1),
         ]
         for name, splits in measured.items():
             for split in splits:
@@ -188,9 +196,12 @@ def _split_row(name: str, split: dict) -> str:
         else:
             cells.append(f"{value['host_ms']:.2f}")
     busy = split.get("device_busy_ms")
+    eager = split.get("eager_attention_per_forward")
     return (
         f"| {name} | {split['target_forwards']} | {split['wall_ms_per_forward']:.2f} | "
         + ("" if busy is None else f"{busy:.2f}")
+        + " | "
+        + ("" if eager is None else f"{eager:.1f}")
         + " | "
         + " | ".join(cells)
         + f" | {split['rest_host_ms']:.2f} |"

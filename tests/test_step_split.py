@@ -117,6 +117,8 @@ def test_gpu_busy_time_counts_kernels_once_and_leaves_out_annotations_and_host_o
         ),
         event("cudaStreamSynchronize", 50, self_cpu_time_total=50, count=1),
         event("cudaGraphLaunch", 80, self_cpu_time_total=80, count=1),
+        # A forward outside a FULL graph calls vLLM's attention op once per layer.
+        event("vllm::unified_attention_with_output", 60, self_cpu_time_total=20, count=30),
     ]
     split = step_split_module.step_split(events, 2, 0.004, on_device=True, top=2)
     assert split["device_busy_ms"] == pytest.approx((3000 + 200) / 1000 / 2)
@@ -126,6 +128,7 @@ def test_gpu_busy_time_counts_kernels_once_and_leaves_out_annotations_and_host_o
     assert split["top_host_ops"][0]["name"] == "aten::mm"
     assert split["host_syncs_per_forward"] == {"cudaStreamSynchronize": 0.5}
     assert split["launches_per_forward"] == {"cudaGraphLaunch": 0.5}
+    assert split["eager_attention_per_forward"] == 15
     assert "device_busy_ms" not in step_split_module.step_split(events, 2, 0.004, on_device=False)
 
 

@@ -14,7 +14,11 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from tests.vllm_graphs import vllm_default_sizes, vllm_v2_drafter_graphs  # noqa: E402
+from tests.vllm_graphs import (  # noqa: E402
+    vllm_default_sizes,
+    vllm_v2_drafter_graphs,
+    vllm_v2_verify_modes,
+)
 from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
 from vllm_ddtree.vllm_patches import DDTREE_CHAIN_ATTR, get_ddtree_config  # noqa: E402
 
@@ -402,3 +406,19 @@ def test_a_tree_narrower_than_the_drafter_is_deep_still_gets_drafter_sized_graph
     assert largest_graph(64) is None  # vLLM's default already covers the drafter
     assert largest_graph(4, max_cudagraph_capture_size=8) == 8  # the user's choice stands
     assert largest_graph(4, compilation_config={"cudagraph_capture_sizes": [5]}) is None
+
+
+@pytest.mark.parametrize("budget", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("max_num_seqs", [1, 4, 16, 64, 256])
+def test_with_vllms_default_graph_sizes_every_verify_batch_of_a_wide_tree_has_a_full_graph(
+    budget, max_num_seqs
+):
+    """An engine without chosen graph sizes gets vLLM's defaults (steps of 8, then 16 tokens):
+    for a tree of budget 16 and up (verify width 17 and up) every uniform verify batch within
+    the largest graph has a FULL graph in vLLM's V2 manager (its own ``dispatch``), unlike the
+    bench's ladder of ea98718. Narrower trees (budgets 4 and 8) leave some batch sizes
+    piecewise there (``README``: small budgets above batch 1)."""
+    sizes = vllm_default_sizes(max_num_seqs=max_num_seqs, num_speculative_tokens=budget)
+    modes = vllm_v2_verify_modes(sizes, max_num_seqs, 1 + budget)
+    within = {b: mode for b, mode in modes.items() if b * (1 + budget) <= max(sizes)}
+    assert within and set(within.values()) == {"FULL"}, within
