@@ -153,12 +153,27 @@ def test_the_runner_is_v2_for_dense_gpu_targets_unless_the_user_says(monkeypatch
     assert choose_runner(**{**dense, "on_gpu": False}) == "v1"
     assert choose_runner(**dense, vllm_runner_env="0") == "v1"
     assert choose_runner(**{**dense, "tensor_parallel_size": 2}, vllm_runner_env="1") == "v2"
+    # vLLM's per-batch-size schedule: V1, where trees cut to the scheduled nodes are checked
+    # (tests/test_vllm_e2e.py), unless the user names V2.
+    assert choose_runner(**dense, scheduled_by_batch_size=True) == "v1"
+    assert choose_runner(**dense, scheduled_by_batch_size=True, vllm_runner_env="1") == "v2"
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "V1")
     assert choose_runner(**dense) == "v1"
     with pytest.raises(DDTreeConfigError, match="VLLM_DDTREE_RUNNER=v1 and VLLM_USE_V2"):
         choose_runner(**dense, vllm_runner_env="1")
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     assert choose_runner(**{**dense, "tensor_parallel_size": 2}) == "v2"
+    assert choose_runner(**dense, scheduled_by_batch_size=True) == "v2"
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "fast")
     with pytest.raises(DDTreeConfigError, match="'fast': allowed values are v1, v2"):
         choose_runner(**dense)
+
+
+def test_a_schedule_of_speculative_tokens_is_seen_in_either_spelling():
+    from vllm_ddtree.config import gives_batch_size_schedule
+
+    schedule = [[1, 1, 32], [2, 64, 8]]
+    assert gives_batch_size_schedule({"num_speculative_tokens_per_batch_size": schedule})
+    assert gives_batch_size_schedule({"num-speculative-tokens-per-batch-size": schedule})
+    assert not gives_batch_size_schedule({"num_speculative_tokens_per_batch_size": None})
+    assert not gives_batch_size_schedule({"method": "ddtree", "tree_budget": 32})

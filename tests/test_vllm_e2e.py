@@ -80,6 +80,30 @@ def test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply(ddtree_resu
 
 
 @pytest.mark.vllm_engine
+def test_ddtree_follows_vllms_speculative_token_schedule_by_batch_size(
+    tiny_target_path, tiny_drafter_path
+):
+    """vLLM's dynamic speculative decoding (``num_speculative_tokens_per_batch_size``): the
+    scheduler plans K tree nodes per request by the running batch size, and a tree cut to its
+    first K nodes (best-first order) is the budget-K tree. Three requests run together (4
+    nodes each, a range of 0 would draft nothing), then the fourth alone (all 32): both
+    widths verified, output identical to the target alone."""
+    schedule = [[1, 1, 32], [2, 3, 4], [4, 4, 0]]
+    run = ddtree_run("scheduled", tiny_drafter_path, 32, max_num_seqs=3)
+    run["kwargs"]["speculative_config"]["num_speculative_tokens_per_batch_size"] = schedule
+    results, log = run_engines(tiny_target_path, [TARGET_ALONE, run], PROMPTS, max_tokens=48)
+    assert results["scheduled"]["tokens"] == results["target"]["tokens"]
+    metrics = results["scheduled"]["metrics"]
+    drafts, nodes = (
+        metrics["vllm:spec_decode_num_drafts"],
+        metrics["vllm:spec_decode_num_draft_tokens"],
+    )
+    # Some steps verified 4 nodes a request, some 32: the mean lies strictly between.
+    assert drafts > 0 and 4 * drafts < nodes < 32 * drafts, (drafts, nodes)
+    assert results["scheduled"]["ddtree"]["tree_budget"] == 32
+
+
+@pytest.mark.vllm_engine
 def test_ddtree_sampling_is_distributed_like_the_target_alone(tiny_target_path, tiny_drafter_path):
     """T = 1.5 with top-k 40 and top-p 0.9: histograms of the 2nd and 3rd generated tokens over
     300 seeded requests, DDTree (sample-and-walk, oracle drafter following the greedy path) vs

@@ -164,12 +164,23 @@ def requested_runner() -> str | None:
     return value
 
 
+# vLLM's dynamic speculative decoding: ``[(first batch size, last, tokens), ...]``; with
+# DDTree the tokens are tree nodes per request (each tree cut to its first ones).
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+
+
+def gives_batch_size_schedule(raw: Mapping[str, Any]) -> bool:
+    """Whether a user's speculative config sets vLLM's ``SCHEDULE_KEY`` (``-`` or ``_``)."""
+    return any(str(k).replace("-", "_") == SCHEDULE_KEY and v is not None for k, v in raw.items())
+
+
 def choose_runner(
     on_gpu: bool,
     has_recurrent_layers: bool,
     tensor_parallel_size: int,
     pipeline_parallel_size: int = 1,
     vllm_runner_env: str | None = None,
+    scheduled_by_batch_size: bool = False,
 ) -> str:
     """The model runner a DDTree engine runs on, "v1" or "v2" (``runner_hooks.py`` /
     ``runner_v2.py``), and record it for the engine's processes (``CHOSEN_RUNNER_ENV``).
@@ -180,8 +191,10 @@ def choose_runner(
     cost 4.2 ms on V2 against 10.8 ms on V1, its oracle grid identical to the target alone),
     ``VLLM_USE_V2_MODEL_RUNNER`` (``vllm_runner_env``) not "0". Everywhere else V1: hybrid
     targets (vLLM runs them on V1), pipeline-parallel engines (DDTree on V2 is not checked
-    there) and the CPU platform (no V2). ``tensor_parallel_size`` no longer changes the choice;
-    it stays for the callers' records.
+    there), the CPU platform (no V2) and engines given vLLM's per-batch-size schedule of
+    speculative tokens (``scheduled_by_batch_size``: trees cut to the scheduled nodes are
+    checked on V1 only). ``tensor_parallel_size`` no longer changes the choice; it stays for
+    the callers' records.
     """
     requested = requested_runner()
     vllm_says = (vllm_runner_env or "").strip().lower()
@@ -200,6 +213,7 @@ def choose_runner(
             if on_gpu
             and not has_recurrent_layers
             and pipeline_parallel_size == 1
+            and not scheduled_by_batch_size
             and vllm_says not in ("0", "false")
             else "v1"
         )

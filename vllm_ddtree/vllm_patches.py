@@ -57,12 +57,14 @@ import sys
 
 from vllm_ddtree.config import (
     DDTREE_METHOD,
+    SCHEDULE_KEY,
     DDTreeConfig,
     DDTreeConfigError,
     check_drafter_is_dflash,
     check_sampling_params,
     check_target_is_supported,
     choose_runner,
+    gives_batch_size_schedule,
     split_speculative_config,
     uses_v2_runner,
 )
@@ -178,7 +180,11 @@ def _wrap_create_speculative_config(original):
                     bool(getattr(self, "enable_prefix_caching", False))
                     or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
                 )
-                runner = _choose_runner(target_model_config, target_parallel_config)
+                runner = _choose_runner(
+                    target_model_config,
+                    target_parallel_config,
+                    gives_batch_size_schedule(merged),
+                )
             vllm_dict, parsed = split_speculative_config(
                 merged,
                 _speculative_config_fields(),
@@ -535,11 +541,13 @@ def _install_v2_hooks() -> None:
     _patch_when_imported(runner_v2.RUNNER_MODULE, runner_v2.install)
 
 
-def _choose_runner(target_model_config, target_parallel_config) -> str:
+def _choose_runner(
+    target_model_config, target_parallel_config, scheduled_by_batch_size: bool = False
+) -> str:
     """Choose the DDTree engine's model runner (``config.choose_runner``), "v1" or "v2",
     before its config is made (the cost profile of ``"tree_budget": "auto"`` is the runner's),
     and give this process the V2 hooks when it is V2 (the engine's own processes install them
-    at start)."""
+    at start). ``scheduled_by_batch_size``: the user gave vLLM's ``SCHEDULE_KEY``."""
     from vllm.platforms import current_platform
 
     runner = choose_runner(
@@ -548,7 +556,14 @@ def _choose_runner(target_model_config, target_parallel_config) -> str:
         tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
         pipeline_parallel_size=getattr(target_parallel_config, "pipeline_parallel_size", 1),
         vllm_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+        scheduled_by_batch_size=scheduled_by_batch_size,
     )
+    if scheduled_by_batch_size and runner == "v1" and current_platform.is_cuda():
+        logger.warning(
+            "vllm-ddtree: %s given: DDTree runs on vLLM's V1 model runner, where trees cut to "
+            "the scheduled nodes are checked (set VLLM_DDTREE_RUNNER=v2 to choose V2)",
+            SCHEDULE_KEY,
+        )
     if runner == "v2":
         _install_v2_hooks()
     return runner
