@@ -32,10 +32,10 @@ def vllm_default_sizes(max_num_seqs: int, num_speculative_tokens: int, largest=N
     return compilation.cudagraph_capture_sizes
 
 
-def vllm_v2_drafter_graphs(sizes: list[int], max_num_seqs: int, width: int = 16) -> list[int]:
-    """The batch sizes (requests) vLLM 0.26.0's V2 graph manager captures FULL graphs for, for
-    a DFlash drafter of ``width`` query tokens per request, given capture ``sizes`` (its own
-    ``_init_candidates``, run on a stand-in manager: no GPU needed)."""
+def _graph_manager(sizes: list[int], max_num_seqs: int, width: int, mode_name: str):
+    """A stand-in for vLLM 0.26.0's V2 ``CudaGraphManager`` (graphs in ``mode_name``, capture
+    ``sizes``, ``width`` query tokens per request in a uniform decode) with its candidates
+    built by its own ``_init_candidates``: no GPU, no graphs captured."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
@@ -43,33 +43,7 @@ def vllm_v2_drafter_graphs(sizes: list[int], max_num_seqs: int, width: int = 16)
         compilation_config=SimpleNamespace(
             cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=max(sizes)
         ),
-        cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
-        max_num_reqs=max_num_seqs,
-        decode_query_len=width,
-        vllm_config=SimpleNamespace(speculative_config=None),
-        lora_capture_cases=[0],
-        _candidates={},
-        _capture_descs={},
-        use_breakable_cg=False,
-    )
-    CudaGraphManager._init_candidates(manager)
-    return sorted(d.num_reqs for d in manager._capture_descs.get(CUDAGraphMode.FULL, []))
-
-
-def vllm_v2_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dict[int, str]:
-    """The CUDA-graph mode vLLM 0.26.0's V2 graph manager (vLLM's default FULL_AND_PIECEWISE)
-    dispatches a uniform verify batch of ``b`` requests x ``width`` tokens to, for every ``b``
-    up to ``max_num_seqs``, given capture ``sizes`` (its own ``_init_candidates`` and
-    ``dispatch``, run on a stand-in manager: no GPU needed). ``{b: "FULL" | "PIECEWISE" |
-    "NONE"}``."""
-    from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
-
-    manager = SimpleNamespace(
-        compilation_config=SimpleNamespace(
-            cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=max(sizes)
-        ),
-        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_mode=CUDAGraphMode[mode_name],
         max_num_reqs=max_num_seqs,
         decode_query_len=width,
         vllm_config=SimpleNamespace(speculative_config=None),
@@ -81,6 +55,28 @@ def vllm_v2_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dic
         _resolve_effective_loras=lambda loras: loras,
     )
     CudaGraphManager._init_candidates(manager)
+    return manager
+
+
+def vllm_v2_drafter_graphs(sizes: list[int], max_num_seqs: int, width: int = 16) -> list[int]:
+    """The batch sizes (requests) vLLM 0.26.0's V2 graph manager captures FULL graphs for, for
+    a DFlash drafter of ``width`` query tokens per request, given capture ``sizes`` (its own
+    ``_init_candidates``, run on a stand-in manager: no GPU needed)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    manager = _graph_manager(sizes, max_num_seqs, width, "FULL_DECODE_ONLY")
+    return sorted(d.num_reqs for d in manager._capture_descs.get(CUDAGraphMode.FULL, []))
+
+
+def vllm_v2_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dict[int, str]:
+    """The CUDA-graph mode vLLM 0.26.0's V2 graph manager (vLLM's default FULL_AND_PIECEWISE)
+    dispatches a uniform verify batch of ``b`` requests x ``width`` tokens to, for every ``b``
+    up to ``max_num_seqs``, given capture ``sizes`` (its own ``_init_candidates`` and
+    ``dispatch``, run on a stand-in manager: no GPU needed). ``{b: "FULL" | "PIECEWISE" |
+    "NONE"}``."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    manager = _graph_manager(sizes, max_num_seqs, width, "FULL_AND_PIECEWISE")
     return {
         b: CudaGraphManager.dispatch(manager, b, b * width, width, 0).cg_mode.name
         for b in range(1, max_num_seqs + 1)
