@@ -324,6 +324,12 @@ def main() -> int:
         help="only score the sampling check from the engines' results in this work folder "
         "(prints the JSON; --out FILE.json also writes it)",
     )
+    parser.add_argument(
+        "--schedule",
+        help="vLLM's num_speculative_tokens_per_batch_size for every DDTree engine, as JSON "
+        "(e.g. '[[1,1,64],[2,16,8]]': whole trees one at a time, trees cut to 8 nodes in the "
+        "batches of 16); the plugin then runs V1 unless --runner v2",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -346,7 +352,7 @@ def main() -> int:
     import torch
     from bench_tree_attn import git_commit
 
-    from vllm_ddtree.config import HYBRID_ENGINE_ARGS, choose_runner
+    from vllm_ddtree.config import HYBRID_ENGINE_ARGS, SCHEDULE_KEY, choose_runner
     from vllm_ddtree.demo import first_divergence
     from vllm_ddtree.testing import HYBRID_TARGETS, TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
@@ -396,6 +402,7 @@ def main() -> int:
             os.environ["VLLM_DDTREE_TEST_FLOAT32_GDN"] = "1"
             os.environ["TRITON_F32_DEFAULT"] = args.f32_dots  # the engines inherit it
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
+    schedule = {SCHEDULE_KEY: json.loads(args.schedule)} if args.schedule else {}
     if args.no_async_scheduling:
         engine_extra["async_scheduling"] = False
     if args.tp > 1:
@@ -420,6 +427,7 @@ def main() -> int:
         has_recurrent_layers=args.hybrid,
         tensor_parallel_size=args.tp,
         vllm_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+        scheduled_by_batch_size=bool(schedule),
     ).upper()
     if args.launch_blocking:
         os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # the engines' processes inherit it
@@ -452,7 +460,7 @@ def main() -> int:
     jobs = {}
     for budget in budgets:
         for mode, mode_kwargs in modes.items():
-            speculative = {"method": "ddtree", "model": drafter, "tree_budget": budget}
+            speculative = {"method": "ddtree", "model": drafter, "tree_budget": budget, **schedule}
             kwargs = {"speculative_config": speculative, **mode_kwargs, **engine_extra}
             jobs[f"b{budget}_{mode}"] = {
                 **base,
@@ -464,7 +472,12 @@ def main() -> int:
     # engine names the operation of a device-side error under --launch-blocking; a graph
     # replay does not).
     sampling_kwargs = {
-        "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": 64},
+        "speculative_config": {
+            "method": "ddtree",
+            "model": drafter,
+            "tree_budget": 64,
+            **schedule,
+        },
         **modes.get("graphs", {"enforce_eager": True}),
         **engine_extra,
     }
