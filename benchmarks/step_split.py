@@ -117,8 +117,9 @@ def profiled_step_split(
     """``prompts`` (token ids) submitted together at ``temperature`` (per-request seeds) under
     torch.profiler on engine ``llm`` (which must run in this process:
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU); their ``step_split``, with ``batch`` and
-    ``temperature``. ``counters(llm)`` reads vLLM's metrics (target forwards: the drafts made
-    over the requests, else the longest output's tokens)."""
+    ``temperature``. Target forwards: vLLM's engine steps (``ENGINE_STEPS``, one forward
+    each, prefills included); without that metric, the drafts made (``counters(llm)``, vLLM's
+    spec-decode counters) over the batch, else the longest output's tokens."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -132,7 +133,7 @@ def profiled_step_split(
         for i in range(len(prompts))
     ]
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    before = counters(llm)
+    before, steps_before = counters(llm), engine_steps(llm)
     start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
         out = llm.generate(requests, params, use_tqdm=False)
@@ -140,11 +141,25 @@ def profiled_step_split(
     drafts = counters(llm).get("vllm:spec_decode_num_drafts", 0) - before.get(
         "vllm:spec_decode_num_drafts", 0
     )
-    # A step drafts once per running request: forwards ~ drafts / batch (exact at batch 1).
+    steps = engine_steps(llm) - steps_before
+    # Else: a step drafts once per running request (drafts / batch: exact at batch 1).
     longest = max(len(o.outputs[0].token_ids) for o in out)
-    forwards = round(drafts / len(prompts)) if drafts else longest
+    forwards = steps or (round(drafts / len(prompts)) if drafts else longest)
     split = step_split(prof.key_averages(), max(1, forwards), seconds, on_device)
     return {"batch": len(prompts), "temperature": temperature, **split}
+
+
+# vLLM's histogram of tokens per engine step: its count is the engine's steps.
+ENGINE_STEPS = "vllm:iteration_tokens_total"
+
+
+def engine_steps(llm) -> int:
+    """The steps engine ``llm`` has run (``ENGINE_STEPS``'s count; 0 without the metric)."""
+    return sum(
+        int(getattr(metric, "count", 0) or 0)
+        for metric in llm.get_metrics()
+        if metric.name == ENGINE_STEPS
+    )
 
 
 def split_table(engines: dict[str, dict]) -> list[str]:

@@ -152,3 +152,13 @@ def test_a_ddtree_engine_reports_every_phase_of_its_step(tiny_target_path, tiny_
         assert 1 <= split["target_forwards"] <= 24
         assert split["rest_host_ms"] > 0
         assert split["top_host_ops"] and "device_busy_ms" not in split
+
+
+def test_target_forwards_are_vllms_engine_steps():
+    """One engine step runs one target forward: the count of vLLM's tokens-per-step histogram
+    (summed over engines), 0 where the engine does not report it."""
+    histogram = SimpleNamespace(name=step_split_module.ENGINE_STEPS, count=7)
+    counter = SimpleNamespace(name="vllm:spec_decode_num_drafts", value=3)
+    llm = SimpleNamespace(get_metrics=lambda: [counter, histogram, histogram])
+    assert step_split_module.engine_steps(llm) == 14
+    assert step_split_module.engine_steps(SimpleNamespace(get_metrics=lambda: [counter])) == 0
