@@ -14,9 +14,10 @@ temperature; the median output tokens/s is reported, with
 time per output token, mean acceptance length (tokens per target forward) and the
 accepted-depth histogram (vLLM's per-position acceptance counters, differenced). At T = 0 the
 outputs of every engine are compared token by token with AR's (lossless on a real pair).
-Last, on one GPU, each engine decodes under torch.profiler at batch 1 (each temperature) and
-at the largest batch up to 16 (T = 0): the step-time split (``benchmarks/step_split.py``:
-draft, tree build, tree inputs, walk, commit, the rest, the GPU's busy time, top operators).
+Last, on one GPU, each engine decodes at batch 1 (each temperature) and at the largest batch up
+to 16 (T = 0) with the tree step's ranges timed on the host, then under torch.profiler: the
+step-time split (``benchmarks/step_split.py``: draft, tree build, tree inputs, walk, commit,
+the rest; unprofiled host ms, then the profiled split with the GPU's busy time, top operators).
 ``--resume`` keeps the engines an earlier run on the same GPU finished in ``--work``, so one
 run can span several calls of a GPU lease.
 
@@ -38,7 +39,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.step_split import profiled_step_split, split_table  # noqa: E402
+from benchmarks.step_split import (  # noqa: E402
+    host_phase_split,
+    profiled_step_split,
+    split_table,
+)
 from vllm_ddtree.cost_model import tree_engine_prefix  # noqa: E402
 
 DATASETS = ("humaneval", "mtbench", "sharegpt")
@@ -237,17 +242,18 @@ def measure_engine(job: dict, save=None) -> dict:
     # model runs in worker processes, which this profiler does not see).
     in_process = job.get("tensor_parallel_size", 1) == 1
     if job.get("step_split", True) and in_process:
-        extras["step_split"] = []
+        extras["host_phases"], extras["step_split"] = [], []
         for batch, temperature in split_configs(job["batches"], job["temperatures"]):
             if time.time() - started > job["time_limit"]:
                 print(f"time limit: skipped the step-time split {batch} {temperature}", flush=True)
                 continue
             sets = list(prompt_sets.values())
             prompts = [sets[i % len(sets)][i // len(sets)] for i in range(batch)]
+            tokens = min(job["max_tokens"], 128)
+            # The phases' host time unprofiled (their own timers), then under the profiler.
+            extras["host_phases"].append(host_phase_split(llm, prompts, tokens, temperature))
             extras["step_split"].append(
-                profiled_step_split(
-                    llm, prompts, min(job["max_tokens"], 128), metric_values, temperature
-                )
+                profiled_step_split(llm, prompts, tokens, metric_values, temperature)
             )
             print(json.dumps({"engine": job["name"], **extras}), flush=True)
             if save is not None:

@@ -58,21 +58,8 @@ def step_split(
         host_us[event.key] = max(host_us.get(event.key, 0.0), float(event.cpu_time_total))
         device = float(getattr(event, "device_time_total", 0.0) or 0.0)
         device_us[event.key] = max(device_us.get(event.key, 0.0), device)
-    phases: dict[str, dict[str, float]] = {}
-    for phase, keys in PHASES.items():
-        present = [key for key in keys if key in host_us]
-        if not present:
-            continue
-        phases[phase] = {"host_ms": sum(host_us[k] for k in present) / 1000.0 / forwards}
-        if on_device:
-            phases[phase]["device_ms"] = sum(device_us[k] for k in present) / 1000.0 / forwards
-    wall_ms = 1000.0 * wall_seconds / forwards
-    covered = sum(phases[p]["host_ms"] for p in TOP_LEVEL if p in phases)
     split = {
-        "target_forwards": target_forwards,
-        "wall_ms_per_forward": wall_ms,
-        "phases_per_forward": phases,
-        "rest_host_ms": wall_ms - covered,
+        **_phase_split(host_us, device_us if on_device else None, target_forwards, wall_seconds),
         "host_syncs_per_forward": _counts(events, SYNC_EVENTS, forwards),
         "launches_per_forward": _counts(events, LAUNCH_EVENTS, forwards),
         "eager_attention_per_forward": sum(_counts(events, EAGER_ATTENTION_OPS, forwards).values()),
@@ -84,6 +71,33 @@ def step_split(
         split["device_busy_ms"] = busy_us / 1000.0 / forwards
         split["top_device_ops"] = _top(on_gpu, "self_device_time_total", forwards, top)
     return split
+
+
+def _phase_split(
+    host_us: dict[str, float],
+    device_us: dict[str, float] | None,
+    target_forwards: int,
+    wall_seconds: float,
+) -> dict:
+    """Per target forward: wall ms, each phase's ``host_ms`` (and ``device_ms`` given
+    ``device_us``) from the ranges' microseconds by name, and the uncovered rest."""
+    forwards = max(1, target_forwards)
+    phases: dict[str, dict[str, float]] = {}
+    for phase, keys in PHASES.items():
+        present = [key for key in keys if key in host_us]
+        if not present:
+            continue
+        phases[phase] = {"host_ms": sum(host_us[k] for k in present) / 1000.0 / forwards}
+        if device_us is not None:
+            phases[phase]["device_ms"] = sum(device_us[k] for k in present) / 1000.0 / forwards
+    wall_ms = 1000.0 * wall_seconds / forwards
+    covered = sum(phases[p]["host_ms"] for p in TOP_LEVEL if p in phases)
+    return {
+        "target_forwards": target_forwards,
+        "wall_ms_per_forward": wall_ms,
+        "phases_per_forward": phases,
+        "rest_host_ms": wall_ms - covered,
+    }
 
 
 def _on_gpu(event) -> bool:
@@ -149,6 +163,39 @@ def profiled_step_split(
     return {"batch": len(prompts), "temperature": temperature, **split}
 
 
+def host_phase_split(
+    llm, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
+) -> dict:
+    """The same requests as ``profiled_step_split`` without the profiler: each phase's host ms
+    per target forward from the ranges' own timers (``vllm_ddtree.profiling.time_phases``;
+    ``llm`` must run in this process), the wall ms per forward and the uncovered rest, with
+    ``batch`` and ``temperature``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_ddtree.profiling import phase_times, time_phases
+
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens)
+        for i in range(len(prompts))
+    ]
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    steps_before = engine_steps(llm)
+    time_phases(True)
+    try:
+        start = time.perf_counter()
+        out = llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        times = phase_times()
+    finally:
+        time_phases(False)
+    steps = engine_steps(llm) - steps_before
+    forwards = steps or max(len(o.outputs[0].token_ids) for o in out)
+    host_us = {name: 1e6 * spent for name, (spent, _) in times.items()}
+    split = _phase_split(host_us, None, forwards, seconds)
+    return {"batch": len(prompts), "temperature": temperature, **split}
+
+
 # vLLM's histogram of tokens per engine step: its count is the engine's steps.
 ENGINE_STEPS = "vllm:iteration_tokens_total"
 
@@ -163,16 +210,22 @@ def engine_steps(llm) -> int:
 
 
 def split_table(engines: dict[str, dict]) -> list[str]:
-    """Markdown lines: per profiled batch and temperature, one row per engine with a split
-    (``step_split``: a list of ``profiled_step_split`` results) in host ms per target forward
-    (device ms in parentheses) and the GPU's busy ms; none when no engine has one."""
-    measured = {name: e["step_split"] for name, e in engines.items() if e.get("step_split")}
-    if not measured:
-        return []
-    lines = [
-        "",
+    """Markdown lines: per batch and temperature, one row per engine with a split: the
+    unprofiled host phases (``host_phases``: ``host_phase_split`` results), then the profiled
+    split (``step_split``: ``profiled_step_split`` results, host ms per target forward with
+    device ms in parentheses, the GPU's busy ms); none when no engine has one."""
+    lines = _config_tables(
+        engines,
+        "host_phases",
+        "## Host time per step (unprofiled: the ranges' own timers)",
+        "Per target forward, host ms of each phase (as below) and the wall ms per forward; "
+        f"{REST}: wall minus the phases. Without the profiler's slowdown: these walls are the "
+        "bench's ms/step (prefills included).",
+    )
+    return lines + _config_tables(
+        engines,
+        "step_split",
         "## Step-time split (one run per batch and temperature under torch.profiler)",
-        "",
         "Per target forward, host ms (device ms). draft: the drafter pass and the tree build "
         "(tree build: inside it, V1 only); walk: target tokens + tree walk; commit: the "
         f"accepted K/V; {REST}: wall minus those (the verify forward and vLLM's step); GPU "
@@ -180,7 +233,14 @@ def split_table(engines: dict[str, dict]) -> list[str]:
         "vLLM's attention op called by the host per forward, once per attention layer in a "
         "forward outside a FULL CUDA graph (each request's prefill is one). The profiler "
         "slows the host: compare phases, not these walls with ms/step above.",
-    ]
+    )
+
+
+def _config_tables(engines: dict[str, dict], key: str, title: str, legend: str) -> list[str]:
+    measured = {name: e[key] for name, e in engines.items() if e.get(key)}
+    if not measured:
+        return []
+    lines = ["", title, "", legend]
     configs = sorted(
         {(s["batch"], s["temperature"]) for splits in measured.values() for s in splits}
     )

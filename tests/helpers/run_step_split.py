@@ -3,7 +3,8 @@
     python run_step_split.py TARGET DRAFTER BUDGET MAX_TOKENS
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in
-``benchmarks/bench_e2e.py``. Prints ``RESULT [step_split at batch 1, at batch 2]``.
+``benchmarks/bench_e2e.py``. Prints ``RESULT {"profiled": [step split at batch 1, at batch 2],
+"host": the unprofiled host phases at batch 1}``.
 """
 
 import json
@@ -18,7 +19,7 @@ if __name__ == "__main__":
     from vllm import LLM
 
     from benchmarks.bench_e2e import metric_values
-    from benchmarks.step_split import profiled_step_split
+    from benchmarks.step_split import host_phase_split, profiled_step_split
 
     target, drafter, budget, max_tokens = sys.argv[1:5]
     llm = LLM(
@@ -37,4 +38,5 @@ if __name__ == "__main__":
         profiled_step_split(llm, prompts[:batch], int(max_tokens), metric_values)
         for batch in (1, 2)
     ]
-    print("RESULT " + json.dumps(splits))
+    host = host_phase_split(llm, prompts[:1], int(max_tokens))
+    print("RESULT " + json.dumps({"profiled": splits, "host": host}))
