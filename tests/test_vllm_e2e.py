@@ -86,12 +86,17 @@ def test_ddtree_follows_vllms_speculative_token_schedule_by_batch_size(
     """vLLM's dynamic speculative decoding (``num_speculative_tokens_per_batch_size``): the
     scheduler plans K tree nodes per request by the running batch size, and a tree cut to its
     first K nodes (best-first order) is the budget-K tree. Three requests run together (4
-    nodes each, a range of 0 would draft nothing), then the fourth alone (all 32): both
-    widths verified, output identical to the target alone."""
-    schedule = [[1, 1, 32], [2, 3, 4], [4, 4, 0]]
+    nodes each), then the fourth alone (all 32): both widths verified, output identical to the
+    target alone. A schedule of 0 nodes drafts nothing and decodes as the target alone."""
     run = ddtree_run("scheduled", tiny_drafter_path, 32, max_num_seqs=3)
-    run["kwargs"]["speculative_config"]["num_speculative_tokens_per_batch_size"] = schedule
-    results, log = run_engines(tiny_target_path, [TARGET_ALONE, run], PROMPTS, max_tokens=48)
+    schedule_key = "num_speculative_tokens_per_batch_size"
+    run["kwargs"]["speculative_config"][schedule_key] = [[1, 1, 32], [2, 3, 4]]
+    none = ddtree_run("no_nodes", tiny_drafter_path, 32)
+    none["kwargs"]["speculative_config"][schedule_key] = [[1, 4, 0]]
+    runs = [TARGET_ALONE, run, none]
+    results, log = run_engines(tiny_target_path, runs, PROMPTS, max_tokens=48)
+    assert results["no_nodes"]["tokens"] == results["target"]["tokens"]
+    assert results["no_nodes"]["metrics"]["vllm:spec_decode_num_drafts"] == 0
     assert results["scheduled"]["tokens"] == results["target"]["tokens"]
     metrics = results["scheduled"]["metrics"]
     drafts, nodes = (
