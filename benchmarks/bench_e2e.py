@@ -251,7 +251,9 @@ def measure_engine(job: dict, save=None) -> dict:
             prompts = [sets[i % len(sets)][i // len(sets)] for i in range(batch)]
             tokens = min(job["max_tokens"], 128)
             # The phases' host time unprofiled (their own timers), then under the profiler.
-            extras["host_phases"].append(host_phase_split(llm, prompts, tokens, temperature))
+            extras["host_phases"].append(
+                host_phase_split(llm, prompts, tokens, metric_values, temperature)
+            )
             extras["step_split"].append(
                 profiled_step_split(llm, prompts, tokens, metric_values, temperature)
             )

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, in the end-to-end bench: one request under torch.profiler.
+"""Where a decode step's time goes, in the end-to-end bench: host timers and torch.profiler.
 
 DDTree's step opens ``ddtree::*`` profiler ranges (``vllm_ddtree/profiling.py``; free when no
 profiler records): ``ddtree::draft`` (the drafter pass and the tree build; on the V2 runner one
@@ -39,6 +39,8 @@ PHASES = {
 # The phases that do not nest in another (``tree build`` runs inside ``draft``).
 TOP_LEVEL = ("draft", "tree inputs", "walk", "commit")
 REST = "verify and the rest"
+# vLLM's histogram of tokens per engine step: its count is the engine's steps.
+ENGINE_STEPS = "vllm:iteration_tokens_total"
 
 
 def step_split(
@@ -131,17 +133,49 @@ def profiled_step_split(
     """``prompts`` (token ids) submitted together at ``temperature`` (per-request seeds) under
     torch.profiler on engine ``llm`` (which must run in this process:
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU); their ``step_split``, with ``batch`` and
-    ``temperature``. Target forwards: vLLM's engine steps (``ENGINE_STEPS``, one forward
-    each, prefills included); without that metric, the drafts made (``counters(llm)``, vLLM's
-    spec-decode counters) over the batch, else the longest output's tokens."""
+    ``temperature`` (target forwards: ``_generate``'s)."""
     import torch
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     on_device = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_device:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        seconds, forwards = _generate(llm, prompts, max_tokens, temperature, counters)
+    split = step_split(prof.key_averages(), forwards, seconds, on_device)
+    return {"batch": len(prompts), "temperature": temperature, **split}
+
+
+def host_phase_split(
+    llm, prompts: list[list[int]], max_tokens: int, counters, temperature: float = 0.0
+) -> dict:
+    """The same requests as ``profiled_step_split`` without the profiler: each phase's host ms
+    per target forward from the ranges' own timers (``vllm_ddtree.profiling.time_phases``;
+    ``llm`` must run in this process), the wall ms per forward and the uncovered rest, with
+    ``batch`` and ``temperature``."""
+    from vllm_ddtree.profiling import phase_times, time_phases
+
+    time_phases(True)
+    try:
+        seconds, forwards = _generate(llm, prompts, max_tokens, temperature, counters)
+        times = phase_times()
+    finally:
+        time_phases(False)
+    host_us = {name: 1e6 * spent for name, (spent, _) in times.items()}
+    split = _phase_split(host_us, None, forwards, seconds)
+    return {"batch": len(prompts), "temperature": temperature, **split}
+
+
+def _generate(
+    llm, prompts: list[list[int]], max_tokens: int, temperature: float, counters
+) -> tuple[float, int]:
+    """``prompts`` submitted together at ``temperature`` (request ``i`` seeded ``i``): the wall
+    seconds and the target forwards, vLLM's engine steps (``ENGINE_STEPS``, one forward each,
+    prefills included); without that metric, the drafts made (``counters(llm)``, vLLM's
+    spec-decode counters) over the batch, else the longest output's tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     params = [
         SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens)
         for i in range(len(prompts))
@@ -149,55 +183,16 @@ def profiled_step_split(
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     before, steps_before = counters(llm), engine_steps(llm)
     start = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
-        out = llm.generate(requests, params, use_tqdm=False)
+    out = llm.generate(requests, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    steps = engine_steps(llm) - steps_before
     drafts = counters(llm).get("vllm:spec_decode_num_drafts", 0) - before.get(
         "vllm:spec_decode_num_drafts", 0
     )
-    steps = engine_steps(llm) - steps_before
     # Else: a step drafts once per running request (drafts / batch: exact at batch 1).
     longest = max(len(o.outputs[0].token_ids) for o in out)
     forwards = steps or (round(drafts / len(prompts)) if drafts else longest)
-    split = step_split(prof.key_averages(), max(1, forwards), seconds, on_device)
-    return {"batch": len(prompts), "temperature": temperature, **split}
-
-
-def host_phase_split(
-    llm, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
-) -> dict:
-    """The same requests as ``profiled_step_split`` without the profiler: each phase's host ms
-    per target forward from the ranges' own timers (``vllm_ddtree.profiling.time_phases``;
-    ``llm`` must run in this process), the wall ms per forward and the uncovered rest, with
-    ``batch`` and ``temperature``."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from vllm_ddtree.profiling import phase_times, time_phases
-
-    params = [
-        SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens)
-        for i in range(len(prompts))
-    ]
-    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    steps_before = engine_steps(llm)
-    time_phases(True)
-    try:
-        start = time.perf_counter()
-        out = llm.generate(requests, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        times = phase_times()
-    finally:
-        time_phases(False)
-    steps = engine_steps(llm) - steps_before
-    forwards = steps or max(len(o.outputs[0].token_ids) for o in out)
-    host_us = {name: 1e6 * spent for name, (spent, _) in times.items()}
-    split = _phase_split(host_us, None, forwards, seconds)
-    return {"batch": len(prompts), "temperature": temperature, **split}
-
-
-# vLLM's histogram of tokens per engine step: its count is the engine's steps.
-ENGINE_STEPS = "vllm:iteration_tokens_total"
+    return seconds, max(1, forwards)
 
 
 def engine_steps(llm) -> int:

@@ -38,5 +38,5 @@ if __name__ == "__main__":
         profiled_step_split(llm, prompts[:batch], int(max_tokens), metric_values)
         for batch in (1, 2)
     ]
-    host = host_phase_split(llm, prompts[:1], int(max_tokens))
+    host = host_phase_split(llm, prompts[:1], int(max_tokens), metric_values)
     print("RESULT " + json.dumps({"profiled": splits, "host": host}))
