@@ -169,6 +169,14 @@ def test_serve_cli_arguments_accept_ddtree(tiny_target_path, tiny_drafter_path):
         ({"tree_budget": 2048}, r"tree_budget'\] must be in 1\.\.1024"),
         ({"num_speculative_tokens": 16}, r"num_speculative_tokens'\] must be in 1\.\.15"),
         ({"tree_width": 3}, r"unknown speculative_config keys .*tree_width"),
+        (
+            {"num_speculative_tokens_per_batch_size": [[2, 8, 16]]},
+            r"num_speculative_tokens_per_batch_size'\] = \[\[2, 8, 16\]\]: .*must start at 1",
+        ),
+        (
+            {"num-speculative-tokens-per-batch-size": [[1, 4, -1]]},
+            r"num_speculative_tokens_per_batch_size'\].*>= 0.*allowed: a list of",
+        ),
     ],
 )
 def test_bad_ddtree_input_fails_before_the_engine(

@@ -180,11 +180,10 @@ def _wrap_create_speculative_config(original):
                     bool(getattr(self, "enable_prefix_caching", False))
                     or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
                 )
-                runner = _choose_runner(
-                    target_model_config,
-                    target_parallel_config,
-                    gives_batch_size_schedule(merged),
-                )
+                scheduled = gives_batch_size_schedule(merged)
+                if scheduled:
+                    _check_batch_size_schedule(merged)
+                runner = _choose_runner(target_model_config, target_parallel_config, scheduled)
             vllm_dict, parsed = split_speculative_config(
                 merged,
                 _speculative_config_fields(),
@@ -539,6 +538,21 @@ def _install_v2_hooks() -> None:
     from vllm_ddtree import runner_v2
 
     _patch_when_imported(runner_v2.RUNNER_MODULE, runner_v2.install)
+
+
+def _check_batch_size_schedule(raw: dict) -> None:
+    """vLLM's own check of ``SCHEDULE_KEY`` (ranges from batch size 1, not overlapping, nodes
+    >= 0), before any engine process starts: vLLM runs it only when its scheduler starts."""
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    schedule = next(v for k, v in raw.items() if str(k).replace("-", "_") == SCHEDULE_KEY)
+    try:
+        validate_and_normalize_dynamic_sd_schedule(schedule)
+    except (TypeError, ValueError) as error:
+        raise DDTreeConfigError(
+            f"speculative_config['{SCHEDULE_KEY}'] = {schedule!r}: {error} (allowed: a list of "
+            "[first batch size, last batch size, tree nodes] ranges, the first from 1)"
+        ) from error
 
 
 def _choose_runner(
