@@ -191,7 +191,8 @@ def test_without_a_budget_the_engine_gets_the_cost_model_s_choice(
     tiny_target_path, tiny_drafter_path, monkeypatch
 ):
     """No ``tree_budget``: "auto" for the engine's request limit (vLLM's default when unset,
-    resolved later by vLLM): the chain where the runner's profile predicts it faster."""
+    resolved later by vLLM): the chain where the runner's profile predicts it faster, else the
+    tree it predicts fastest at that limit."""
     from vllm_ddtree.vllm_patches import get_ddtree_config
 
     spec = {"method": "ddtree", "model": tiny_drafter_path}
@@ -200,11 +201,11 @@ def test_without_a_budget_the_engine_gets_the_cost_model_s_choice(
     assert get_ddtree_config(config.speculative_config) is None
     assert config.speculative_config.method == "dflash"
     assert config.speculative_config.num_speculative_tokens == 15
-    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")  # V2's profile: a tree for one request
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")  # V2's profile: budget 64 for one request
     config = engine_config(tiny_target_path, spec, max_num_seqs=1)
-    assert get_ddtree_config(config.speculative_config).tree_budget in (16, 32)
-    config = engine_config(tiny_target_path, spec)  # vLLM's default limit: the chain
-    assert get_ddtree_config(config.speculative_config) is None
+    assert get_ddtree_config(config.speculative_config).tree_budget == 64
+    config = engine_config(tiny_target_path, spec)  # vLLM's default limit: budget 16
+    assert get_ddtree_config(config.speculative_config).tree_budget == 16
     assert config.scheduler_config.max_num_seqs >= 128
 
 

@@ -4,12 +4,18 @@ Decode speed with speculation is ``batch x acceptance(budget) / step_ms``: every
 forward (one step) emits ``acceptance`` tokens per request. The model keeps, from one bench
 run on one GPU and one target/drafter pair:
 
-- ``step_ms = base_ms + per_request_ms x batch + per_token_ms x verify tokens`` per kind of
-  step (least squares over the run's T = 0 rows; verify tokens = batch x (1 + tree budget) for
-  DDTree, batch x (1 + depth) for the DFlash chain); ``base_ms`` holds the drafter pass and the
-  per-step overheads of the runner that kind ran on, ``per_request_ms`` what each request adds
-  whatever its tree (the tree step's per-request work; for the chain, whose verify tokens are a
-  fixed multiple of the batch, it is folded into ``per_token_ms``);
+- ``step_ms = base_ms + per_request_ms x batch + per_token_ms x verify tokens +
+  per_node_pair_ms x batch x nodes^2`` per kind of step (verify tokens = batch x (1 + tree
+  budget) for DDTree, batch x (1 + depth) for the DFlash chain; nodes = the tree budget).
+  ``base_ms`` holds the drafter pass and the per-step overheads of the runner that kind ran on,
+  ``per_request_ms`` what each request adds whatever its tree (the tree step's per-request
+  work), ``per_token_ms`` the verify forward's cost per token and ``per_node_pair_ms`` the part
+  that grows with the square of a tree (each node's ancestor row in the tree attention and the
+  best-first build): budget 1024 costs ~10 ms a step at batch 1 where 512 costs ~4. For the
+  chain, whose verify tokens and nodes are fixed multiples of the batch, the per-request and
+  quadratic parts are folded into ``per_token_ms``. The coefficients are the non-negative
+  least-squares fit of the run's T = 0 rows in relative error, so that the few-millisecond
+  steps of small batches, where the budget is decided, weigh as much as the 100-ms ones;
 - the mean acceptance length of the chain and of DDTree at each measured budget, interpolated
   in log2(budget) between them.
 
@@ -25,11 +31,14 @@ bench_e2e.json --out profile.json``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import statistics
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 BUDGET_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # A tree is chosen only where predicted at least this much faster than the chain: two benches
@@ -54,15 +63,22 @@ DEFAULT_PROFILE = PACKAGED_PROFILES["V1"]
 
 @dataclass(frozen=True)
 class StepCost:
-    """``step_ms = base_ms + per_request_ms * batch + per_token_ms * tokens`` for one kind of
-    step (``tokens``: the step's verify tokens over its ``batch`` requests)."""
+    """``step_ms = base_ms + per_request_ms * batch + per_token_ms * tokens + per_node_pair_ms
+    * batch * nodes**2`` for one kind of step (``tokens``: the step's verify tokens over its
+    ``batch`` requests, ``nodes``: each request's tree budget)."""
 
     base_ms: float
     per_token_ms: float
     per_request_ms: float = 0.0
+    per_node_pair_ms: float = 0.0
 
-    def step_ms(self, tokens: int, batch: int = 1) -> float:
-        return self.base_ms + self.per_request_ms * batch + self.per_token_ms * tokens
+    def step_ms(self, tokens: int, batch: int = 1, nodes: int = 0) -> float:
+        return (
+            self.base_ms
+            + self.per_request_ms * batch
+            + self.per_token_ms * tokens
+            + self.per_node_pair_ms * batch * nodes * nodes
+        )
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,7 @@ class CostProfile:
         raise AssertionError("unreachable")
 
     def tree_tokens_per_s(self, budget: int, batch: int) -> float:
-        step = self.tree.step_ms(batch * (1 + budget), batch)
+        step = self.tree.step_ms(batch * (1 + budget), batch, budget)
         return 1000.0 * batch * self.acceptance(budget) / step
 
     def chain_tokens_per_s(self, batch: int) -> float:
@@ -151,49 +167,47 @@ def choose_budget(
     return min(tied), predicted
 
 
-def _fit_line(points: list[tuple[float, float]]) -> StepCost:
-    """Least-squares ``y = a + b x`` (``b`` >= 0: more verify tokens never cost less)."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
-    slope = max(slope, 0.0)
-    return StepCost(base_ms=mean_y - slope * mean_x, per_token_ms=slope)
+def _fit_relative_nonnegative(features: list[list[float]], step_ms: list[float]) -> list[float]:
+    """Coefficients ``c >= 0`` minimising ``sum(((features @ c - y) / y) ** 2)``: the
+    least-squares fit in relative error, solved exactly over every set of free coefficients
+    (a handful of features: at most 2**4 - 1 small solves); unused features get 0."""
+    x = np.asarray(features, dtype=np.float64)
+    y = np.asarray(step_ms, dtype=np.float64)
+    weighted = x / y[:, None]
+    ones = np.ones_like(y)
+    best: tuple[float, np.ndarray] | None = None
+    columns = range(x.shape[1])
+    for size in range(1, x.shape[1] + 1):
+        for free in itertools.combinations(columns, size):
+            solved, *_ = np.linalg.lstsq(weighted[:, free], ones, rcond=None)
+            if (solved < 0).any():
+                continue
+            coefficients = np.zeros(x.shape[1])
+            coefficients[list(free)] = solved
+            error = float(np.sum((weighted @ coefficients - ones) ** 2))
+            if best is None or error < best[0]:
+                best = (error, coefficients)
+    assert best is not None, "a single feature always has a non-negative fit"
+    return [float(c) for c in best[1]]
 
 
-def _fit_plane(points: list[tuple[float, float, float]]) -> StepCost:
-    """Least-squares ``y = a + b x + c n`` over ``(x = verify tokens, n = batch, y = step ms)``
-    with ``b``, ``c`` >= 0: the unconstrained fit when both slopes come out non-negative, else the
-    better (smaller squared error) of the lines in ``x`` alone and in ``n`` alone."""
-    by_tokens = _fit_line([(x, y) for x, _, y in points])
-    by_batch = _fit_line([(n, y) for _, n, y in points])
-    candidates = [
-        by_tokens,
-        StepCost(base_ms=by_batch.base_ms, per_token_ms=0.0, per_request_ms=by_batch.per_token_ms),
-    ]
-    mean_x, mean_n, mean_y = (statistics.fmean(p[i] for p in points) for i in range(3))
-    sxx = sum((x - mean_x) ** 2 for x, _, _ in points)
-    snn = sum((n - mean_n) ** 2 for _, n, _ in points)
-    sxn = sum((x - mean_x) * (n - mean_n) for x, n, _ in points)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, _, y in points)
-    sny = sum((n - mean_n) * (y - mean_y) for _, n, y in points)
-    det = sxx * snn - sxn * sxn
-    if det > 1e-9 * max(sxx * snn, 1e-30):  # tokens and batch separable
-        per_token = (snn * sxy - sxn * sny) / det
-        per_request = (sxx * sny - sxn * sxy) / det
-        if per_token >= 0 and per_request >= 0:
-            candidates.append(
-                StepCost(
-                    base_ms=mean_y - per_token * mean_x - per_request * mean_n,
-                    per_token_ms=per_token,
-                    per_request_ms=per_request,
-                )
-            )
+def fit_chain_cost(points: list[tuple[int, int, float]]) -> StepCost:
+    """``(batch, verify tokens, step ms)`` rows of the chain -> ``base + per_token x tokens``."""
+    base, per_token = _fit_relative_nonnegative(
+        [[1.0, t] for _, t, _ in points], [y for *_, y in points]
+    )
+    return StepCost(base_ms=base, per_token_ms=per_token)
 
-    def squared_error(cost: StepCost) -> float:
-        return sum((cost.step_ms(x, n) - y) ** 2 for x, n, y in points)
 
-    return min(candidates, key=squared_error)
+def fit_tree_cost(points: list[tuple[int, int, float]]) -> StepCost:
+    """``(batch, budget, step ms)`` rows of DDTree -> the four-term ``StepCost``."""
+    features = [[1.0, n, n * (1 + b), n * b * b] for n, b, _ in points]
+    base, per_request, per_token, per_pair = _fit_relative_nonnegative(
+        features, [y for *_, y in points]
+    )
+    return StepCost(
+        base_ms=base, per_token_ms=per_token, per_request_ms=per_request, per_node_pair_ms=per_pair
+    )
 
 
 def tree_engine_prefix(engine_names) -> str:
@@ -225,10 +239,8 @@ def fit_profile(bench: dict, chain_engine: str = "dflash") -> CostProfile:
     }
     if not tree_rows:
         raise ValueError("the bench has no T = 0 rows of a DDTree engine")
-    chain = _fit_line([(r["batch"] * (1 + depth), step_ms(r)) for r in chain_rows])
-    tree = _fit_plane(
-        [(r["batch"] * (1 + b), r["batch"], step_ms(r)) for b, rs in tree_rows.items() for r in rs]
-    )
+    chain = fit_chain_cost([(r["batch"], r["batch"] * (1 + depth), step_ms(r)) for r in chain_rows])
+    tree = fit_tree_cost([(r["batch"], b, step_ms(r)) for b, rs in tree_rows.items() for r in rs])
     acceptance = {
         b: statistics.fmean(r["mean_acceptance_length"] for r in rs) for b, rs in tree_rows.items()
     }
