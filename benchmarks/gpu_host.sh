@@ -13,6 +13,8 @@
 #                  the lossless grid with CUDA graphs (lossless_gpu.py; env LOSSLESS_ARGS adds
 #                  options, SKIP_LOSSLESS=1 leaves the grid out)
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
+#       bench-paired - benchmarks/bench_paired.py: AR, the chain and "auto"'s budgets by turns
+#                  (env DRAFTER, BUDGETS, BATCHES, TEMPS, REPEATS, DEADLINE)
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
 #       tp-grid  - two GPUs: lossless_gpu.py --tp 2 alone (LOSSLESS_ARGS, e.g. --runner v2)
 #       pair     - lossless_pair.py on one GPU (PAIR_DTYPES, default float32)
@@ -293,6 +295,17 @@ case "$STEP" in
       > "$OUT/bench_e2e.log" 2>&1
     echo "bench rc=$?"; (cd "$WORK" && tar czf "$OUT/bench_logs.tgz" ./*.log)
     cat "$OUT/bench_e2e.md" ;;
+  bench-paired)
+    # Every engine in its own process, all started at once; each measurement runs on every
+    # engine in turn (ratios of adjacent runs, robust to the host's drift within a lease).
+    need_checkpoint
+    timeout "${BENCH_TIMEOUT:-580}" python3 benchmarks/bench_paired.py \
+      --target /tmp/train/SmolLM2-135M-Instruct --drafter "${DRAFTER:-/tmp/drafter}" \
+      --prompts /tmp/prompts.json --out "$OUT" --budgets "${BUDGETS:-}" \
+      --batches "${BATCHES:-1,4,16,64}" --temperatures "${TEMPS:-0,1}" \
+      --repeats "${REPEATS:-7}" --max-tokens "${MAX_TOKENS:-256}" \
+      --deadline "${DEADLINE:-520}" > "$OUT/bench_paired.log" 2>&1
+    echo "paired rc=$?"; grep -E '^\{"row' "$OUT/bench_paired.log" | cut -c1-300 ;;
   kernels)
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py \
       tests/test_tree_attention_kernel.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -5

