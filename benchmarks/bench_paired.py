@@ -293,6 +293,23 @@ def write_report(summary: dict, out: str) -> None:
         "untimed run, each round every engine once (order rotating). over chain: the median "
         "(min-max) of the per-round ratios of tok/s to the chain's round.",
         "",
+    ]
+    for temperature in sorted({r["temperature"] for r in summary["rows"]}):
+        served = [
+            (r, r["over_chain"].get(r["auto_serves"]))
+            for r in summary["rows"]
+            if r["temperature"] == temperature
+        ]
+        served = [(r, ratio) for r, ratio in served if ratio is not None]
+        if served:
+            row, worst = min(served, key=lambda item: item[1]["median"])
+            lines.append(
+                f'- T = {temperature:g}: `"auto"` over the chain, lowest median of a row: '
+                f"{worst['median']:.2f} ({row['dataset']}, batch {row['batch']}, "
+                f"{row['auto_serves']}) over {len(served)} rows"
+            )
+    lines += [
+        "",
         "| dataset | batch | T | engine | tok/s | acceptance | over chain | auto |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]

@@ -123,3 +123,31 @@ def test_real_engines_run_by_turns_in_their_own_processes(
     assert drafts["ar"] == 0 and drafts["dflash"] > 0 and drafts["ddtree_b8"] > 0
     assert row["engines"]["ddtree_b8"]["mean_acceptance_length"] >= 1.0
     assert set(row["over_chain"]) == set(names)
+
+
+def test_the_report_names_auto_s_worst_row(tmp_path):
+    def row(batch, tree_seconds, auto_serves):
+        runs = {
+            "dflash": [answer(100, 1.0)] * 3,
+            "ddtree_v2_b16": [answer(100, tree_seconds)] * 3,
+        }
+        return {
+            "dataset": "mixed",
+            "batch": batch,
+            "temperature": 0.0,
+            **bench_paired.summarize_row(runs),
+            "auto_serves": auto_serves,
+        }
+
+    summary = {
+        "commit": "abc",
+        "gpu": "gpu",
+        "target_name": "t",
+        "drafter_name": "d",
+        "repeats": 3,
+        "rows": [row(4, 0.8, "ddtree_v2_b16"), row(16, 1.25, "ddtree_v2_b16")],
+    }
+    bench_paired.write_report(summary, str(tmp_path))
+    text = (tmp_path / "bench_paired.md").read_text()
+    assert "lowest median of a row: 0.80 (mixed, batch 16, ddtree_v2_b16) over 2 rows" in text
+    assert json.loads((tmp_path / "bench_paired.json").read_text())["rows"][1]["batch"] == 16
