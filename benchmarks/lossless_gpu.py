@@ -328,7 +328,7 @@ def main() -> int:
         "--schedule",
         help="vLLM's num_speculative_tokens_per_batch_size for every DDTree engine, as JSON "
         "(e.g. '[[1,1,64],[2,16,8]]': whole trees one at a time, trees cut to 8 nodes in the "
-        "batches of 16); the plugin then runs V1 unless --runner v2",
+        "batches of 16)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -427,7 +427,6 @@ def main() -> int:
         has_recurrent_layers=args.hybrid,
         tensor_parallel_size=args.tp,
         vllm_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
-        scheduled_by_batch_size=bool(schedule),
     ).upper()
     if args.launch_blocking:
         os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # the engines' processes inherit it

@@ -154,17 +154,12 @@ def test_the_runner_is_v2_for_dense_gpu_targets_unless_the_user_says(monkeypatch
     assert choose_runner(**{**dense, "on_gpu": False}) == "v1"
     assert choose_runner(**dense, vllm_runner_env="0") == "v1"
     assert choose_runner(**{**dense, "tensor_parallel_size": 2}, vllm_runner_env="1") == "v2"
-    # vLLM's per-batch-size schedule: V1, where trees cut to the scheduled nodes are checked
-    # (tests/test_vllm_e2e.py), unless the user names V2.
-    assert choose_runner(**dense, scheduled_by_batch_size=True) == "v1"
-    assert choose_runner(**dense, scheduled_by_batch_size=True, vllm_runner_env="1") == "v2"
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "V1")
     assert choose_runner(**dense) == "v1"
     with pytest.raises(DDTreeConfigError, match="VLLM_DDTREE_RUNNER=v1 and VLLM_USE_V2"):
         choose_runner(**dense, vllm_runner_env="1")
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     assert choose_runner(**{**dense, "tensor_parallel_size": 2}) == "v2"
-    assert choose_runner(**dense, scheduled_by_batch_size=True) == "v2"
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "fast")
     with pytest.raises(DDTreeConfigError, match="'fast': allowed values are v1, v2"):
         choose_runner(**dense)

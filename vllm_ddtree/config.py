@@ -180,7 +180,6 @@ def choose_runner(
     tensor_parallel_size: int,
     pipeline_parallel_size: int = 1,
     vllm_runner_env: str | None = None,
-    scheduled_by_batch_size: bool = False,
 ) -> str:
     """The model runner a DDTree engine runs on, "v1" or "v2" (``runner_hooks.py`` /
     ``runner_v2.py``), and record it for the engine's processes (``CHOSEN_RUNNER_ENV``).
@@ -189,12 +188,12 @@ def choose_runner(
     for dense GPU targets, V2 (its DFlash chain and DDTree steps cost less there), where V2 is
     checked: attention-only target on one GPU or tensor-parallel GPUs (at TP = 2 a DDTree step
     cost 4.2 ms on V2 against 10.8 ms on V1, its oracle grid identical to the target alone),
-    ``VLLM_USE_V2_MODEL_RUNNER`` (``vllm_runner_env``) not "0". Everywhere else V1: hybrid
-    targets (vLLM runs them on V1), pipeline-parallel engines (DDTree on V2 is not checked
-    there), the CPU platform (no V2) and engines given vLLM's per-batch-size schedule of
-    speculative tokens (``scheduled_by_batch_size``: trees cut to the scheduled nodes are
-    checked on V1 only). ``tensor_parallel_size`` no longer changes the choice; it stays for
-    the callers' records.
+    ``VLLM_USE_V2_MODEL_RUNNER`` (``vllm_runner_env``) not "0", vLLM's per-batch-size
+    schedule of speculative tokens or not (trees cut to the scheduled nodes are checked on both
+    runners: tests/test_vllm_e2e.py on V1, ``benchmarks/results/v2_schedule_7de7dbb/`` on V2).
+    Everywhere else V1: hybrid targets (vLLM runs them on V1), pipeline-parallel engines (DDTree
+    on V2 is not checked there) and the CPU platform (no V2). ``tensor_parallel_size`` no longer
+    changes the choice; it stays for the callers' records.
     """
     requested = requested_runner()
     vllm_says = (vllm_runner_env or "").strip().lower()
@@ -213,7 +212,6 @@ def choose_runner(
             if on_gpu
             and not has_recurrent_layers
             and pipeline_parallel_size == 1
-            and not scheduled_by_batch_size
             and vllm_says not in ("0", "false")
             else "v1"
         )

@@ -180,10 +180,9 @@ def _wrap_create_speculative_config(original):
                     bool(getattr(self, "enable_prefix_caching", False))
                     or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
                 )
-                scheduled = gives_batch_size_schedule(merged)
-                if scheduled:
+                if gives_batch_size_schedule(merged):
                     _check_batch_size_schedule(merged)
-                runner = _choose_runner(target_model_config, target_parallel_config, scheduled)
+                runner = _choose_runner(target_model_config, target_parallel_config)
             vllm_dict, parsed = split_speculative_config(
                 merged,
                 _speculative_config_fields(),
@@ -555,13 +554,11 @@ def _check_batch_size_schedule(raw: dict) -> None:
         ) from error
 
 
-def _choose_runner(
-    target_model_config, target_parallel_config, scheduled_by_batch_size: bool = False
-) -> str:
+def _choose_runner(target_model_config, target_parallel_config) -> str:
     """Choose the DDTree engine's model runner (``config.choose_runner``), "v1" or "v2",
     before its config is made (the cost profile of ``"tree_budget": "auto"`` is the runner's),
     and give this process the V2 hooks when it is V2 (the engine's own processes install them
-    at start). ``scheduled_by_batch_size``: the user gave vLLM's ``SCHEDULE_KEY``."""
+    at start)."""
     from vllm.platforms import current_platform
 
     runner = choose_runner(
@@ -570,14 +567,7 @@ def _choose_runner(
         tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
         pipeline_parallel_size=getattr(target_parallel_config, "pipeline_parallel_size", 1),
         vllm_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
-        scheduled_by_batch_size=scheduled_by_batch_size,
     )
-    if scheduled_by_batch_size and runner == "v1" and current_platform.is_cuda():
-        logger.warning(
-            "vllm-ddtree: %s given: DDTree runs on vLLM's V1 model runner, where trees cut to "
-            "the scheduled nodes are checked (set VLLM_DDTREE_RUNNER=v2 to choose V2)",
-            SCHEDULE_KEY,
-        )
     if runner == "v2":
         _install_v2_hooks()
     return runner
