@@ -61,6 +61,33 @@ def metric_values(llm) -> dict:
     return values
 
 
+def timed_generate(llm, prompts, temperature: float, one_at_a_time: bool, max_tokens: int):
+    """One measurement on ``llm``: ``prompts`` (token-id lists) at ``temperature`` (request
+    ``i`` seeded ``i``), all at once or one request at a time. Returns the output token ids,
+    the wall seconds and vLLM's spec-decode metrics before and after."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens)
+        for i in range(len(prompts))
+    ]
+    before = metric_values(llm)
+    start = time.perf_counter()
+    if one_at_a_time:
+        outs = [
+            llm.generate([TokensPrompt(prompt_token_ids=p)], [sp], use_tqdm=False)[0]
+            for p, sp in zip(prompts, params, strict=True)
+        ]
+    else:
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+    seconds = time.perf_counter() - start
+    after = metric_values(llm)
+    return [list(o.outputs[0].token_ids) for o in outs], seconds, before, after
+
+
 def graph_sizes(verify_width: int, max_seqs: int, drafter_width: int | None = None) -> list[int]:
     """CUDA-graph sizes (tokens): the target's verify batch at every running-batch size up to
     ``max_seqs`` (``verify_width`` tokens per request), and the drafter's query batches
@@ -93,8 +120,7 @@ def measure_engine(job: dict, save=None) -> dict:
     row, so that an engine stopped by its time limit still reports what it measured."""
     started = time.time()
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from benchmarks.train_dflash import chat_ids
 
@@ -133,25 +159,7 @@ def measure_engine(job: dict, save=None) -> dict:
     outputs_t0: dict[str, list[list[int]]] = {}
 
     def run(prompts: list[list[int]], temperature: float, one_at_a_time: bool):
-        params = [
-            SamplingParams(temperature=temperature, seed=i, max_tokens=job["max_tokens"])
-            for i in range(len(prompts))
-        ]
-        before = metric_values(llm)
-        start = time.perf_counter()
-        if one_at_a_time:
-            outs = [
-                llm.generate([TokensPrompt(prompt_token_ids=p)], [sp], use_tqdm=False)[0]
-                for p, sp in zip(prompts, params, strict=True)
-            ]
-        else:
-            outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-            )
-        seconds = time.perf_counter() - start
-        after = metric_values(llm)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        return tokens, seconds, before, after
+        return timed_generate(llm, prompts, temperature, one_at_a_time, job["max_tokens"])
 
     run([prompt_sets[DATASETS[0]][0]], 0.0, True)  # warm-up
     config = llm.llm_engine.vllm_config

@@ -34,7 +34,7 @@ from benchmarks.bench_e2e import (  # noqa: E402
     DATASETS,
     device_id,
     graph_sizes,
-    metric_values,
+    timed_generate,
     weights_sha256,
 )
 
@@ -113,8 +113,7 @@ def engine_worker(job: dict, args: dict, conn) -> None:
     tokens (vLLM's spec-decode counters over the request)."""
     os.environ.update(job["env"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     llm = LLM(**args)
     import torch
@@ -134,31 +133,16 @@ def engine_worker(job: dict, args: dict, conn) -> None:
         if request is None:
             return
         prompts, temperature, one_at_a_time, max_tokens = request
-        params = [
-            SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens)
-            for i in range(len(prompts))
-        ]
-        before = metric_values(llm)
-        start = time.perf_counter()
-        if one_at_a_time:
-            outs = [
-                llm.generate([TokensPrompt(prompt_token_ids=p)], [sp], use_tqdm=False)[0]
-                for p, sp in zip(prompts, params, strict=True)
-            ]
-        else:
-            outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-            )
-        seconds = time.perf_counter() - start
-        after = metric_values(llm)
-
+        tokens, seconds, before, after = timed_generate(
+            llm, prompts, temperature, one_at_a_time, max_tokens
+        )
         drafts, accepted = (
             after.get(key, 0) - before.get(key, 0)
             for key in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
         )
         conn.send(
             {
-                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "tokens": tokens,
                 "seconds": seconds,
                 "drafts": drafts,
                 "accepted": accepted,
