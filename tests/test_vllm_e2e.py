@@ -135,6 +135,39 @@ def test_ddtree_sampling_is_distributed_like_the_target_alone(tiny_target_path, 
 
 
 @pytest.mark.vllm_engine
+def test_ddtree_seeded_sampling_gives_the_same_tokens_whatever_the_tree(
+    tiny_target_path, tiny_drafter_path
+):
+    """T = 1 with keyed noise: the tree decides how many tokens a step emits, never which.
+    Budgets 2, 32 and 16, an oracle drafter and a random one, drafts coupled to the noise and
+    not: 8 seeds x 24 tokens, every run the same tokens (each run's trees differ, so each
+    accepted a different number of tokens per step). Not claimed across batch limits: a
+    request's first token comes from vLLM's own sampler when its step verifies no tree."""
+    sampling = {"temperature": 1.0, "repeats": 8}
+    oracle = {"from": "greedy", "p_top": 0.8}
+    runs = [{"name": "greedy", "kwargs": {"dtype": "float32"}}]
+    for name, budget, kwargs, run_oracle, env in (
+        ("budget2", 2, {}, oracle, {}),
+        ("budget32", 32, {}, oracle, {}),
+        ("random_drafter", 16, {}, None, {}),
+        ("uncoupled", 16, {}, oracle, {"VLLM_DDTREE_COUPLED_DRAFTS": "0"}),
+    ):
+        run = ddtree_run(name, tiny_drafter_path, budget, oracle=run_oracle, **kwargs)
+        run.update(sampling=sampling, env=env)
+        runs.append(run)
+    results, _ = run_engines(tiny_target_path, runs, PROMPTS[:1], max_tokens=24)
+    reference = results["budget2"]["tokens"]
+    assert len(reference) == 8 and len({tuple(t) for t in reference}) > 1  # seeds differ
+    for run in runs[2:]:
+        assert results[run["name"]]["tokens"] == reference, run["name"]
+    accepted = [
+        results[name]["metrics"]["vllm:spec_decode_num_accepted_tokens"]
+        for name in ("budget2", "budget32")
+    ]
+    assert accepted[0] > 0 and accepted[0] != accepted[1], accepted
+
+
+@pytest.mark.vllm_engine
 def test_ddtree_min_tokens_bans_stop_tokens_like_the_target_alone(
     ddtree_results, tiny_target_path, tiny_drafter_path
 ):

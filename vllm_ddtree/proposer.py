@@ -19,9 +19,11 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.oracle import HostOracle, oracle_path
 from vllm_ddtree.profiling import step_range
+from vllm_ddtree.request_seeds import batch_seeds
 from vllm_ddtree.tree import DDTreeBatch
 
 
@@ -108,6 +110,8 @@ class DDTreeProposer(DFlashProposer):
             logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
         else:
             logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
+        if not sampling_metadata.all_greedy and self.runner is not None:
+            logits = self._coupled_logits(logits, sampling_metadata, num_reqs, depth)
         with step_range("ddtree::build_trees"):
             trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
         req_ids = list(self.runner.input_batch.req_ids[:num_reqs]) if self.runner else []
@@ -116,6 +120,19 @@ class DDTreeProposer(DFlashProposer):
         # vLLM reshapes what this returns to [R, depth]; the real drafts are the tree tokens.
         placeholder = torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
         return placeholder, None
+
+    def _coupled_logits(self, logits, sampling_metadata, num_reqs: int, depth: int):
+        """Sampled requests' draft logits ``[R, depth, V]`` plus the target's keyed noise
+        (``ops/keyed_gumbel.py``): depth ``j + 1``'s token is chosen by the target row at the
+        bonus position + ``j``, the key of its noise."""
+        if not coupled_drafts_enabled():
+            return logits
+        query_len = 1 + depth
+        bonus_positions = self.positions[: num_reqs * query_len : query_len].long()
+        keys = bonus_positions.unsqueeze(1) + torch.arange(depth, device=logits.device)
+        seeds = batch_seeds(self.runner, num_reqs, logits.device)
+        temperature = sampling_metadata.temperature[:num_reqs]
+        return couple_draft_logits(logits, temperature, seeds, keys)
 
     def _oracle_logits(self, num_reqs: int, depth: int) -> torch.Tensor:
         runner = self.runner

@@ -32,6 +32,7 @@ import torch
 from tree_attn_backend import tree_verify
 from vllm_ddtree import hybrid_gdn
 from vllm_ddtree.ops import use_triton
+from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
 from vllm_ddtree.ops.kv_commit import (
     PagedKVLayers,
     commit_accepted_kv_at,
@@ -41,6 +42,7 @@ from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
+from vllm_ddtree.request_seeds import batch_seeds
 from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
 
 _PATCHED = "__vllm_ddtree_runner_hook__"
@@ -362,10 +364,13 @@ def _refuse_unsupported(sampling_metadata) -> None:
         )
 
 
-def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row):
-    """long ``[rows]``: argmax, or one independent sample per row at each request's
-    temperature, top-k and top-p (``request_of_row()``: long ``[rows]``, each row's request;
-    built only when sampling)."""
+def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_seeds_and_keys):
+    """long ``[rows]``: argmax, or at each request's temperature, top-k and top-p the Gumbel-max
+    sample ``argmax(logits / T + G(seed, key))`` with the request's keyed noise
+    (``ops/keyed_gumbel.py``; an exact sample per row, the one target-alone decoding with that
+    noise draws at the row's position). ``request_of_row()``: long ``[rows]``, each row's
+    request; ``row_seeds_and_keys()``: int64 ``[rows]`` twice, each row's seed and key (its
+    position); both built only when sampling."""
     _refuse_unsupported(sampling_metadata)
     if sampling_metadata.all_greedy:
         return logits.argmax(dim=-1)
@@ -384,9 +389,14 @@ def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row):
             top_k.index_select(0, rows) if top_k is not None else None,
             top_p.index_select(0, rows) if top_p is not None else None,
         )
-    probs = torch.softmax(scaled, dim=-1)
-    sampled = torch.multinomial(probs, 1).squeeze(1)
-    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+    chosen = logits.argmax(dim=-1)
+    sampled_rows = (~greedy).nonzero().squeeze(1)
+    seeds, keys = row_seeds_and_keys()
+    noise = keyed_gumbel_noise(
+        seeds[sampled_rows], keys[sampled_rows].unsqueeze(1), logits.shape[-1]
+    ).squeeze(1)
+    chosen[sampled_rows] = (scaled[sampled_rows] + noise).argmax(dim=-1)
+    return chosen
 
 
 def _ban_stop_tokens_before_min_tokens(
@@ -447,6 +457,12 @@ def _wrap_sample(original):
                 output_size=logits.shape[0],
             )
 
+        def row_seeds_and_keys() -> tuple[torch.Tensor, torch.Tensor]:
+            seeds = batch_seeds(self, num_reqs, device).index_select(0, request_of_row())
+            # Each row's position (nodes: their depth positions), the key of its noise.
+            keys = self.positions.index_select(0, spec_decode_metadata.logits_indices.to(device))
+            return seeds, keys.long()
+
         gdn = hybrid_gdn.active_step()
         if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
             gdn.watch("in the target's forward after its last GDN layer, or its logits")
@@ -454,7 +470,7 @@ def _wrap_sample(original):
             _ban_stop_tokens_before_min_tokens(
                 logits, sampling_metadata, trees, first_row, step.num_draft
             )
-            chosen = _target_tokens(logits, sampling_metadata, request_of_row)
+            chosen = _target_tokens(logits, sampling_metadata, request_of_row, row_seeds_and_keys)
         if gdn is not None:
             gdn.watch("in choosing the target's tokens")
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.

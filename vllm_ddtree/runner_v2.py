@@ -36,6 +36,7 @@ import torch
 from tree_attn_backend import tree_verify
 from vllm_ddtree.config import RUNNER_ENV, uses_v2_runner
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
+from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.ops.tree_walk import walk_and_emit
@@ -124,17 +125,28 @@ def _speculator_class():
                 vocab_size = vllm_config.model_config.get_vocab_size()
                 self.oracle = DeviceOracle(oracle_path(), vocab_size, rows, device)
 
-        def sample_draft(self, hidden_states, positions, idx_mapping, *args, **kwargs):
+        def sample_draft(
+            self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs
+        ):
             """``hidden_states`` ``[R * depth, H]`` of the mask rows -> the trees of the batch
             rows (kept in ``proposals.batch``); returns placeholder drafts ``[R * depth]``.
             ``positions`` (long ``[R * depth]``) are vLLM's Gumbel keys, each mask row's
-            predicted position minus 2; ``idx_mapping`` its request state (-1: padding)."""
+            predicted position minus 2; ``idx_mapping`` its request state (-1: padding);
+            ``temperature``, ``seeds``: by request state. Sampled requests' trees are built
+            from logits coupled to the noise vLLM's sampler will draw at each depth
+            (``ops/keyed_gumbel.py``)."""
             depth = self.ddtree.depth
             num_reqs = hidden_states.shape[0] // depth
             if self.oracle is not None:
                 logits = self.oracle.logits(positions + 2, idx_mapping)
             else:
                 logits = self.model.compute_logits(hidden_states)
+            if coupled_drafts_enabled():
+                logits = logits.float().contiguous()
+                # The target row choosing the predicted token sits one position before it.
+                perturb_like_vllm_v2(
+                    logits, idx_mapping, temperature, seeds, positions + 1, self.use_fp64_gumbel
+                )
             logits = logits.view(num_reqs, depth, -1)
             trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
             self.proposals.write_batch(trees)

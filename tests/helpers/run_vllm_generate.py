@@ -11,7 +11,8 @@ RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` ar
 continuations an earlier run produced (see ``vllm_ddtree.proposer``), and
 ``"sampling": {"temperature": T, "repeats": K, ...}``: the first prompt K times, seeds 0..K-1
 (other keys, e.g. ``top_k``/``top_p``, go to ``SamplingParams``), and ``"params": {...}``: extra
-``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``).
+``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``), and ``"env": {...}``:
+environment variables set for that run only.
 Prints one line
 ``RESULT {name: {"tokens": [...], "metrics": {...}, "ddtree": {...}, "backend": ...}}``.
 """
@@ -105,6 +106,9 @@ if __name__ == "__main__":
             os.environ["VLLM_DDTREE_TEST_ORACLE"] = path
         else:
             os.environ.pop("VLLM_DDTREE_TEST_ORACLE", None)
+        run_env = run.get("env", {})
+        saved_env = {key: os.environ.get(key) for key in run_env}
+        os.environ.update(run_env)
         results[run["name"]] = generate(
             target,
             run["kwargs"],
@@ -113,4 +117,9 @@ if __name__ == "__main__":
             run.get("sampling"),
             run.get("params"),
         )
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     print("RESULT " + json.dumps(results))

@@ -1,0 +1,63 @@
+"""Each request's sampling seed on the V1 runner, for the keyed noise (``ops/keyed_gumbel.py``).
+
+A request with ``SamplingParams.seed`` uses it (its output is then a function of the seed
+alone, whatever the batch or the tree budget); any other request gets a random 63-bit seed the
+first time a step sees it. The drafter (end of a step) and the sampler (the next step) read the
+same table, kept on the runner.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class RequestSeeds:
+    """Seeds by request id; entries of finished requests are dropped as the table grows."""
+
+    def __init__(self, keep: Callable[[str], bool]):
+        """``keep(req_id)``: whether a request is still live (e.g. in the runner's requests)."""
+        self._seeds: dict[str, int] = {}
+        self._keep = keep
+
+    def seeds(
+        self,
+        req_ids: Sequence[str],
+        explicit_seed: Callable[[str], int | None],
+        device: torch.device,
+    ) -> torch.Tensor:
+        """int64 ``[R]``: the seed of each request of ``req_ids`` (``explicit_seed(req_id)``:
+        its ``SamplingParams.seed`` or ``None``)."""
+        values = []
+        for req_id in req_ids:
+            seed = self._seeds.get(req_id)
+            if seed is None:
+                explicit = explicit_seed(req_id)
+                seed = int(explicit) if explicit is not None else secrets.randbits(63)
+                self._seeds[req_id] = seed
+            values.append(seed)
+        if len(self._seeds) > 4 * len(req_ids) + 1024:
+            self._seeds = {k: v for k, v in self._seeds.items() if self._keep(k)}
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def runner_seeds(runner) -> RequestSeeds:
+    """The V1 runner's seed table (created on first use)."""
+    table = getattr(runner, "_ddtree_seeds", None)
+    if table is None:
+        table = runner._ddtree_seeds = RequestSeeds(keep=lambda req_id: req_id in runner.requests)
+    return table
+
+
+def batch_seeds(runner, num_reqs: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[num_reqs]``: the seeds of the runner's first ``num_reqs`` batch rows."""
+
+    def explicit_seed(req_id: str) -> int | None:
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        return getattr(params, "seed", None)
+
+    req_ids = list(runner.input_batch.req_ids[:num_reqs])
+    return runner_seeds(runner).seeds(req_ids, explicit_seed, device)
