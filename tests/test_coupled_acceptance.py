@@ -1,0 +1,72 @@
+"""benchmarks/coupled_acceptance.py: its engines, acceptance lengths and report (no engine)."""
+
+import json
+import os
+
+from benchmarks.coupled_acceptance import (
+    CHAIN,
+    acceptance_length,
+    engine_specs,
+    summarize,
+    write_report,
+)
+from vllm_ddtree.ops.keyed_gumbel import COUPLED_DRAFTS_ENV
+
+
+def test_engines_are_the_chain_then_coupled_and_uncoupled_per_budget():
+    specs = engine_specs("drafter", [16, 64])
+    assert [s["name"] for s in specs] == [
+        CHAIN,
+        "ddtree_b16_coupled",
+        "ddtree_b16_uncoupled",
+        "ddtree_b64_coupled",
+        "ddtree_b64_uncoupled",
+    ]
+    assert specs[0]["speculative_config"]["method"] == "dflash"
+    assert specs[1]["env"] == {COUPLED_DRAFTS_ENV: "1"}
+    assert specs[2]["env"] == {COUPLED_DRAFTS_ENV: "0"}
+    assert specs[4]["speculative_config"]["tree_budget"] == 64
+
+
+def test_acceptance_length_is_one_plus_accepted_per_draft():
+    metrics = {"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_accepted_tokens": 7}
+    assert acceptance_length(metrics) == 1.7
+    assert acceptance_length({}) is None
+
+
+def test_report_says_whether_coupled_and_uncoupled_emitted_the_same(tmp_path):
+    def run(tokens, length):
+        return {"tokens": tokens, "acceptance_length": length}
+
+    results = {
+        "humaneval": {
+            CHAIN: run([[1]], 1.1),
+            "ddtree_b16_coupled": run([[1, 2]], 2.0),
+            "ddtree_b16_uncoupled": run([[1, 2]], 1.5),
+        },
+        "mtbench": {
+            CHAIN: run([[3]], 1.2),
+            "ddtree_b16_coupled": run([[3, 4]], 1.9),
+            "ddtree_b16_uncoupled": run([[3, 5]], 1.4),
+        },
+    }
+    summary = summarize(results, [16])
+    assert summary["humaneval"]["b16_same_tokens"] is True
+    assert summary["mtbench"]["b16_same_tokens"] is False
+    assert summary["mtbench"]["acceptance_length"]["ddtree_b16_coupled"] == 1.9
+    settings = {
+        "device_note": "cpu",
+        "target_name": "t",
+        "drafter_name": "d",
+        "dtype": "float32",
+        "temperature": 1.0,
+        "prompts_per_set": 1,
+        "max_tokens": 2,
+        "batch": 1,
+    }
+    report = {"commit": "abc", "settings": settings, "summary": summary, "runs": results}
+    write_report(report, str(tmp_path))
+    table = (tmp_path / "coupled_acceptance.md").read_text()
+    assert "| mtbench | 1.20 | 1.90 | 1.40 | b16: False |" in table
+    with open(os.path.join(tmp_path, "coupled_acceptance.json")) as f:
+        assert json.load(f)["summary"] == summary
