@@ -139,10 +139,10 @@ def test_ddtree_seeded_sampling_gives_the_same_tokens_whatever_the_tree(
     tiny_target_path, tiny_drafter_path
 ):
     """T = 1 with keyed noise: the tree decides how many tokens a step emits, never which.
-    Budgets 2, 32 and 16, an oracle drafter and a random one, drafts coupled to the noise and
-    not: 8 seeds x 24 tokens, every run the same tokens (each run's trees differ, so each
-    accepted a different number of tokens per step). Not claimed across batch limits: a
-    request's first token comes from vLLM's own sampler when its step verifies no tree."""
+    Budgets 2, 32 and 16, an oracle drafter and a random one, batch 4 and 1 (a request's first
+    token then comes from a step with no tree), drafts coupled to the noise and not: 8 seeds x
+    24 tokens, every run the same tokens (each run's trees differ, so each accepted a different
+    number of tokens per step)."""
     sampling = {"temperature": 1.0, "repeats": 8}
     oracle = {"from": "greedy", "p_top": 0.8}
     runs = [{"name": "greedy", "kwargs": {"dtype": "float32"}}]
@@ -150,6 +150,7 @@ def test_ddtree_seeded_sampling_gives_the_same_tokens_whatever_the_tree(
         ("budget2", 2, {}, oracle, {}),
         ("budget32", 32, {}, oracle, {}),
         ("random_drafter", 16, {}, None, {}),
+        ("batch1", 16, {"max_num_seqs": 1}, oracle, {}),
         ("uncoupled", 16, {}, oracle, {"VLLM_DDTREE_COUPLED_DRAFTS": "0"}),
     ):
         run = ddtree_run(name, tiny_drafter_path, budget, oracle=run_oracle, **kwargs)

@@ -203,6 +203,7 @@ def _wrap_prepare_inputs(original):
         drafter = _ddtree_proposer(self)
         self._ddtree_step = None
         logits_indices, spec_decode_metadata = result
+        self._ddtree_logits_indices = logits_indices  # the sampled rows (keys of their noise)
         # For the graph dispatch after this (in "auto"'s chain too, where the same bug hits).
         if drafter is not None or serves_chain_for_ddtree(self):
             self._ddtree_rows_without_drafts = rows_without_drafts(spec_decode_metadata)
@@ -433,11 +434,46 @@ def _ban_stop_tokens_before_min_tokens(
     logits[rows, columns] = torch.where(banned, float("-inf"), logits[rows, columns])
 
 
+def _sample_without_trees(runner, original, logits):
+    """A DDTree engine's step in which no request verifies a tree (prefills, the first step):
+    greedy batches as vLLM samples them; otherwise one keyed sample per request
+    (``_target_tokens``, after vLLM's ``min_tokens`` processor), as in steps with trees, so a
+    seeded request's tokens do not depend on which of its steps carried other requests' trees.
+    Everything else vLLM's sampler would apply is refused for DDTree requests
+    (``_refuse_unsupported``)."""
+    sampling_metadata = runner.input_batch.sampling_metadata
+    if logits is None or sampling_metadata.all_greedy:
+        return original(runner, logits, None)
+    from vllm.v1.outputs import SamplerOutput
+
+    runner.input_batch.update_async_output_token_ids()
+    for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
+        logits = processor.apply(logits)
+    num_reqs, device = logits.shape[0], logits.device
+
+    def request_of_row() -> torch.Tensor:
+        return torch.arange(num_reqs, device=device)
+
+    def row_seeds_and_keys() -> tuple[torch.Tensor, torch.Tensor]:
+        seeds = batch_seeds(runner, num_reqs, device)
+        rows = runner._ddtree_logits_indices.to(device)
+        return seeds, runner.positions.index_select(0, rows).long()
+
+    with step_range("ddtree::target_tokens"):
+        chosen = _target_tokens(logits, sampling_metadata, request_of_row, row_seeds_and_keys)
+    sampled = chosen.to(torch.int32).view(num_reqs, 1)
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+
+
 def _wrap_sample(original):
     @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
         step = getattr(self, "_ddtree_step", None)
-        if step is None or spec_decode_metadata is None or _ddtree_proposer(self) is None:
+        if _ddtree_proposer(self) is None:
+            return original(self, logits, spec_decode_metadata)
+        if spec_decode_metadata is None:
+            return _sample_without_trees(self, original, logits)
+        if step is None:
             return original(self, logits, spec_decode_metadata)
         from vllm.v1.outputs import SamplerOutput
 
