@@ -142,3 +142,22 @@ def test_v2_perturbation_is_the_noise_vllms_sampler_draws():
         assert torch.equal(perturbed.argmax(-1)[live], expected[live])
         untouched = (idx_mapping == 0) | ~live
         assert torch.equal(perturbed[untouched], logits[untouched])
+
+
+def test_request_seeds_are_explicit_or_drawn_alike_on_every_rank():
+    """A seeded request keeps its seed; an unseeded one gets one from torch's default
+    generator, so two ranks seeded alike (as vLLM seeds its workers) draw the same seeds."""
+    from vllm_ddtree.request_seeds import RequestSeeds
+
+    explicit = {"a": 5, "b": None, "c": None}
+    drawn = []
+    for _ in range(2):  # two ranks
+        torch.manual_seed(0)
+        table = RequestSeeds(keep=lambda req_id: True)
+        first = table.seeds(["a", "b"], explicit.get, torch.device("cpu"))
+        again = table.seeds(["c", "b", "a"], explicit.get, torch.device("cpu"))
+        assert first.dtype == torch.long and int(first[0]) == 5
+        assert int(again[1]) == int(first[1]) and int(again[2]) == 5  # kept per request
+        drawn.append(again.tolist())
+    assert drawn[0] == drawn[1]
+    assert drawn[0][0] != drawn[0][1]

@@ -2,16 +2,22 @@
 
 A request with ``SamplingParams.seed`` uses it (its output is then a function of the seed
 alone, whatever the batch or the tree budget); any other request gets a random 63-bit seed the
-first time a step sees it. The drafter (end of a step) and the sampler (the next step) read the
-same table, kept on the runner.
+first time a step sees it, from torch's default CPU generator: vLLM seeds it alike on every
+worker and every rank sees the same requests in the same order, so tensor-parallel ranks agree
+on the seed (and so on every tree and sample). The drafter (end of a step) and the sampler (the
+next step) read the same table, kept on the runner.
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Sequence
 
 import torch
+
+
+def _random_seed() -> int:
+    """A 63-bit seed from torch's default CPU generator."""
+    return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.long).item())
 
 
 class RequestSeeds:
@@ -35,7 +41,7 @@ class RequestSeeds:
             seed = self._seeds.get(req_id)
             if seed is None:
                 explicit = explicit_seed(req_id)
-                seed = int(explicit) if explicit is not None else secrets.randbits(63)
+                seed = int(explicit) if explicit is not None else _random_seed()
                 self._seeds[req_id] = seed
             values.append(seed)
         if len(self._seeds) > 4 * len(req_ids) + 1024:
