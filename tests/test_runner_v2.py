@@ -240,7 +240,10 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     keys = torch.tensor([bonus + 1 + d for d in range(depth)]) - 2
     draft = runner_v2._speculator_class().sample_draft
     hidden = torch.zeros(depth, 8)
-    placeholder = draft(speculator, hidden, keys, torch.tensor([2, 2, 2], dtype=torch.int32))
+    greedy = torch.zeros(4)  # temperature by request state: the tree keeps the oracle's ranks
+    seeds = torch.zeros(4, dtype=torch.long)
+    states = torch.tensor([2, 2, 2], dtype=torch.int32)
+    placeholder = draft(speculator, hidden, keys, states, greedy, seeds)
     assert placeholder.shape == (depth,)
     trees = speculator.proposals.batch
     assert trees.token_ids[0, :depth].tolist() == sequence[5 : 5 + depth]

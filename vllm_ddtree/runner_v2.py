@@ -141,7 +141,7 @@ def _speculator_class():
                 logits = self.oracle.logits(positions + 2, idx_mapping)
             else:
                 logits = self.model.compute_logits(hidden_states)
-            if coupled_drafts_enabled():
+            if coupled_drafts_enabled() and logits.is_cuda:  # (V2 runs on CUDA only)
                 logits = logits.float().contiguous()
                 # The target row choosing the predicted token sits one position before it.
                 perturb_like_vllm_v2(
