@@ -127,8 +127,7 @@ class DDTreeProposer(DFlashProposer):
         bonus position + ``j``, the key of its noise."""
         if not coupled_drafts_enabled():
             return logits
-        query_len = 1 + depth
-        bonus_positions = self.positions[: num_reqs * query_len : query_len].long()
+        bonus_positions = self._bonus_positions(num_reqs, depth).long()
         keys = bonus_positions.unsqueeze(1) + torch.arange(depth, device=logits.device)
         seeds = batch_seeds(self.runner, num_reqs, logits.device)
         temperature = sampling_metadata.temperature[:num_reqs]
@@ -139,6 +138,11 @@ class DDTreeProposer(DFlashProposer):
         prompts = []
         for req_id in runner.input_batch.req_ids[:num_reqs]:
             prompts.append(list(runner.requests[req_id].prompt_token_ids or []))
-        query_len = 1 + depth
-        bonus_positions = self.positions[: num_reqs * query_len : query_len].tolist()
+        bonus_positions = self._bonus_positions(num_reqs, depth).tolist()
         return self._oracle.logits(prompts, bonus_positions, depth)
+
+    def _bonus_positions(self, num_reqs: int, depth: int) -> torch.Tensor:
+        """``[R]``: each request's bonus token position (its drafter query is the bonus row
+        then ``depth`` mask rows; mask ``j`` predicts the token at bonus position + 1 + ``j``)."""
+        query_len = 1 + depth
+        return self.positions[: num_reqs * query_len : query_len]

@@ -370,8 +370,8 @@ def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_
     sample ``argmax(logits / T + G(seed, key))`` with the request's keyed noise
     (``ops/keyed_gumbel.py``; an exact sample per row, the one target-alone decoding with that
     noise draws at the row's position). ``request_of_row()``: long ``[rows]``, each row's
-    request; ``row_seeds_and_keys()``: int64 ``[rows]`` twice, each row's seed and key (its
-    position); both built only when sampling."""
+    request; ``row_seeds_and_keys(request_of_row)``: int64 ``[rows]`` twice, each row's seed
+    and key (``_keyed_rows``); both called only when sampling."""
     _refuse_unsupported(sampling_metadata)
     if sampling_metadata.all_greedy:
         return logits.argmax(dim=-1)
@@ -392,7 +392,7 @@ def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_
         )
     chosen = logits.argmax(dim=-1)
     sampled_rows = (~greedy).nonzero().squeeze(1)
-    seeds, keys = row_seeds_and_keys()
+    seeds, keys = row_seeds_and_keys(rows)
     noise = keyed_gumbel_noise(
         seeds[sampled_rows], keys[sampled_rows].unsqueeze(1), logits.shape[-1]
     ).squeeze(1)
@@ -434,6 +434,20 @@ def _ban_stop_tokens_before_min_tokens(
     logits[rows, columns] = torch.where(banned, float("-inf"), logits[rows, columns])
 
 
+def _keyed_rows(runner, num_reqs: int):
+    """``row_seeds_and_keys`` for ``_target_tokens`` in this step: given each logits row's
+    request (long ``[rows]``), the row's request seed and its key, the row's position (a tree
+    node's depth position), both int64 ``[rows]``."""
+
+    def row_seeds_and_keys(request_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        device = request_of_row.device
+        seeds = batch_seeds(runner, num_reqs, device).index_select(0, request_of_row)
+        rows = runner._ddtree_logits_indices.to(device)
+        return seeds, runner.positions.index_select(0, rows).long()
+
+    return row_seeds_and_keys
+
+
 def _sample_without_trees(runner, original, logits):
     """A DDTree engine's step in which no request verifies a tree (prefills, the first step):
     greedy batches as vLLM samples them; otherwise one keyed sample per request
@@ -454,13 +468,9 @@ def _sample_without_trees(runner, original, logits):
     def request_of_row() -> torch.Tensor:
         return torch.arange(num_reqs, device=device)
 
-    def row_seeds_and_keys() -> tuple[torch.Tensor, torch.Tensor]:
-        seeds = batch_seeds(runner, num_reqs, device)
-        rows = runner._ddtree_logits_indices.to(device)
-        return seeds, runner.positions.index_select(0, rows).long()
-
     with step_range("ddtree::target_tokens"):
-        chosen = _target_tokens(logits, sampling_metadata, request_of_row, row_seeds_and_keys)
+        keyed_rows = _keyed_rows(runner, num_reqs)
+        chosen = _target_tokens(logits, sampling_metadata, request_of_row, keyed_rows)
     sampled = chosen.to(torch.int32).view(num_reqs, 1)
     return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
 
@@ -493,12 +503,6 @@ def _wrap_sample(original):
                 output_size=logits.shape[0],
             )
 
-        def row_seeds_and_keys() -> tuple[torch.Tensor, torch.Tensor]:
-            seeds = batch_seeds(self, num_reqs, device).index_select(0, request_of_row())
-            # Each row's position (nodes: their depth positions), the key of its noise.
-            keys = self.positions.index_select(0, spec_decode_metadata.logits_indices.to(device))
-            return seeds, keys.long()
-
         gdn = hybrid_gdn.active_step()
         if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
             gdn.watch("in the target's forward after its last GDN layer, or its logits")
@@ -506,7 +510,8 @@ def _wrap_sample(original):
             _ban_stop_tokens_before_min_tokens(
                 logits, sampling_metadata, trees, first_row, step.num_draft
             )
-            chosen = _target_tokens(logits, sampling_metadata, request_of_row, row_seeds_and_keys)
+            keyed_rows = _keyed_rows(self, num_reqs)
+            chosen = _target_tokens(logits, sampling_metadata, request_of_row, keyed_rows)
         if gdn is not None:
             gdn.watch("in choosing the target's tokens")
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
