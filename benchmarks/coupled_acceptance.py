@@ -89,6 +89,7 @@ def run_engine(target: str, spec: dict, prompt_sets: dict, args) -> dict:
             max_num_seqs=args.batch,
             enforce_eager=not args.compile,
             seed=0,
+            **memory_limits(args),
             disable_log_stats=False,
         )
         for prompt_set, prompts in prompt_sets.items():
@@ -116,6 +117,10 @@ def run_engine(target: str, spec: dict, prompt_sets: dict, args) -> dict:
             }
         del llm
         gc.collect()
+        # The next engine of this process starts from a clean distributed state and cache.
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
     finally:
         for key, value in saved.items():
             if value is None:
@@ -123,6 +128,40 @@ def run_engine(target: str, spec: dict, prompt_sets: dict, args) -> dict:
             else:
                 os.environ[key] = value
     return results
+
+
+def memory_limits(args) -> dict:
+    """vLLM's memory settings from ``--gpu-memory-utilization`` / ``--kv-cache-bytes`` (only those
+    given: a GPU shared with another job must cap what each engine takes)."""
+    limits = {}
+    if args.gpu_memory_utilization is not None:
+        limits["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.kv_cache_bytes is not None:
+        limits["kv_cache_memory_bytes"] = args.kv_cache_bytes
+    return limits
+
+
+def eval_texts(prompts_file: str | None) -> dict[str, list[str]]:
+    """The held-out prompt texts per set: from ``benchmarks/prompts.py``'s JSON (``"eval"``)
+    when given (a host without the prompt packages), else from the packages themselves."""
+    if prompts_file:
+        with open(prompts_file) as f:
+            held_out = json.load(f)["eval"]
+        return {name: held_out[name] for name in ("humaneval", "mtbench")}
+    return {
+        "humaneval": humaneval_prompts()[HELD_OUT_HUMANEVAL_FROM:],
+        "mtbench": mtbench_prompts()[0::2],
+    }
+
+
+def measured_commit() -> str:
+    """The commit measured: ``VLLM_DDTREE_COMMIT`` (a host's copied tree may carry stale git
+    metadata), else git's HEAD."""
+    if os.environ.get("VLLM_DDTREE_COMMIT"):
+        return os.environ["VLLM_DDTREE_COMMIT"]
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
 
 
 def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -194,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile and CUDA graphs")
     parser.add_argument("--device-note", default="vLLM-CPU (2 cores)")
     parser.add_argument("--out", default="benchmarks/results/coupled_acceptance")
+    parser.add_argument("--prompts", help="prompts.json from benchmarks/prompts.py")
+    parser.add_argument("--gpu-memory-utilization", type=float)
+    parser.add_argument("--kv-cache-bytes", type=int)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -207,19 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target)
     count = args.prompts_per_set
     prompt_sets = {  # held out from the drafter's training (benchmarks/prompts.py)
-        "humaneval": chat_prompts(tokenizer, humaneval_prompts()[HELD_OUT_HUMANEVAL_FROM:][:count]),
-        "mtbench": chat_prompts(tokenizer, mtbench_prompts()[0::2][:count]),
+        name: chat_prompts(tokenizer, texts[:count])
+        for name, texts in eval_texts(args.prompts).items()
     }
     results: dict = {name: {} for name in prompt_sets}
     for spec in engine_specs(drafter, budgets):
         for prompt_set, run in run_engine(target, spec, prompt_sets, args).items():
             results[prompt_set][spec["name"]] = run
             print(spec["name"], prompt_set, run["acceptance_length"], flush=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
     report = {
-        "commit": commit,
+        "commit": measured_commit(),
         "settings": {
             "device_note": args.device_note,
             "target_name": os.path.basename(os.path.normpath(target)),

@@ -15,6 +15,8 @@
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
 #       bench-paired - benchmarks/bench_paired.py: AR, the chain and "auto"'s budgets by turns
 #                  (env DRAFTER, BUDGETS, BATCHES, TEMPS, REPEATS, DEADLINE)
+#       coupled  - the keyed-noise GPU test and coupled_acceptance.py (T > 0 acceptance of
+#                  coupled vs uncoupled trees; env DRAFTER, COUPLED_BUDGETS, PROMPTS_PER_SET)
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
 #       tp-grid  - two GPUs: lossless_gpu.py --tp 2 alone (LOSSLESS_ARGS, e.g. --runner v2)
 #       pair     - lossless_pair.py on one GPU (PAIR_DTYPES, default float32)
@@ -306,6 +308,22 @@ case "$STEP" in
       --repeats "${REPEATS:-7}" --max-tokens "${MAX_TOKENS:-256}" \
       --deadline "${DEADLINE:-520}" > "$OUT/bench_paired.log" 2>&1
     echo "paired rc=$?"; grep -E '^\{"row' "$OUT/bench_paired.log" | cut -c1-300 ;;
+  coupled)
+    # T > 0: the V2 drafter's keyed noise against vLLM's sampler (the GPU test of
+    # tests/test_keyed_gumbel.py), then acceptance of trees coupled to that noise and not
+    # (coupled_acceptance.py: bf16, CUDA graphs, engines one after another in one process).
+    need_checkpoint
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_keyed_gumbel.py \
+      > "$OUT/keyed_gumbel_gpu_tests.log" 2>&1
+    echo "keyed gumbel tests rc=$?"; tail -1 "$OUT/keyed_gumbel_gpu_tests.log"
+    timeout "${COUPLED_TIMEOUT:-480}" python3 benchmarks/coupled_acceptance.py \
+      --target /tmp/train/SmolLM2-135M-Instruct --drafter "${DRAFTER:-/tmp/drafter}" \
+      --prompts /tmp/prompts.json --compile --dtype bfloat16 --device-note "NVIDIA H200" \
+      --budgets "${COUPLED_BUDGETS:-16,64}" --prompts-per-set "${PROMPTS_PER_SET:-16}" \
+      --batch "${BATCH:-16}" --max-tokens "${MAX_TOKENS:-128}" \
+      --gpu-memory-utilization 0.05 --kv-cache-bytes 4294967296 --out "$OUT" \
+      > "$OUT/coupled_acceptance.log" 2>&1
+    echo "coupled rc=$?"; tail -30 "$OUT/coupled_acceptance.log" | grep -v "^INFO\|^WARNING" ;;
   kernels)
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py \
       tests/test_tree_attention_kernel.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -5

@@ -1,5 +1,6 @@
 """benchmarks/coupled_acceptance.py: its engines, acceptance lengths and report (no engine)."""
 
+import argparse
 import json
 import os
 
@@ -7,6 +8,9 @@ from benchmarks.coupled_acceptance import (
     CHAIN,
     acceptance_length,
     engine_specs,
+    eval_texts,
+    measured_commit,
+    memory_limits,
     summarize,
     write_report,
 )
@@ -70,3 +74,25 @@ def test_report_says_whether_coupled_and_uncoupled_emitted_the_same(tmp_path):
     assert "| mtbench | 1.20 | 1.90 | 1.40 | b16: False |" in table
     with open(os.path.join(tmp_path, "coupled_acceptance.json")) as f:
         assert json.load(f)["summary"] == summary
+
+
+def test_a_prompts_file_gives_its_held_out_humaneval_and_mtbench_sets(tmp_path):
+    path = tmp_path / "prompts.json"
+    held_out = {"humaneval": ["def f():"], "mtbench": ["Write a poem."], "sharegpt": ["hi"]}
+    path.write_text(json.dumps({"train": ["x"], "eval": held_out}))
+    assert eval_texts(str(path)) == {"humaneval": ["def f():"], "mtbench": ["Write a poem."]}
+
+
+def test_memory_limits_pass_only_what_was_given():
+    given = argparse.Namespace(gpu_memory_utilization=0.05, kv_cache_bytes=1 << 30)
+    assert memory_limits(given) == {
+        "gpu_memory_utilization": 0.05,
+        "kv_cache_memory_bytes": 1 << 30,
+    }
+    unset = argparse.Namespace(gpu_memory_utilization=None, kv_cache_bytes=None)
+    assert memory_limits(unset) == {}
+
+
+def test_the_measured_commit_comes_from_the_environment_first(monkeypatch):
+    monkeypatch.setenv("VLLM_DDTREE_COMMIT", "0123abc")
+    assert measured_commit() == "0123abc"
