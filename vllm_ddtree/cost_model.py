@@ -167,10 +167,14 @@ def choose_budget(
     return min(tied), predicted
 
 
+FIT_TIE_TOLERANCE = 1e-9  # relative: fits whose errors differ less than this are tied
+
+
 def _fit_relative_nonnegative(features: list[list[float]], step_ms: list[float]) -> list[float]:
     """Coefficients ``c >= 0`` minimising ``sum(((features @ c - y) / y) ** 2)``: the
     least-squares fit in relative error, solved exactly over every set of free coefficients
-    (a handful of features: at most 2**4 - 1 small solves); unused features get 0."""
+    (a handful of features: at most 2**4 - 1 small solves); unused features get 0; among
+    tied fits, the one with the fewest and earliest free coefficients."""
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(step_ms, dtype=np.float64)
     weighted = x / y[:, None]
@@ -185,7 +189,10 @@ def _fit_relative_nonnegative(features: list[list[float]], step_ms: list[float])
             coefficients = np.zeros(x.shape[1])
             coefficients[list(free)] = solved
             error = float(np.sum((weighted @ coefficients - ones) ** 2))
-            if best is None or error < best[0]:
+            # Collinear rows (a bench of one budget) fit equally well with several sets;
+            # the first set found wins unless another is better beyond rounding, so the
+            # choice does not hang on the linear-algebra library's last bits.
+            if best is None or error < best[0] * (1 - FIT_TIE_TOLERANCE):
                 best = (error, coefficients)
     assert best is not None, "a single feature always has a non-negative fit"
     return [float(c) for c in best[1]]
