@@ -176,20 +176,52 @@ def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
     return prompts
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first output position where two token sequences differ (None: identical)."""
+    for position, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return position
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def summarize(results: dict, budgets: list[int]) -> dict:
-    """Acceptance per engine and set, and whether coupled and uncoupled emitted the same."""
+    """Acceptance per engine and set; per budget whether coupled and uncoupled emitted the same
+    tokens, how many sequences were identical and where the others first differed (a reduced
+    precision target's logits depend on the verify batch's shape, so near-ties can flip)."""
     summary = {}
     for budget in budgets:
         coupled, plain = f"ddtree_b{budget}_coupled", f"ddtree_b{budget}_uncoupled"
         for prompt_set, by_engine in results.items():
-            summary.setdefault(prompt_set, {})[f"b{budget}_same_tokens"] = (
-                by_engine[coupled]["tokens"] == by_engine[plain]["tokens"]
-            )
+            pairs = list(zip(by_engine[coupled]["tokens"], by_engine[plain]["tokens"], strict=True))
+            divergences = [first_divergence(a, b) for a, b in pairs]
+            row = summary.setdefault(prompt_set, {})
+            row[f"b{budget}_same_tokens"] = all(d is None for d in divergences)
+            row[f"b{budget}_identical_sequences"] = [
+                sum(d is None for d in divergences),
+                len(pairs),
+            ]
+            row[f"b{budget}_first_divergences"] = sorted(d for d in divergences if d is not None)
     for prompt_set, by_engine in results.items():
         summary[prompt_set]["acceptance_length"] = {
             name: run["acceptance_length"] for name, run in by_engine.items()
         }
     return summary
+
+
+def _agreement_cell(row: dict) -> str:
+    """``b16: 5/16 (24, 29, ...)``: identical sequences per budget, the others' first
+    divergences."""
+    cells = []
+    for key, value in row.items():
+        if not key.endswith("_identical_sequences"):
+            continue
+        budget = key.split("_")[0]
+        identical, total = value
+        cell = f"{budget}: {identical}/{total}"
+        if identical < total:
+            cell += " (" + ", ".join(map(str, row[f"{budget}_first_divergences"])) + ")"
+        cells.append(cell)
+    return ", ".join(cells)
 
 
 def write_report(report: dict, out: str) -> None:
@@ -210,12 +242,17 @@ def write_report(report: dict, out: str) -> None:
         "",
     ]
     names = list(next(iter(report["summary"].values()))["acceptance_length"])
-    lines.append("| prompts | " + " | ".join(names) + " | same tokens, coupled vs not |")
-    lines.append("| --- |" + " --- |" * (len(names) + 1))
+    lines.append(
+        "| prompts | "
+        + " | ".join(names)
+        + " | same tokens, coupled vs not | identical sequences (first divergences) |"
+    )
+    lines.append("| --- |" + " --- |" * (len(names) + 2))
     for prompt_set, row in report["summary"].items():
         values = [f"{v:.2f}" if v is not None else "-" for v in row["acceptance_length"].values()]
         same = ", ".join(f"{k.split('_')[0]}: {v}" for k, v in row.items() if k.endswith("tokens"))
-        lines.append(f"| {prompt_set} | " + " | ".join(values) + f" | {same} |")
+        identical = _agreement_cell(row)
+        lines.append(f"| {prompt_set} | " + " | ".join(values) + f" | {same} | {identical} |")
     with open(os.path.join(out, "coupled_acceptance.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -236,7 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", help="prompts.json from benchmarks/prompts.py")
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--kv-cache-bytes", type=int)
+    parser.add_argument(
+        "--rescore", help="a coupled_acceptance.json: rewrite its summary from its runs (no engine)"
+    )
     args = parser.parse_args(argv)
+    if args.rescore:
+        with open(args.rescore) as f:
+            report = json.load(f)
+        report["summary"] = summarize(report["runs"], report["settings"]["budgets"])
+        write_report(report, args.out)
+        return 0
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer

@@ -9,6 +9,8 @@ from benchmarks.coupled_acceptance import (
     acceptance_length,
     engine_specs,
     eval_texts,
+    first_divergence,
+    main,
     measured_commit,
     memory_limits,
     summarize,
@@ -71,7 +73,8 @@ def test_report_says_whether_coupled_and_uncoupled_emitted_the_same(tmp_path):
     report = {"commit": "abc", "settings": settings, "summary": summary, "runs": results}
     write_report(report, str(tmp_path))
     table = (tmp_path / "coupled_acceptance.md").read_text()
-    assert "| mtbench | 1.20 | 1.90 | 1.40 | b16: False |" in table
+    assert "| mtbench | 1.20 | 1.90 | 1.40 | b16: False | b16: 0/1 (1) |" in table
+    assert "| humaneval | 1.10 | 2.00 | 1.50 | b16: True | b16: 1/1 |" in table
     with open(os.path.join(tmp_path, "coupled_acceptance.json")) as f:
         assert json.load(f)["summary"] == summary
 
@@ -96,3 +99,46 @@ def test_memory_limits_pass_only_what_was_given():
 def test_the_measured_commit_comes_from_the_environment_first(monkeypatch):
     monkeypatch.setenv("VLLM_DDTREE_COMMIT", "0123abc")
     assert measured_commit() == "0123abc"
+
+
+def test_first_divergence_is_the_first_differing_position():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_rescore_rewrites_the_summary_from_the_runs(tmp_path):
+    def run(tokens):
+        return {"tokens": tokens, "acceptance_length": 1.5}
+
+    runs = {
+        "humaneval": {
+            CHAIN: run([[1, 2], [3, 4]]),
+            "ddtree_b8_coupled": run([[1, 2], [3, 4]]),
+            "ddtree_b8_uncoupled": run([[1, 2], [3, 9]]),
+        }
+    }
+    report = {
+        "commit": "abc",
+        "settings": {
+            "device_note": "gpu",
+            "target_name": "t",
+            "drafter_name": "d",
+            "dtype": "bfloat16",
+            "temperature": 1.0,
+            "prompts_per_set": 2,
+            "max_tokens": 2,
+            "batch": 2,
+            "budgets": [8],
+        },
+        "summary": {},
+        "runs": runs,
+    }
+    source = tmp_path / "old.json"
+    source.write_text(json.dumps(report))
+    assert main(["--rescore", str(source), "--out", str(tmp_path / "new")]) == 0
+    with open(tmp_path / "new" / "coupled_acceptance.json") as f:
+        summary = json.load(f)["summary"]["humaneval"]
+    assert summary["b8_same_tokens"] is False
+    assert summary["b8_identical_sequences"] == [1, 2]
+    assert summary["b8_first_divergences"] == [1]
