@@ -176,8 +176,6 @@ def measure_engine(job: dict, save=None) -> dict:
 
     for temperature in job["temperatures"]:
         for batch in job["batches"]:
-            if temperature > 0 and batch > 16:
-                continue
             if batch == 1:
                 groups = {name: ps[: job["batch1_prompts"]] for name, ps in prompt_sets.items()}
             else:

@@ -151,3 +151,38 @@ def test_the_report_names_auto_s_worst_row(tmp_path):
     text = (tmp_path / "bench_paired.md").read_text()
     assert "lowest median of a row: 0.80 (mixed, batch 16, ddtree_v2_b16) over 2 rows" in text
     assert json.loads((tmp_path / "bench_paired.json").read_text())["rows"][1]["batch"] == 16
+
+
+def test_the_readme_table_is_rewritten_from_the_runs_json(tmp_path):
+    runs = {
+        "ar": [answer(100, 0.9)] * 3,
+        "dflash": [answer(100, 1.0)] * 3,
+        "ddtree_v2_b64": [answer(100, 0.5)] * 3,
+    }
+    row = {"dataset": "humaneval", "batch": 1, "temperature": 0.0}
+    row.update(bench_paired.summarize_row(runs))
+    row["auto_serves"] = "ddtree_v2_b64"
+    summary = {
+        "commit": "abcdef123",
+        "gpu": "NVIDIA H200",
+        "target_name": "t",
+        "drafter_name": "d",
+        "repeats": 3,
+        "max_tokens": 8,
+        "rows": [row],
+    }
+    run_dir = tmp_path / "results" / "paired_x"
+    bench_paired.write_report(summary, str(run_dir))
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"intro\n{bench_paired.README_BEGIN}\nold\n{bench_paired.README_END}\noutro\n"
+    )
+    args = ["--readme", str(readme), "--readme-from", str(run_dir / "bench_paired.json")]
+    assert bench_paired.main(args) == 0
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "[paired_x](results/paired_x/bench_paired.md): commit abcdef1, NVIDIA H200" in text
+    assert (
+        "| paired_x | humaneval | 1 | 0 | 111 (1.00) | 100 (1.00) | 200 (1.00), b64 | "
+        "2.00 (2.00-2.00) | 1.11 (1.11-1.11) |" in text
+    )
