@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -186,3 +187,19 @@ def test_the_readme_table_is_rewritten_from_the_runs_json(tmp_path):
         "| paired_x | humaneval | 1 | 0 | 111 (1.00) | 100 (1.00) | 200 (1.00), b64 | "
         "2.00 (2.00-2.00) | 1.11 (1.11-1.11) |" in text
     )
+
+
+def test_the_readme_s_paired_table_is_generated_from_the_committed_runs():
+    """README's table must be what ``--readme`` writes from the runs it links (no number in it
+    typed by hand)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        text = f.read()
+    block = text.split(bench_paired.README_BEGIN, 1)[1].split(bench_paired.README_END, 1)[0]
+    links = re.findall(r"^- \[[^\]]+\]\(([^)]+/bench_paired\.md)\)", block, flags=re.MULTILINE)
+    assert links, "the README's paired table links its runs"
+    sources = []
+    for link in links:
+        with open(os.path.join(root, link.replace(".md", ".json"))) as f:
+            sources.append((json.load(f), link))
+    assert block.strip() == bench_paired.paired_table(sources)
