@@ -414,17 +414,23 @@ def headline_table(summary: dict, rows_link: str = "benchmarks/results/bench_e2e
     return "\n".join(lines)
 
 
+def replace_marked_block(path: str, begin: str, end: str, body: str) -> None:
+    """Rewrite the text between the marker lines ``begin`` and ``end`` in file ``path`` with
+    ``body`` (a generated table); exits naming the markers when the file lacks them."""
+    with open(path) as f:
+        text = f.read()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} has no '{begin}' ... '{end}' block")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{begin}\n{body}\n{end}{tail}")
+
+
 def update_readme(readme: str, summary: dict, rows_link: str) -> None:
     """Replace the block between ``README_BEGIN`` and ``README_END`` in ``readme`` (the
     headline of ``summary``; ``rows_link``: its full table, relative to the README)."""
-    with open(readme) as f:
-        text = f.read()
-    if README_BEGIN not in text or README_END not in text:
-        raise SystemExit(f"{readme} has no '{README_BEGIN}' ... '{README_END}' block")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    with open(readme, "w") as f:
-        f.write(f"{head}{README_BEGIN}\n{headline_table(summary, rows_link)}\n{README_END}{tail}")
+    replace_marked_block(readme, README_BEGIN, README_END, headline_table(summary, rows_link))
 
 
 def auto_choice_rows(summary: dict) -> list[dict]:

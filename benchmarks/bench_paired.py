@@ -34,6 +34,7 @@ from benchmarks.bench_e2e import (  # noqa: E402
     DATASETS,
     device_id,
     graph_sizes,
+    replace_marked_block,
     timed_generate,
     weights_sha256,
 )
@@ -363,14 +364,7 @@ def update_readme(readme: str, sources: list[str]) -> None:
             summary = json.load(f)
         md = os.path.join(os.path.dirname(path), "bench_paired.md")
         tables.append((summary, os.path.relpath(md, os.path.dirname(os.path.abspath(readme)))))
-    with open(readme) as f:
-        text = f.read()
-    if README_BEGIN not in text or README_END not in text:
-        raise SystemExit(f"{readme} has no '{README_BEGIN}' ... '{README_END}' block")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    with open(readme, "w") as f:
-        f.write(f"{head}{README_BEGIN}\n{paired_table(tables)}\n{README_END}{tail}")
+    replace_marked_block(readme, README_BEGIN, README_END, paired_table(tables))
 
 
 def main(argv: list[str] | None = None) -> int:
