@@ -49,3 +49,20 @@ def test_step_fingerprint_tells_different_trees_and_paths_apart():
     swapped = build_trees(torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(1)), 6)
     other_tree = step([[0, 1, -1], [0, 2, 3], [0, -1, -1]], [1, 2, 0], swapped)
     assert not torch.equal(step_fingerprint(base), step_fingerprint(other_tree))
+
+
+def test_fingerprints_cross_ranks_exactly_as_float32_chunks():
+    """The rank check all-gathers float32 (vLLM-CPU's shared-memory all-gather has no int64):
+    every int64, negative and near the limits included, comes back exactly."""
+    from vllm_ddtree.runner_hooks import (
+        fingerprint_from_float_chunks,
+        fingerprint_to_float_chunks,
+    )
+
+    words = torch.tensor([0, 1, -1, 123456789012345, -(2**63), 2**63 - 1, 65535, 65536])
+    chunks = fingerprint_to_float_chunks(words)
+    assert chunks.dtype == torch.float32 and chunks.shape == (8, 4)
+    assert bool((chunks >= 0).all() and (chunks < 2**16).all())
+    assert torch.equal(fingerprint_from_float_chunks(chunks), words)
+    two_ranks = torch.stack([chunks, chunks])  # what an all-gather over two ranks returns
+    assert torch.equal(fingerprint_from_float_chunks(two_ranks), torch.stack([words, words]))

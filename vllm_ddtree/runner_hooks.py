@@ -82,6 +82,23 @@ def step_fingerprint(step: StepTrees) -> torch.Tensor:
     )
 
 
+FINGERPRINT_CHUNK_BITS = 16  # int64 words sent as float32 chunks of 16 bits (exact)
+
+
+def fingerprint_to_float_chunks(fingerprint: torch.Tensor) -> torch.Tensor:
+    """long ``[k]`` -> float32 ``[k, 4]``: each word's 16-bit chunks, low first, every one an
+    exact float32. vLLM-CPU's shared-memory all-gather takes floating tensors only."""
+    shifts = torch.arange(0, 64, FINGERPRINT_CHUNK_BITS, device=fingerprint.device)
+    mask = (1 << FINGERPRINT_CHUNK_BITS) - 1
+    return ((fingerprint.unsqueeze(-1) >> shifts) & mask).to(torch.float32)
+
+
+def fingerprint_from_float_chunks(chunks: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., k, 4]`` from ``fingerprint_to_float_chunks`` -> long ``[..., k]``."""
+    shifts = torch.arange(0, 64, FINGERPRINT_CHUNK_BITS, device=chunks.device)
+    return (chunks.long() << shifts).sum(-1)
+
+
 def check_ranks_agree(step: StepTrees) -> None:
     """Under ``VLLM_DDTREE_CHECK_RANKS=1`` (a check for tests; one all-gather and one host sync
     per step; off, one environment lookup): every tensor-parallel rank built and walked the same
@@ -100,8 +117,9 @@ def check_ranks_agree(step: StepTrees) -> None:
     if not getattr(check_ranks_agree, "announced", False):
         check_ranks_agree.announced = True
         logger.info("vllm-ddtree: checking that the %d tensor-parallel ranks agree", world)
-    mine = step_fingerprint(step)
-    every = tensor_model_parallel_all_gather(mine.unsqueeze(0), dim=0)  # [world, 4]
+    mine = fingerprint_to_float_chunks(step_fingerprint(step))  # [4, 4] float32
+    gathered = tensor_model_parallel_all_gather(mine.unsqueeze(0), dim=0)  # [world, 4, 4]
+    every = fingerprint_from_float_chunks(gathered)  # [world, 4] long
     if not bool((every == every[0]).all()):
         raise RuntimeError(
             f"vllm-ddtree: tensor-parallel rank {get_tensor_model_parallel_rank()} built or "
