@@ -319,10 +319,11 @@ def paired_table(sources: list[tuple[dict, str]]) -> str:
     """Markdown: per run (a ``bench_paired.json`` summary and the link to its full table) and
     row, AR, the chain and what ``"auto"`` served: tok/s (acceptance length) and the medians
     (min-max) of the per-round ratios to the chain."""
+    runs = [(summary, link, link.rsplit("/", 2)[-2]) for summary, link in sources]  # its folder
     lines = []
-    for summary, link in sources:
+    for summary, link, run in runs:
         lines.append(
-            f"- [{link.rsplit('/', 2)[-2]}]({link}): commit {str(summary['commit'])[:7]}, "
+            f"- [{run}]({link}): commit {str(summary['commit'])[:7]}, "
             f"{summary['gpu']}, {summary['repeats']} rounds per row, "
             f"{summary['max_tokens']} tokens per request"
         )
@@ -340,12 +341,10 @@ def paired_table(sources: list[tuple[dict, str]]) -> str:
         e = engines.get(name)
         return f"{e['tok_per_s']:.0f} ({e['mean_acceptance_length']:.2f})" if e else "-"
 
-    for summary, link in sources:
-        run = link.rsplit("/", 2)[-2]
+    for summary, _, run in runs:
         for row in summary["rows"]:
             engines, over = row["engines"], row["over_chain"]
             auto = row["auto_serves"]
-
             lines.append(
                 f"| {run} | {row['dataset']} | {row['batch']} | {row['temperature']:g} | "
                 f"{cell(engines, 'ar')} | {cell(engines, CHAIN)} | "
