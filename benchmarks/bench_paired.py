@@ -108,12 +108,13 @@ def engine_args(job: dict, target: str, overrides: dict | None = None) -> dict:
     return {k: v for k, v in args.items() if v is not None}
 
 
-def engine_worker(job: dict, args: dict, conn) -> None:
-    """Child process: one engine (in this process) built from ``args``, then run the requests
-    sent over ``conn`` until None; each answer: output token ids, seconds, drafts and accepted
-    tokens (vLLM's spec-decode counters over the request)."""
+def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True) -> None:
+    """Child process: one ``LLM`` built from ``args`` (its engine core in a process of its own
+    when ``engine_core_process``, vLLM's default and how ``vllm serve`` runs it, else in this
+    process), then run the requests sent over ``conn`` until None; each answer: output token
+    ids, seconds, drafts and accepted tokens (vLLM's spec-decode counters over the request)."""
     os.environ.update(job["env"])
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_process else "0"
     from vllm import LLM
 
     llm = LLM(**args)
@@ -156,9 +157,16 @@ class Engines:
 
     ``run(name, prompts, temperature, one_at_a_time, max_tokens)`` sends one measurement to
     engine ``name`` and waits for its answer; ``ready[name]``: what the engine reported at
-    start (runner, CUDA-graph mode, GPU)."""
+    start (runner, CUDA-graph mode, GPU). ``engine_core_process``: see ``engine_worker``."""
 
-    def __init__(self, jobs: list[dict], target: str, overrides=None, timeout: float = 300):
+    def __init__(
+        self,
+        jobs: list[dict],
+        target: str,
+        overrides=None,
+        timeout: float = 300,
+        engine_core_process: bool = True,
+    ):
         context = multiprocessing.get_context("spawn")
         self.workers = {}
         self.ready: dict[str, dict] = {}
@@ -166,7 +174,9 @@ class Engines:
             for job in jobs:
                 parent, child = context.Pipe()
                 args = engine_args(job, target, overrides)
-                process = context.Process(target=engine_worker, args=(job, args, child))
+                process = context.Process(
+                    target=engine_worker, args=(job, args, child, engine_core_process)
+                )
                 process.start()
                 self.workers[job["name"]] = (process, parent)
             deadline = time.time() + timeout
@@ -274,9 +284,10 @@ def write_report(summary: dict, out: str) -> None:
         "# Paired speed: engines by turns, ratios of adjacent runs",
         "",
         f"Commit {summary['commit']}, {summary['gpu']}, target {summary['target_name']}, "
-        f"drafter {summary['drafter_name']}; {summary['repeats']} rounds per row after one "
-        "untimed run, each round every engine once (order rotating). over chain: the median "
-        "(min-max) of the per-round ratios of tok/s to the chain's round.",
+        f"drafter {summary['drafter_name']}, engine core "
+        f"{summary.get('engine_core', 'in process')}; {summary['repeats']} rounds per row "
+        "after one untimed run, each round every engine once (order rotating). over chain: "
+        "the median (min-max) of the per-round ratios of tok/s to the chain's round.",
         "",
     ]
     for temperature in sorted({r["temperature"] for r in summary["rows"]}):
@@ -385,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddtree-runner", choices=("v1", "v2"), default="v2")
     parser.add_argument("--engine-args", help="JSON: LLM(...) arguments replacing the defaults")
     parser.add_argument("--start-timeout", type=int, default=300, help="seconds for engines")
+    parser.add_argument(
+        "--engine-core-in-process",
+        action="store_true",
+        help="run each engine's core in its worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0,"
+        " as runs before 2026-12-01 did) instead of vLLM's default, a process of its own",
+    )
     parser.add_argument("--deadline", type=int, default=560, help="no row starts after this")
     args = parser.parse_args(argv)
     if args.readme:
@@ -416,7 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     overrides = json.loads(args.engine_args) if args.engine_args else None
-    engines = Engines(jobs, args.target, overrides, timeout=args.start_timeout)
+    engine_core_process = not args.engine_core_in_process
+    engines = Engines(
+        jobs,
+        args.target,
+        overrides,
+        timeout=args.start_timeout,
+        engine_core_process=engine_core_process,
+    )
 
     def run(name, prompts, temperature, one_at_a_time):
         return engines.run(name, prompts, temperature, one_at_a_time, args.max_tokens)
@@ -432,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "max_tokens": args.max_tokens,
             "engines": engines.ready,
+            "engine_core": "own process" if engine_core_process else "in process",
             "engine_start_seconds": time.time() - started,
             "rows": [],
         }
