@@ -8,12 +8,14 @@ temperature and batch) runs on every engine in turn, the order rotating per repe
 ratio to the chain compares runs seconds apart. Reported per row: each engine's median tok/s
 and acceptance length, and per engine the median (and range) of its per-repeat ratio to the
 chain; what ``"tree_budget": "auto"`` serves at ``max_num_seqs`` = batch (the packaged profile
-of DDTree's runner) is marked.
+of DDTree's runner, or ``--cost-profile``) is marked.
 
 Engines: ``ar``, ``dflash`` and DDTree on the V2 runner at every budget ``"auto"`` picks over
-the batches, plus ``--budgets``. Rows as in bench_e2e.py: batch 1 per prompt set
-(``--batch1-prompts`` each, one request at a time), larger batches on mixed prompts, at every
-temperature. Writes bench_paired.json and bench_paired.md into --out after every row.
+the batches, plus ``--budgets``, less ``--skip``. Rows as in bench_e2e.py: batch 1 per prompt
+set (``--batch1-prompts`` each, one request at a time), larger batches on mixed prompts, at
+every temperature. Writes bench_paired.json and bench_paired.md into --out after every row;
+``python -m vllm_ddtree.cost_model bench_paired.json --out profile.json`` fits a cost profile
+from a run's T = 0 rows.
 
     python benchmarks/bench_paired.py --target DIR --drafter DIR --prompts prompts.json --out DIR
 """
@@ -84,6 +86,18 @@ def engine_jobs(
         job["max_seqs"] = max_seqs
         job["cudagraph_capture_sizes"] = graph_sizes(job["width"], max_seqs, job["drafter_width"])
     return jobs
+
+
+def without_engines(jobs: list[dict], skipped: list[str]) -> list[dict]:
+    """``jobs`` less those named in ``skipped``; ValueError for a name that is not a job's or
+    for the chain (every ratio is to it)."""
+    names = [job["name"] for job in jobs]
+    wrong = [name for name in skipped if name not in names or name == CHAIN]
+    if wrong:
+        raise ValueError(
+            f"--skip: {wrong} cannot be left out; allowed: {[n for n in names if n != CHAIN]}"
+        )
+    return [job for job in jobs if job["name"] not in skipped]
 
 
 def engine_args(job: dict, target: str, overrides: dict | None = None) -> dict:
@@ -260,17 +274,18 @@ def row_groups(prompt_sets: dict, batch: int, batch1_prompts: int) -> dict[str, 
     return {"mixed": mixed}
 
 
-def auto_budget(batch: int, runner: str = "v2") -> int | None:
+def auto_budget(batch: int, runner: str = "v2", profile: str | None = None) -> int | None:
     """The budget ``"tree_budget": "auto"`` serves at ``max_num_seqs`` = ``batch`` with the
-    packaged profile of ``runner`` (None: the DFlash chain)."""
+    cost profile at ``profile`` (default: the packaged one of ``runner``; None: the DFlash
+    chain)."""
     from vllm_ddtree.cost_model import choose_automatic
 
-    return choose_automatic(batch, runner.upper())[0]
+    return choose_automatic(batch, runner.upper(), path=profile)[0]
 
 
-def auto_engine(batch: int, runner: str = "v2") -> str:
+def auto_engine(batch: int, runner: str = "v2", profile: str | None = None) -> str:
     """The engine name of ``auto_budget`` (``engine_jobs``' names)."""
-    budget = auto_budget(batch, runner)
+    budget = auto_budget(batch, runner, profile)
     prefix = "ddtree_v2_b" if runner == "v2" else "ddtree_b"
     return CHAIN if budget is None else f"{prefix}{budget}"
 
@@ -285,7 +300,8 @@ def write_report(summary: dict, out: str) -> None:
         "",
         f"Commit {summary['commit']}, {summary['gpu']}, target {summary['target_name']}, "
         f"drafter {summary['drafter_name']}, engine core "
-        f"{summary.get('engine_core', 'in process')}; {summary['repeats']} rounds per row "
+        f'{summary.get("engine_core", "in process")}; "auto" judged by the cost profile of '
+        f"{summary.get('cost_profile', 'the package')}; {summary['repeats']} rounds per row "
         "after one untimed run, each round every engine once (order rotating). over chain: "
         "the median (min-max) of the per-round ratios of tok/s to the chain's round.",
         "",
@@ -388,6 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--budgets", default="", help="DDTree budgets besides auto's choices")
+    parser.add_argument(
+        "--cost-profile",
+        help='judge what "auto" serves by this cost profile (JSON of vllm_ddtree.cost_model)'
+        " instead of the packaged one of the runner",
+    )
+    parser.add_argument(
+        "--skip", default="", help="engines left out, comma-separated (e.g. ar; not the chain)"
+    )
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--repeats", type=int, default=7)
@@ -414,14 +438,19 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from benchmarks.train_dflash import chat_ids
+    from vllm_ddtree.cost_model import load_profile
 
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     with open(os.path.join(args.drafter, "config.json")) as f:
         depth = json.load(f).get("block_size", 16) - 1
-    chosen = {auto_budget(b, args.ddtree_runner) for b in batches} - {None}
+    chosen = {auto_budget(b, args.ddtree_runner, args.cost_profile) for b in batches} - {None}
     budgets = sorted(chosen | {int(b) for b in args.budgets.split(",") if b})
     jobs = engine_jobs(args.drafter, depth, budgets, max(batches), args.ddtree_runner)
+    try:
+        jobs = without_engines(jobs, [name for name in args.skip.split(",") if name])
+    except ValueError as error:
+        parser.error(str(error))
     names = [job["name"] for job in jobs]
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -453,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             "target_name": os.path.basename(os.path.normpath(args.target)),
             "drafter_name": os.path.basename(os.path.normpath(args.drafter)),
             "drafter_sha256": weights_sha256(args.drafter),
+            "depth": depth,
+            "cost_profile": load_profile(args.cost_profile, args.ddtree_runner.upper()).source,
             "repeats": args.repeats,
             "max_tokens": args.max_tokens,
             "engines": engines.ready,
@@ -470,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs = measure_row(run, names, prompts, temperature, batch, args.repeats)
                     row = {"dataset": dataset, "batch": batch, "temperature": temperature}
                     row.update(summarize_row(runs))
-                    row["auto_serves"] = auto_engine(batch, args.ddtree_runner)
+                    row["auto_serves"] = auto_engine(batch, args.ddtree_runner, args.cost_profile)
                     summary["rows"].append(row)
                     summary["wall_seconds"] = time.time() - started
                     write_report(summary, args.out)

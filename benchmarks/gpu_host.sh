@@ -14,7 +14,8 @@
 #                  options, SKIP_LOSSLESS=1 leaves the grid out)
 #       bench-e2e - benchmarks/bench_e2e.py (env DRAFTER, COMPILE, SKIP, BUDGETS, BATCHES, ...)
 #       bench-paired - benchmarks/bench_paired.py: AR, the chain and "auto"'s budgets by turns
-#                  (env DRAFTER, BUDGETS, BATCHES, TEMPS, REPEATS, DEADLINE)
+#                  (env DRAFTER, BUDGETS, BATCHES, TEMPS, REPEATS, DEADLINE, SKIP, COST_PROFILE;
+#                  FIT_PROFILE=1 then fits a cost profile from the run: $OUT/cost_profile.json)
 #       coupled  - the keyed-noise GPU test and coupled_acceptance.py (T > 0 acceptance of
 #                  coupled vs uncoupled trees; env DRAFTER, COUPLED_BUDGETS, PROMPTS_PER_SET)
 #       tp-pair  - two GPUs: lossless_gpu.py --tp 2, and lossless_pair.py (real pair, bf16)
@@ -306,8 +307,13 @@ case "$STEP" in
       --prompts /tmp/prompts.json --out "$OUT" --budgets "${BUDGETS:-}" \
       --batches "${BATCHES:-1,4,16,64}" --temperatures "${TEMPS:-0,1}" \
       --repeats "${REPEATS:-7}" --max-tokens "${MAX_TOKENS:-256}" \
-      --deadline "${DEADLINE:-520}" > "$OUT/bench_paired.log" 2>&1
-    echo "paired rc=$?"; grep -E '^\{"row' "$OUT/bench_paired.log" | cut -c1-300 ;;
+      --deadline "${DEADLINE:-520}" --skip "${SKIP:-}" \
+      ${COST_PROFILE:+--cost-profile "$COST_PROFILE"} > "$OUT/bench_paired.log" 2>&1
+    echo "paired rc=$?"; grep -E '^\{"row' "$OUT/bench_paired.log" | cut -c1-300
+    if [ "${FIT_PROFILE:-0}" = 1 ]; then
+      python3 -m vllm_ddtree.cost_model "$OUT/bench_paired.json" --out "$OUT/cost_profile.json"
+      echo "fit rc=$?"
+    fi ;;
   coupled)
     # T > 0: the V2 drafter's keyed noise against vLLM's sampler (the GPU test of
     # tests/test_keyed_gumbel.py), then acceptance of trees coupled to that noise and not

@@ -72,6 +72,37 @@ def test_the_engines_are_auto_s_budgets_with_full_graph_sizes_and_their_runner()
     assert bench_paired.auto_engine(1, "v1") == "dflash"
 
 
+def test_skip_leaves_out_named_engines_but_never_the_chain():
+    jobs = bench_paired.engine_jobs("drafter", depth=15, budgets=[16, 32], max_seqs=4)
+    kept = bench_paired.without_engines(jobs, ["ar"])
+    assert [j["name"] for j in kept] == ["dflash", "ddtree_v2_b16", "ddtree_v2_b32"]
+    assert bench_paired.without_engines(jobs, []) == jobs
+    for wrong in (["dflash"], ["ddtree_v2_b64"]):
+        with pytest.raises(ValueError, match=r"--skip: .* allowed: \['ar', 'ddtree_v2_b16'"):
+            bench_paired.without_engines(jobs, wrong)
+
+
+def test_auto_is_judged_by_the_cost_profile_given(tmp_path):
+    """``--cost-profile``: the engine marked "auto" is the one that profile chooses, not the
+    packaged profile's."""
+    from vllm_ddtree.cost_model import CostProfile, StepCost
+
+    # Every tree step costs the same: the largest acceptance (budget 32) wins by far.
+    profile = CostProfile(
+        source="test",
+        depth=15,
+        chain=StepCost(3.0, 0.0),
+        tree=StepCost(3.0, 0.0),
+        chain_acceptance=1.5,
+        tree_acceptance={8: 2.0, 32: 4.0},
+        max_batch=64,
+    )
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile.to_dict()))
+    assert bench_paired.auto_engine(16, "v2", str(path)) == "ddtree_v2_b32"
+    assert bench_paired.auto_engine(16, "v2") != "ddtree_v2_b32"
+
+
 def test_rows_are_per_set_at_batch_1_and_mixed_above():
     sets = {"humaneval": [[1], [2], [3]], "mtbench": [[4], [5]], "sharegpt": [[6], [7], [8]]}
     assert bench_paired.row_groups(sets, 1, 2) == {

@@ -212,6 +212,50 @@ def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
     assert seen == ["V1", "V2", "V1", "V2"]
 
 
+def paired_row(batch: int, engines: dict[str, tuple[float, float, float]]) -> dict:
+    """A bench_paired row: ``{name: (median tok/s, acceptance, median ratio to the chain)}``."""
+    return {
+        "dataset": "mixed",
+        "batch": batch,
+        "temperature": 0.0,
+        "engines": {
+            n: {"tok_per_s": t, "mean_acceptance_length": a} for n, (t, a, _) in engines.items()
+        },
+        "over_chain": {n: {"median": r, "min": r, "max": r} for n, (_, _, r) in engines.items()},
+        "auto_serves": "ddtree_v2_b16",
+    }
+
+
+def test_a_paired_run_is_fitted_through_its_ratios_to_the_chain():
+    """A bench_paired.json fits like a bench_e2e.json whose trees run at the chain's median
+    tok/s times their median per-round ratio: here the trees' own medians (from other rounds)
+    say budget 64 is the slower, the paired ratios that it is the faster, and the fit follows
+    the ratios. T = 1 rows are not fitted."""
+    rows = []
+    for batch in (1, 4, 16):
+        chain = 100.0 * batch
+        rows.append(
+            paired_row(
+                batch,
+                {
+                    "dflash": (chain, 1.8, 1.0),
+                    "ddtree_v2_b16": (1.3 * chain, 2.5, 1.10),
+                    "ddtree_v2_b64": (1.2 * chain, 3.0, 1.30),
+                },
+            )
+        )
+    hot = paired_row(4, {"dflash": (1.0, 1.0, 1.0), "ddtree_v2_b16": (9.0, 9.0, 9.0)})
+    summary = {"commit": "c", "gpu": "g", "rows": rows + [{**hot, "temperature": 1.0}]}
+    fitted = fit_profile(summary)
+    assert fitted.source.startswith("bench_paired at c on g")
+    assert fitted.tree_acceptance == {16: 2.5, 64: 3.0} and fitted.chain_acceptance == 1.8
+    assert fitted.max_batch == 16
+    for batch in (1, 4, 16):
+        budget, predicted = choose_budget(fitted, batch)
+        assert budget == 64, (batch, predicted)
+        assert predicted["b64"] / predicted["chain"] == pytest.approx(1.30, rel=0.05)
+
+
 def test_the_fit_reproduces_the_measured_acceptance_and_a_sane_step_cost():
     with open(BENCH) as f:
         bench = json.load(f)

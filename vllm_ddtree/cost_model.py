@@ -1,4 +1,5 @@
-"""A step-cost model fitted from ``benchmarks/bench_e2e.py`` results, and the budget it picks.
+"""A step-cost model fitted from ``benchmarks/bench_e2e.py`` or ``bench_paired.py`` results, and
+the budget it picks.
 
 Decode speed with speculation is ``batch x acceptance(budget) / step_ms``: every target
 forward (one step) emits ``acceptance`` tokens per request. The model keeps, from one bench
@@ -24,8 +25,9 @@ acceptance is not extrapolated) with the highest predicted tokens/s at a batch s
 smallest budget among those predicted within ``NEAR_TIE`` of it), or
 None unless a tree is predicted at least ``MIN_PREDICTED_GAIN`` times as fast as the chain
 (``"tree_budget": "auto"`` then serves the DFlash chain). The numbers are the measured pair's;
-another pair or GPU needs its own profile (``python -m vllm_ddtree.cost_model FIT
-bench_e2e.json --out profile.json``).
+another pair or GPU needs its own profile (``python -m vllm_ddtree.cost_model
+bench_e2e.json --out profile.json``, or a ``bench_paired.json``: engines run by turns, each
+engine's core in a process of its own as ``vllm serve`` runs it).
 """
 
 from __future__ import annotations
@@ -223,9 +225,49 @@ def tree_engine_prefix(engine_names) -> str:
     return "ddtree_b" if any(n.startswith("ddtree_b") for n in engine_names) else "ddtree_v2_b"
 
 
+def is_paired_summary(summary: dict) -> bool:
+    """Whether ``summary`` is a ``bench_paired.json`` (rows of engines run by turns) rather
+    than a ``bench_e2e.json`` (rows per engine)."""
+    return isinstance(summary.get("rows"), list)
+
+
+def bench_from_paired(summary: dict, chain_engine: str = "dflash") -> dict:
+    """A ``bench_paired.json`` summary in ``bench_e2e.json``'s layout (``engines[name]["rows"]``
+    with ``batch``, ``temperature``, ``tok_per_s``, ``mean_acceptance_length``), for
+    ``fit_profile``. Each engine's tok/s in a row is the chain's median times the median of the
+    engine's per-round ratios to the chain: engines measured by turns are compared through
+    their paired ratios, steadier than each engine's own median (a slow round of the host
+    moves every engine of that round alike)."""
+    engines: dict[str, dict] = {
+        name: {**ready, "rows": []} for name, ready in summary.get("engines", {}).items()
+    }
+    for row in summary["rows"]:
+        chain = row["engines"].get(chain_engine)
+        if chain is None:
+            continue
+        for name, measured in row["engines"].items():
+            ratio = row["over_chain"].get(name, {}).get("median")
+            if ratio is None:
+                continue
+            engines.setdefault(name, {"rows": []})["rows"].append(
+                {
+                    "dataset": row["dataset"],
+                    "batch": row["batch"],
+                    "temperature": row["temperature"],
+                    "tok_per_s": chain["tok_per_s"] * ratio,
+                    "mean_acceptance_length": measured["mean_acceptance_length"],
+                }
+            )
+    return {**summary, "engines": engines}
+
+
 def fit_profile(bench: dict, chain_engine: str = "dflash") -> CostProfile:
-    """A profile from a ``bench_e2e.json`` (its T = 0 rows of ``chain_engine`` and of every
-    ``ddtree_bN`` engine of one runner; ``ddtree_v2_bN`` when the run has no V1 tree rows)."""
+    """A profile from a ``bench_e2e.json`` or a ``bench_paired.json`` (``bench_from_paired``):
+    its T = 0 rows of ``chain_engine`` and of every ``ddtree_bN`` engine of one runner
+    (``ddtree_v2_bN`` when the run has no V1 tree rows)."""
+    kind = "bench_e2e"
+    if is_paired_summary(bench):
+        bench, kind = bench_from_paired(bench, chain_engine), "bench_paired"
     engines = bench["engines"]
     depth = int(bench.get("depth") or 15)
 
@@ -252,7 +294,7 @@ def fit_profile(bench: dict, chain_engine: str = "dflash") -> CostProfile:
         b: statistics.fmean(r["mean_acceptance_length"] for r in rs) for b, rs in tree_rows.items()
     }
     source = (
-        f"bench_e2e at {bench.get('commit', '?')} on {bench.get('gpu', '?')}: "
+        f"{kind} at {bench.get('commit', '?')} on {bench.get('gpu', '?')}: "
         f"{bench.get('target_name', '?')} + {bench.get('drafter_name', '?')}"
     )
     return CostProfile(
@@ -291,7 +333,7 @@ def load_profile(path: str | None = None, runner: str = "V1") -> CostProfile:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("bench", help="a bench_e2e.json")
+    parser.add_argument("bench", help="a bench_e2e.json or a bench_paired.json")
     parser.add_argument("--out", help="write the fitted profile here (JSON)")
     parser.add_argument("--batches", default="1,4,16,64", help="batch sizes to print choices for")
     args = parser.parse_args(argv)
