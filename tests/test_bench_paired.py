@@ -103,6 +103,68 @@ def test_auto_is_judged_by_the_cost_profile_given(tmp_path):
     assert bench_paired.auto_engine(16, "v2") != "ddtree_v2_b32"
 
 
+def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serves(
+    tmp_path, monkeypatch
+):
+    """``main`` end to end with a stand-in engine per job (no vLLM): ``--skip ar`` starts no
+    AR engine, ``--cost-profile`` decides the marked engine, and the summary records the depth
+    and the profile's source (what ``cost_model`` fits a profile from)."""
+    from vllm_ddtree.cost_model import CostProfile, StepCost, fit_profile
+
+    profile = CostProfile(
+        source="calibration",
+        depth=15,
+        chain=StepCost(3.0, 0.0),
+        tree=StepCost(3.0, 0.0),
+        chain_acceptance=1.5,
+        tree_acceptance={16: 2.0, 32: 4.0},
+        max_batch=64,
+    )
+    (tmp_path / "profile.json").write_text(json.dumps(profile.to_dict()))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 16}))
+    prompts = {"eval": {name: [f"{name} {i}" for i in range(4)] for name in bench_paired.DATASETS}}
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    started = []
+
+    class StandIn:
+        def __init__(self, jobs, target, overrides, timeout, engine_core_process):
+            started.extend(job["name"] for job in jobs)
+            self.ready = {job["name"]: {"gpu": "gpu", "device_id": "id"} for job in jobs}
+
+        def run(self, name, prompts, temperature, one_at_a_time, max_tokens):
+            seconds = {"dflash": 1.0}.get(name, 0.5)
+            return answer(max_tokens * len(prompts), seconds, drafts=4, accepted=4)
+
+        def close(self):
+            pass
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, **kwargs):
+            return [ord(c) for c in messages[0]["content"]]
+
+    monkeypatch.setattr(bench_paired, "Engines", StandIn)
+    monkeypatch.setattr(
+        "transformers.AutoTokenizer.from_pretrained", lambda path: Tokenizer(), raising=True
+    )
+    out = tmp_path / "out"
+    argv = ["--target", "t", "--drafter", str(drafter), "--prompts", str(tmp_path / "prompts.json")]
+    argv += ["--out", str(out), "--batches", "4", "--temperatures", "0", "--repeats", "2"]
+    argv += ["--skip", "ar", "--cost-profile", str(tmp_path / "profile.json"), "--budgets", "16"]
+    assert bench_paired.main(argv) == 0
+    assert started == ["dflash", "ddtree_v2_b16", "ddtree_v2_b32"]
+    summary = json.loads((out / "bench_paired.json").read_text())
+    assert summary["depth"] == 15 and summary["cost_profile"] == "calibration"
+    (row,) = summary["rows"]
+    assert row["auto_serves"] == "ddtree_v2_b32" and "ar" not in row["engines"]
+    assert row["over_chain"]["ddtree_v2_b32"]["median"] == pytest.approx(2.0)
+    assert sorted(fit_profile(summary).tree_acceptance) == [16, 32]
+    assert "judged by the cost profile of calibration" in (out / "bench_paired.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_paired.main(argv[:-4] + ["--skip", "dflash"])
+
+
 def test_rows_are_per_set_at_batch_1_and_mixed_above():
     sets = {"humaneval": [[1], [2], [3]], "mtbench": [[4], [5]], "sharegpt": [[6], [7], [8]]}
     assert bench_paired.row_groups(sets, 1, 2) == {
