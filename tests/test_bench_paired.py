@@ -67,7 +67,8 @@ def test_the_engines_are_auto_s_budgets_with_full_graph_sizes_and_their_runner()
     assert args["dtype"] == "float32" and "seed" not in args
     assert args["max_num_batched_tokens"] >= 65 * 4
     # What "auto" serves on V2 with the packaged profile, per batch size.
-    assert bench_paired.auto_engine(1) == "ddtree_v2_b64"
+    assert bench_paired.auto_engine(1) == "ddtree_v2_b128"
+    assert bench_paired.auto_engine(16) == "dflash"
     assert bench_paired.auto_engine(64) == "ddtree_v2_b16"
     assert bench_paired.auto_engine(1, "v1") == "dflash"
 

@@ -38,9 +38,10 @@ def test_defaults_top_k_and_depth_from_the_drafter():
 
 def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
     """No tree_budget means "auto": on the V1 runner's packaged profile the chain is measured
-    faster at every batch size, so the DFlash chain request comes back; on V2's, a tree at
-    every batch size, the largest at one request (budget 64) and 16 at vLLM's default request
-    limit (judged at the largest measured batch, 64)."""
+    faster at every batch size, so the DFlash chain request comes back; on V2's (the paired
+    run's fit), the largest tree at one request (budget 128), the chain at 16 requests (no tree
+    predicted 10% faster) and budget 16 at vLLM's default request limit (judged at the largest
+    measured batch, 64)."""
     assert DEFAULT_TREE_BUDGET == "auto"
     monkeypatch.setenv("VLLM_DDTREE_CHOSEN_RUNNER", "v1")
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"})
@@ -48,7 +49,9 @@ def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
     assert vllm_part == {"method": "dflash", "model": "d", "num_speculative_tokens": 15}
     monkeypatch.setenv("VLLM_DDTREE_CHOSEN_RUNNER", "v2")
     _, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=1)
-    assert ddtree is not None and ddtree.tree_budget == 64
+    assert ddtree is not None and ddtree.tree_budget == 128
+    vllm_part, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=16)
+    assert ddtree is None and vllm_part["method"] == "dflash"
     _, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=256)
     assert ddtree is not None and ddtree.tree_budget == 16
 

@@ -201,9 +201,9 @@ def test_without_a_budget_the_engine_gets_the_cost_model_s_choice(
     assert get_ddtree_config(config.speculative_config) is None
     assert config.speculative_config.method == "dflash"
     assert config.speculative_config.num_speculative_tokens == 15
-    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")  # V2's profile: budget 64 for one request
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")  # V2's profile: budget 128 for one request
     config = engine_config(tiny_target_path, spec, max_num_seqs=1)
-    assert get_ddtree_config(config.speculative_config).tree_budget == 64
+    assert get_ddtree_config(config.speculative_config).tree_budget == 128
     config = engine_config(tiny_target_path, spec)  # vLLM's default limit: budget 16
     assert get_ddtree_config(config.speculative_config).tree_budget == 16
     assert config.scheduler_config.max_num_seqs >= 128
