@@ -375,7 +375,7 @@ def paired_table(sources: list[tuple[dict, str]]) -> str:
             lines.append(
                 f"| {run} | {row['dataset']} | {row['batch']} | {row['temperature']:g} | "
                 f"{cell(engines, 'ar')} | {cell(engines, CHAIN)} | "
-                f"{cell(engines, auto)}, {auto.rsplit('_', 1)[-1]} | "
+                f"{cell(engines, auto)}, {'chain' if auto == CHAIN else auto.rsplit('_', 1)[-1]} | "
                 f"{ratio(over.get(auto))} | {ratio(over.get('ar'))} |"
             )
     return "\n".join(lines)
