@@ -83,24 +83,30 @@ def test_skip_leaves_out_named_engines_but_never_the_chain():
             bench_paired.without_engines(jobs, wrong)
 
 
-def test_auto_is_judged_by_the_cost_profile_given(tmp_path):
-    """``--cost-profile``: the engine marked "auto" is the one that profile chooses, not the
-    packaged profile's."""
+def flat_profile(tmp_path, source: str, tree_acceptance: dict[int, float]) -> str:
+    """A cost profile whose steps all cost the same (the chain's and every tree's): the
+    budget with the largest acceptance wins by far. Returns its JSON's path."""
     from vllm_ddtree.cost_model import CostProfile, StepCost
 
-    # Every tree step costs the same: the largest acceptance (budget 32) wins by far.
     profile = CostProfile(
-        source="test",
+        source=source,
         depth=15,
         chain=StepCost(3.0, 0.0),
         tree=StepCost(3.0, 0.0),
         chain_acceptance=1.5,
-        tree_acceptance={8: 2.0, 32: 4.0},
+        tree_acceptance=tree_acceptance,
         max_batch=64,
     )
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile.to_dict()))
-    assert bench_paired.auto_engine(16, "v2", str(path)) == "ddtree_v2_b32"
+    return str(path)
+
+
+def test_auto_is_judged_by_the_cost_profile_given(tmp_path):
+    """``--cost-profile``: the engine marked "auto" is the one that profile chooses, not the
+    packaged profile's."""
+    path = flat_profile(tmp_path, "test", {8: 2.0, 32: 4.0})
+    assert bench_paired.auto_engine(16, "v2", path) == "ddtree_v2_b32"
     assert bench_paired.auto_engine(16, "v2") != "ddtree_v2_b32"
 
 
@@ -110,18 +116,9 @@ def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serve
     """``main`` end to end with a stand-in engine per job (no vLLM): ``--skip ar`` starts no
     AR engine, ``--cost-profile`` decides the marked engine, and the summary records the depth
     and the profile's source (what ``cost_model`` fits a profile from)."""
-    from vllm_ddtree.cost_model import CostProfile, StepCost, fit_profile
+    from vllm_ddtree.cost_model import fit_profile
 
-    profile = CostProfile(
-        source="calibration",
-        depth=15,
-        chain=StepCost(3.0, 0.0),
-        tree=StepCost(3.0, 0.0),
-        chain_acceptance=1.5,
-        tree_acceptance={16: 2.0, 32: 4.0},
-        max_batch=64,
-    )
-    (tmp_path / "profile.json").write_text(json.dumps(profile.to_dict()))
+    profile = flat_profile(tmp_path, "calibration", {16: 2.0, 32: 4.0})
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps({"block_size": 16}))
@@ -152,7 +149,7 @@ def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serve
     out = tmp_path / "out"
     argv = ["--target", "t", "--drafter", str(drafter), "--prompts", str(tmp_path / "prompts.json")]
     argv += ["--out", str(out), "--batches", "4", "--temperatures", "0", "--repeats", "2"]
-    argv += ["--skip", "ar", "--cost-profile", str(tmp_path / "profile.json"), "--budgets", "16"]
+    argv += ["--skip", "ar", "--cost-profile", profile, "--budgets", "16"]
     assert bench_paired.main(argv) == 0
     assert started == ["dflash", "ddtree_v2_b16", "ddtree_v2_b32"]
     summary = json.loads((out / "bench_paired.json").read_text())
