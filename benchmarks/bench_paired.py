@@ -49,7 +49,6 @@ def engine_jobs(
 ) -> list[dict]:
     """One job per engine (name, vLLM keyword arguments, CUDA-graph sizes, environment); DDTree
     on vLLM's ``runner`` ("v2": the plugin's choice for a dense target on one GPU)."""
-    prefix = "ddtree_v2_b" if runner == "v2" else "ddtree_b"
     jobs = [
         {"name": "ar", "kwargs": {}, "width": 1, "drafter_width": 1, "env": {}},
         {
@@ -69,7 +68,7 @@ def engine_jobs(
     for budget in budgets:
         jobs.append(
             {
-                "name": f"{prefix}{budget}",
+                "name": engine_name(budget, runner),
                 "kwargs": {
                     "speculative_config": {
                         "method": "ddtree",
@@ -283,11 +282,16 @@ def auto_budget(batch: int, runner: str = "v2", profile: str | None = None) -> i
     return choose_automatic(batch, runner.upper(), path=profile)[0]
 
 
+def engine_name(budget: int | None, runner: str = "v2") -> str:
+    """``engine_jobs``' name of DDTree at ``budget`` on ``runner`` (None: the chain's)."""
+    if budget is None:
+        return CHAIN
+    return f"{'ddtree_v2_b' if runner == 'v2' else 'ddtree_b'}{budget}"
+
+
 def auto_engine(batch: int, runner: str = "v2", profile: str | None = None) -> str:
-    """The engine name of ``auto_budget`` (``engine_jobs``' names)."""
-    budget = auto_budget(batch, runner, profile)
-    prefix = "ddtree_v2_b" if runner == "v2" else "ddtree_b"
-    return CHAIN if budget is None else f"{prefix}{budget}"
+    """The engine name of ``auto_budget``."""
+    return engine_name(auto_budget(batch, runner, profile), runner)
 
 
 def write_report(summary: dict, out: str) -> None:
@@ -444,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     with open(os.path.join(args.drafter, "config.json")) as f:
         depth = json.load(f).get("block_size", 16) - 1
-    chosen = {auto_budget(b, args.ddtree_runner, args.cost_profile) for b in batches} - {None}
+    # What "auto" serves per batch, decided once: its budgets start engines, its names mark rows.
+    served = {b: auto_budget(b, args.ddtree_runner, args.cost_profile) for b in batches}
+    chosen = set(served.values()) - {None}
     budgets = sorted(chosen | {int(b) for b in args.budgets.split(",") if b})
     jobs = engine_jobs(args.drafter, depth, budgets, max(batches), args.ddtree_runner)
     try:
@@ -501,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs = measure_row(run, names, prompts, temperature, batch, args.repeats)
                     row = {"dataset": dataset, "batch": batch, "temperature": temperature}
                     row.update(summarize_row(runs))
-                    row["auto_serves"] = auto_engine(batch, args.ddtree_runner, args.cost_profile)
+                    row["auto_serves"] = engine_name(served[batch], args.ddtree_runner)
                     summary["rows"].append(row)
                     summary["wall_seconds"] = time.time() - started
                     write_report(summary, args.out)
