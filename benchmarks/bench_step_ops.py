@@ -85,15 +85,18 @@ def step_ops(batch: int, budget: int, calls: int, device: torch.device) -> dict:
     rows = np.arange(batch)
     index = torch.arange(batch, device=device, dtype=torch.int32)
     drafts_np = np.full(batch, budget)
+    req_ids = [f"request-{row}" for row in rows]
 
     def steady():
         store.write_batch(trees)
-        store.proposed(rows, index)
+        store.proposed(rows, index, req_ids)
+        store.take(rows, req_ids)
         store.step_trees(rows, index, drafts_np, num_draft)
 
     def reordered():
         store.write_batch(trees)
-        store.proposed(rows[::-1].copy(), index.flip(0))
+        store.proposed(rows[::-1].copy(), index.flip(0), req_ids[::-1])
+        store.take(rows, req_ids)
         store.step_trees(rows, index, drafts_np, num_draft)
 
     ops = {

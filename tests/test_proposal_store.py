@@ -7,10 +7,24 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.proposal_store import TREE_FIELDS, ProposalStore
+from vllm_ddtree.proposal_store import TREE_FIELDS, ProposalStore, RequestTrees
 from vllm_ddtree.tree import DDTreeBatch, build_trees, empty_batch, select_trees
 
 BUDGET, DEPTH, VOCAB, SLOTS = 5, 3, 30, 6
+
+
+def request_ids(rows: list[int], generation: int = 0) -> list[str]:
+    return [f"request-{state}-{generation}" for state in rows]
+
+
+def step_trees(store: ProposalStore, rows: list[int], num_draft: list[int], ids=None):
+    """A scheduled step as the V2 hooks run it: take the rows' proposals, then the trees cut
+    to the scheduled nodes of the rows that had one."""
+    has_tree = store.take(np.array(rows), ids or request_ids(rows))
+    num_nodes = np.where(has_tree, np.array(num_draft), 0)
+    return store.step_trees(
+        np.array(rows), torch.tensor(rows, dtype=torch.int32), num_nodes, torch.tensor(num_nodes)
+    )
 
 
 def propose(store: ProposalStore, rows: list[int], gen: torch.Generator) -> dict:
@@ -19,7 +33,7 @@ def propose(store: ProposalStore, rows: list[int], gen: torch.Generator) -> dict
     trees = build_trees(torch.randn(len(rows), DEPTH, VOCAB, generator=gen) * 3, BUDGET)
     store.flush()
     store.write_batch(trees)
-    store.proposed(np.array(rows), torch.tensor(rows, dtype=torch.int32))
+    store.proposed(np.array(rows), torch.tensor(rows, dtype=torch.int32), request_ids(rows))
     return {
         state: {name: getattr(trees, name)[i].clone() for name in TREE_FIELDS}
         for i, state in enumerate(rows)
@@ -61,12 +75,7 @@ def test_each_step_verifies_every_requests_latest_proposal(schedule):
     steady_steps = 0
     for rows, num_draft in steps:
         pending = store._pending_rows
-        trees = store.step_trees(
-            np.array(rows),
-            torch.tensor(rows, dtype=torch.int32),
-            np.array(num_draft),
-            torch.tensor(num_draft),
-        )
+        trees = step_trees(store, rows, num_draft)
         steady_steps += trees.token_ids.data_ptr() == store.batch.token_ids.data_ptr()
         want = expected(latest, rows, num_draft)
         for name in TREE_FIELDS:
@@ -85,4 +94,63 @@ def test_proposed_without_a_flush_is_refused():
     store = ProposalStore(SLOTS, BUDGET, DEPTH, torch.device("cpu"))
     propose(store, [0], gen)
     with pytest.raises(AssertionError, match="flush"):
-        store.proposed(np.array([0]), torch.tensor([0]))
+        store.proposed(np.array([0]), torch.tensor([0]), request_ids([0]))
+
+
+def test_a_proposal_is_verified_once_and_only_by_its_own_request():
+    """A proposal is good for its request's next scheduled step: a second step without a new
+    proposal (vLLM skipped the drafter) verifies no tree, nor does a new request in a finished
+    one's state (a padded 1-token request), nor a step without drafts that took it."""
+    gen = torch.Generator().manual_seed(2)
+    store = ProposalStore(SLOTS, BUDGET, DEPTH, torch.device("cpu"))
+    propose(store, [1, 2, 3], gen)
+    assert int(step_trees(store, [1, 2], [BUDGET, BUDGET]).num_nodes.min()) == BUDGET
+    assert step_trees(store, [1, 2], [BUDGET, BUDGET]).num_nodes.tolist() == [0, 0]
+    reused = step_trees(store, [3], [BUDGET], ids=request_ids([3], generation=1))
+    assert reused.num_nodes.tolist() == [0]
+    propose(store, [4], gen)
+    store.take(np.array([4]), request_ids([4]))  # a step that scheduled no drafts for it
+    assert step_trees(store, [4], [BUDGET]).num_nodes.tolist() == [0]
+
+
+def test_v1_request_trees_take_each_requests_own_latest_proposal():
+    """V1 (``RequestTrees``): a request left out of a step keeps its proposal and verifies it
+    beside the others' newer ones; a request never proposed for, or whose proposal was taken,
+    verifies none."""
+    gen = torch.Generator().manual_seed(3)
+    store = RequestTrees(BUDGET, DEPTH)
+    first = build_trees(torch.randn(3, DEPTH, VOCAB, generator=gen) * 3, BUDGET)
+    store.proposed(["a", "b", "c"], first)
+    taken = store.take(["a", "b"], np.array([BUDGET, BUDGET]))  # "c" left out
+    assert taken.source.tolist() == [0, 1]
+    second = build_trees(torch.randn(2, DEPTH, VOCAB, generator=gen) * 3, BUDGET)
+    store.proposed(["a", "b"], second)
+    taken = store.take(["b", "c", "d", "a"], np.array([BUDGET, 3, BUDGET, BUDGET]))
+    trees = taken.trees(BUDGET, DEPTH, *tables(taken))
+    want = {"b": (second, 1, BUDGET), "c": (first, 2, 3), "a": (second, 0, BUDGET)}
+    for row, req_id in enumerate(["b", "c", "d", "a"]):
+        if req_id not in want:
+            assert int(trees.num_nodes[row]) == 0  # never proposed for
+            continue
+        source, source_row, nodes = want[req_id]
+        assert int(trees.num_nodes[row]) == nodes
+        assert torch.equal(trees.token_ids[row, :nodes], source.token_ids[source_row, :nodes])
+        assert torch.equal(trees.parents[row, :nodes], source.parents[source_row, :nodes])
+    again = store.take(["a", "b", "c"], np.array([BUDGET] * 3))
+    assert again.num_nodes.tolist() == [0, 0, 0] and not again.sources
+
+
+def test_v1_a_steady_step_verifies_the_proposal_in_place():
+    gen = torch.Generator().manual_seed(4)
+    store = RequestTrees(BUDGET, DEPTH)
+    trees = build_trees(torch.randn(2, DEPTH, VOCAB, generator=gen) * 3, BUDGET)
+    store.proposed(["a", "b"], trees)
+    taken = store.take(["a", "b"], np.array([BUDGET, BUDGET]))
+    assert taken.trees(BUDGET, DEPTH, *tables(taken)) is trees
+    store.proposed(["a", "b"], trees)
+    store.forget_all_but({"b"})  # "a" finished
+    assert store.take(["a", "b"], np.array([BUDGET, BUDGET])).num_nodes.tolist() == [0, BUDGET]
+
+
+def tables(taken) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(taken.source), torch.from_numpy(taken.num_nodes)

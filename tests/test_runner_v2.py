@@ -117,9 +117,9 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     proposed = build_trees(torch.randn(2, depth, vocab, generator=gen) * 3, budget)
     # State slots: request A (batch row 1) at slot 3, B (row 2) at slot 0; row 0 is a prefill.
     proposals = ProposalStore(4, budget, depth, torch.device("cpu"))
-    for slot, row in ((3, 0), (0, 1)):
-        for name in ("token_ids", "parents", "depths", "scores", "num_nodes"):
-            getattr(proposals.state, name)[slot] = getattr(proposed, name)[row]
+    proposals.write_batch(proposed)
+    proposals.proposed(np.array([3, 0]), torch.tensor([3, 0]), ["A", "B"])
+    proposals.flush()  # kept per request state, as after a step with other rows
     speculator = SimpleNamespace(
         ddtree=SimpleNamespace(tree_budget=budget, depth=depth), proposals=proposals, step=None
     )
@@ -139,6 +139,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
         query_start_loc_np=starts,
         idx_mapping=torch.tensor([1, 3, 0], dtype=torch.int32),
         idx_mapping_np=np.array([1, 3, 0]),
+        req_ids=["prefill", "A", "B"],
         positions=positions.clone(),
         input_ids=torch.arange(total, dtype=torch.int32),
         # logits rows: the prefill's last token, then every tree token

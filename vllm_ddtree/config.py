@@ -72,6 +72,14 @@ class DDTreeConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def kv_lookahead(self) -> int:
+        """KV slots a step needs past its scheduled tokens: a verify step commits at most
+        ``min(budget, depth)`` nodes, then the drafter writes its bonus query and ``depth``
+        mask queries after them (vLLM's DFlash reserves ``budget + 1``, too few when the
+        tree is narrower than the drafter is deep)."""
+        return max(self.tree_budget, self.depth) + 1
+
 
 def _check_int(key: str, value: Any, low: int, high: int | None, why: str = "") -> int:
     allowed = f"{low}..{high}" if high is not None else f">= {low}"

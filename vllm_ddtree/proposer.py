@@ -5,7 +5,8 @@
 runs its ``depth`` mask queries. After the one drafter forward, the mask rows' full-vocabulary
 logits ``[R, depth, V]`` go through ``build_trees`` on the device, and the ``budget`` node tokens
 (node order, padding as token 0) are what vLLM schedules for verification. The trees are kept,
-keyed by request id, for the runner hooks (``runner_hooks.py``) of the next step.
+keyed by request id, for each request's next scheduled step (``proposal_store.RequestTrees``,
+read by the runner hooks, ``runner_hooks.py``).
 
 Test-only mode: ``VLLM_DDTREE_TEST_ORACLE`` (``oracle.py``) replaces the drafter's logits by
 target-future noise, so the tree paths are exercised deeply even with random weights.
@@ -13,29 +14,17 @@ target-future noise, so the tree paths are exercised deeply even with random wei
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_ddtree import step_checks
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.oracle import HostOracle, oracle_path
 from vllm_ddtree.profiling import step_range
+from vllm_ddtree.proposal_store import RequestTrees
 from vllm_ddtree.request_seeds import batch_seeds
-from vllm_ddtree.tree import DDTreeBatch
-
-
-@dataclass
-class ProposedTrees:
-    """The trees proposed at the end of a step, for the requests of that step's batch."""
-
-    req_ids: list[str]
-    trees: DDTreeBatch  # width = budget
-
-    def row_of(self) -> dict[str, int]:
-        return {req_id: row for row, req_id in enumerate(self.req_ids)}
 
 
 class DDTreeProposer(DFlashProposer):
@@ -49,7 +38,9 @@ class DDTreeProposer(DFlashProposer):
         self.ddtree: DDTreeConfig | None = get_ddtree_config(vllm_config.speculative_config)
         if self.ddtree is not None and self.ddtree.depth > self.num_speculative_tokens:
             self._size_query_buffers(1 + self.ddtree.depth)
-        self.proposed: ProposedTrees | None = None
+        self.proposals: RequestTrees | None = None
+        if self.ddtree is not None:
+            self.proposals = RequestTrees(self.ddtree.tree_budget, self.ddtree.depth)
         self._oracle: HostOracle | None = None
         if self.ddtree is not None and oracle_path():
             self._oracle = HostOracle(oracle_path(), vllm_config.model_config.get_vocab_size())
@@ -95,10 +86,21 @@ class DDTreeProposer(DFlashProposer):
             super().propose(self.ddtree.depth, *args, **kwargs)
         tokens = self._tree_tokens
         self._tree_tokens = None
+        if step_checks.enabled():
+            self._check_query_slots(tokens.shape[0])
         # Keep vLLM's own view of the draft width equal to the budget (scheduler slots).
         self.num_speculative_tokens = self.ddtree.tree_budget
         width = min(num_speculative_tokens, tokens.shape[1])
         return tokens[:, :width]
+
+    def _check_query_slots(self, num_reqs: int) -> None:
+        """Test switch (``step_checks``): each request's last drafter query (its bonus
+        position + depth) has a K/V slot in the request's blocks."""
+        query_len = 1 + self.ddtree.depth
+        last = self.positions[: num_reqs * query_len].view(num_reqs, query_len)[:, -1]
+        table = self.runner.input_batch.block_table[self.kv_cache_gid]
+        allocated = table.num_blocks_per_row[:num_reqs] * table.block_size
+        step_checks.check_slots_allocated("the drafter", last, allocated)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         """``hidden_states`` ``[R * depth, H]`` of the mask rows -> one tree per request."""
@@ -114,8 +116,9 @@ class DDTreeProposer(DFlashProposer):
             logits = self._coupled_logits(logits, sampling_metadata, num_reqs, depth)
         with step_range("ddtree::build_trees"):
             trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
-        req_ids = list(self.runner.input_batch.req_ids[:num_reqs]) if self.runner else []
-        self.proposed = ProposedTrees(req_ids=req_ids, trees=trees)
+        if self.runner is not None:
+            self.proposals.forget_all_but(self.runner.requests)
+            self.proposals.proposed(list(self.runner.input_batch.req_ids[:num_reqs]), trees)
         self._tree_tokens = trees.token_ids.clamp(min=0)
         # vLLM reshapes what this returns to [R, depth]; the real drafts are the tree tokens.
         placeholder = torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)

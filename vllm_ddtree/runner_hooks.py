@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tree_attn_backend import tree_verify
-from vllm_ddtree import hybrid_gdn
+from vllm_ddtree import hybrid_gdn, step_checks
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
 from vllm_ddtree.ops.kv_commit import (
@@ -43,7 +43,7 @@ from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_t
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.request_seeds import batch_seeds
-from vllm_ddtree.tree import DDTreeBatch, empty_batch, select_trees
+from vllm_ddtree.tree import DDTreeBatch
 
 _PATCHED = "__vllm_ddtree_runner_hook__"
 
@@ -184,34 +184,9 @@ class StepTableUpload:
 def _upload(runner) -> StepTableUpload:
     upload = getattr(runner, "_ddtree_upload", None)
     if upload is None:
-        upload = StepTableUpload(rows=5, device=runner.positions.device)
+        upload = StepTableUpload(rows=6, device=runner.positions.device)
         runner._ddtree_upload = upload
     return upload
-
-
-def _align_trees(
-    drafter, source: np.ndarray, num_draft: np.ndarray, source_on_device, num_draft_on_device
-) -> DDTreeBatch:
-    """Trees of the previous proposal reordered to this step's rows (``source[r]``: row of
-    request ``r`` in the proposal, -1 if none), cut to the scheduled nodes."""
-    budget = drafter.ddtree.tree_budget
-    proposed = drafter.proposed
-    num_reqs = len(source)
-    device = source_on_device.device
-    has_tree = num_draft > 0
-    if proposed is None or not bool((has_tree & (source >= 0)).any()):
-        return empty_batch(num_reqs, budget, drafter.ddtree.depth, device)
-    if bool((has_tree & (source < 0)).any()):
-        raise RuntimeError("vllm-ddtree: a request was scheduled with drafts but has no tree")
-    trees = proposed.trees
-    steady = (
-        trees.num_requests == num_reqs
-        and bool((source == np.arange(num_reqs)).all())
-        and bool((num_draft == budget).all())
-    )
-    if steady:  # same rows, every tree scheduled whole: nothing to move or cut
-        return trees
-    return select_trees(trees, source_on_device.clamp(min=0), num_draft_on_device)
 
 
 def _wrap_prepare_inputs(original):
@@ -228,7 +203,8 @@ def _wrap_prepare_inputs(original):
         if drafter is None:
             tree_verify.publish(None)
             return result
-        if spec_decode_metadata is None:
+        if spec_decode_metadata is None:  # no drafts: the step takes its requests' trees
+            drafter.proposals.take(self.input_batch.req_ids[: len(num_scheduled_tokens)])
             tree_verify.publish(None)
             return result
         with step_range("ddtree::prepare_tree_inputs"):
@@ -295,15 +271,14 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     starts[1:] = np.cumsum(counts)[:-1]
     # The tree occupies the last 1 + num_draft tokens of each request's rows.
     query_start = starts + counts - 1 - num_draft
-    proposed = drafter.proposed
-    rows = proposed.row_of() if proposed is not None else {}
-    source = np.array(
-        [rows.get(req_id, -1) for req_id in runner.input_batch.req_ids[:num_reqs]], dtype=np.int64
+    # Each request's own proposal, taken by this step; none: it decodes plainly.
+    taken = drafter.proposals.take(list(runner.input_batch.req_ids[:num_reqs]), num_draft)
+    query_start_d, num_draft_d, counts_d, source_d, num_nodes_d, is_tree_d = _upload(runner).send(
+        query_start, num_draft, counts, taken.source, taken.num_nodes, num_draft > 0
     )
-    query_start_d, num_draft_d, counts_d, source_d, is_tree_d = _upload(runner).send(
-        query_start, num_draft, counts, source, num_draft > 0
-    )
-    trees = _align_trees(drafter, source, num_draft, source_d, num_draft_d)
+    ddtree = drafter.ddtree
+    trees = taken.trees(ddtree.tree_budget, ddtree.depth, source_d, num_nodes_d)
+    step_checks.check_tree_tokens(runner.input_ids.gpu, trees, query_start_d)
     step = StepTrees(trees=trees, query_start=query_start_d, num_draft=num_draft_d)
     runner._ddtree_step = step
 
@@ -683,6 +658,23 @@ def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
     )
 
 
+def _wrap_input_fits_in_drafter(original):
+    """vLLM skips the drafter for a step when a request's drafter queries would pass the
+    drafter's length limit, counting ``1 + num_speculative_tokens`` (= the budget) queries; a
+    DDTree drafter runs ``1 + depth``."""
+
+    @functools.wraps(original)
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        drafter = _ddtree_proposer(self)
+        if drafter is None or common_attn_metadata is None:
+            return original(self, common_attn_metadata)
+        queries = 1 + drafter.ddtree.depth
+        limit = self.effective_drafter_max_model_len
+        return common_attn_metadata.max_seq_len + queries <= limit
+
+    return _input_fits_in_drafter
+
+
 def _wrap_capture_model(original):
     @functools.wraps(original)
     def capture_model(self, *args, **kwargs):
@@ -712,6 +704,7 @@ EXPECTED_SIGNATURES = {
     ],
     "_prepare_inputs": ["self", "scheduler_output", "num_scheduled_tokens"],
     "_sample": ["self", "logits", "spec_decode_metadata"],
+    "_input_fits_in_drafter": ["self", "common_attn_metadata"],
     "propose_draft_token_ids": [
         "self",
         "scheduler_output",
@@ -744,6 +737,7 @@ def install() -> None:
         ("_determine_batch_execution_and_padding", _wrap_determine_batch_execution),
         ("_prepare_inputs", _wrap_prepare_inputs),
         ("_sample", _wrap_sample),
+        ("_input_fits_in_drafter", _wrap_input_fits_in_drafter),
         ("propose_draft_token_ids", _wrap_propose),
     ):
         original = getattr(GPUModelRunner, name)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from tree_attn_backend import tree_verify
+from vllm_ddtree import step_checks
 from vllm_ddtree.config import RUNNER_ENV, uses_v2_runner
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
@@ -178,7 +179,9 @@ def _speculator_class():
             num_reqs = input_batch.num_reqs
             if not dummy_run:
                 self.proposals.proposed(
-                    input_batch.idx_mapping_np[:num_reqs], input_batch.idx_mapping[:num_reqs]
+                    input_batch.idx_mapping_np[:num_reqs],
+                    input_batch.idx_mapping[:num_reqs],
+                    input_batch.req_ids[:num_reqs],
                 )
             return self.proposals.batch.token_ids[:num_reqs].clamp(min=0)
 
@@ -201,28 +204,29 @@ def _ddtree_speculator(runner):
     return speculator if getattr(speculator, "ddtree", None) is not None else None
 
 
-def _step_trees(speculator, input_batch):
+def _step_trees(speculator, input_batch, has_tree: np.ndarray):
     """The batch's trees from the last proposals (``ProposalStore.step_trees``), cut to the
-    scheduled nodes, and long ``[R]`` device tables: each request's root row, scheduled nodes,
-    scheduled tokens and whether it verifies a tree (sent in one non-blocking copy from pinned
-    memory)."""
+    scheduled nodes (none where ``has_tree``, bool ``[R]``, is False), and long ``[R]``
+    device tables: each request's root row, scheduled nodes, scheduled tokens and whether it
+    verifies a tree (sent in one non-blocking copy from pinned memory)."""
     num_reqs = input_batch.num_reqs
     device = speculator.proposals.state.token_ids.device
     upload = getattr(speculator, "upload", None)
     if upload is None:
-        upload = speculator.upload = StepTableUpload(rows=4, device=device)
+        upload = speculator.upload = StepTableUpload(rows=5, device=device)
     counts = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
     starts = np.asarray(input_batch.query_start_loc_np[:num_reqs], dtype=np.int64)
     num_draft_np = np.asarray(input_batch.num_draft_tokens_per_req[:num_reqs], dtype=np.int64)
+    num_nodes_np = np.where(has_tree, num_draft_np, 0)
     # The tree is the last 1 + num_draft rows of each request (root first).
-    root_row, num_draft, counts, is_tree = upload.send(
-        starts + counts - 1 - num_draft_np, num_draft_np, counts, num_draft_np > 0
+    root_row, num_draft, num_nodes, counts, is_tree = upload.send(
+        starts + counts - 1 - num_draft_np, num_draft_np, num_nodes_np, counts, num_draft_np > 0
     )
     trees = speculator.proposals.step_trees(
         np.asarray(input_batch.idx_mapping_np[:num_reqs]),
         input_batch.idx_mapping[:num_reqs],
-        num_draft_np,
-        num_draft,
+        num_nodes_np,
+        num_nodes,
     )
     return trees, root_row, num_draft, counts, is_tree
 
@@ -246,13 +250,21 @@ def _wrap_prepare_attn(original):
         speculator = _ddtree_speculator(self)
         if getattr(speculator, "oracle", None) is not None:
             _bind_oracle(self, speculator.oracle, input_batch)
+        if speculator is not None:  # every scheduled step takes its requests' proposals
+            num_reqs = input_batch.num_reqs
+            has_tree = speculator.proposals.take(
+                input_batch.idx_mapping_np[:num_reqs], input_batch.req_ids[:num_reqs]
+            )
         if speculator is None or input_batch.num_draft_tokens == 0:
             tree_verify.publish(None)
             if speculator is not None:
                 speculator.step = None
             return block_tables, slot_mappings
         with step_range("ddtree::prepare_tree_inputs"):
-            trees, root_row, num_draft, counts, is_tree = _step_trees(speculator, input_batch)
+            trees, root_row, num_draft, counts, is_tree = _step_trees(
+                speculator, input_batch, has_tree
+            )
+            step_checks.check_tree_tokens(input_batch.input_ids, trees, root_row)
             set_tree_step_inputs(
                 trees,
                 root_row,

