@@ -27,6 +27,9 @@
 #       hybrid-check - two GPUs: the hybrid sampling check, plain and with the index checks
 #       hybrid-full - two GPUs: the full hybrid grid split by budget (HYBRID_ARCH)
 #       v2       - lossless_gpu.py --runner v2: the V2-runner path (dense, one GPU)
+#       lifecycle - benchmarks/lifecycle_fuzz.py gpu: request lifecycles (joins, aborts,
+#                  preemption, chunked prefill, prefix caching) on the V2 runner with CUDA
+#                  graphs against the target alone (env SEEDS, LIFECYCLE_ARGS)
 #       hybrid-steps - GDN tree verify cost on large-model layer shapes (profile_step.py)
 #       profile  - benchmarks/profile_step.py: where a decode step's time goes
 #       step-ops - benchmarks/bench_step_ops.py: host and device cost of each tree-step
@@ -221,6 +224,11 @@ case "$STEP" in
       ${LOSSLESS_ARGS:-} --out "$OUT" > "$OUT/lossless_gpu_v2.log" 2>&1
     echo "v2 rc=$?"; (cd /tmp/vllm-ddtree-v2 && tar czf "$OUT/v2_logs.tgz" ./*.log)
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_v2.log" | cut -c1-300 ;;
+  lifecycle)
+    timeout "${LIFECYCLE_TIMEOUT:-560}" python3 benchmarks/lifecycle_fuzz.py gpu --out "$OUT" \
+      --seeds "${SEEDS:-0,1}" ${LIFECYCLE_ARGS:-} > "$OUT/lifecycle_fuzz.log" 2>&1
+    echo "lifecycle rc=$?"; grep -E '^\{"seed|^lifecycle' "$OUT/lifecycle_fuzz.log" | cut -c1-600
+    (cd /tmp/vllm-ddtree-lifecycle && tar czf "$OUT/lifecycle_logs.tgz" ./*.log) ;;
   hybrid-steps)
     # The GDN tree verify's cost on large-model layer shapes (profile_step.py --target
     # synthetic-hybrid; V1 runner, float32 states; needs part 3): the DFlash chain step against

@@ -521,3 +521,22 @@ def test_a_chain_served_for_ddtree_gets_the_same_guard():
     plain = SimpleNamespace(drafter=None, speculative_config=SimpleNamespace())
     prepare(plain, None, [16, 16])
     assert not hasattr(plain, "_ddtree_rows_without_drafts")
+
+
+def test_layer_buffers_exist_while_vllm_profiles_memory(monkeypatch):
+    """vLLM sizes the KV cache from the memory its profiling run used: the GDN tree buffers
+    are made before that run (they were made only before capture, after the KV cache took its
+    share), so they are counted as the engine's own memory."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree import runner_hooks
+
+    gen = torch.Generator().manual_seed(4)
+    layer, _, step = layer_table_step(2, 4, gen)
+    model = torch.nn.Sequential(GDNLikeModule(layer))
+    monkeypatch.setattr(hybrid_gdn, "_ACTIVE", step)
+    monkeypatch.setattr(runner_hooks, "_ddtree_proposer", lambda runner: runner)
+    seen = []
+    profile_run = runner_hooks._wrap_profile_run(lambda runner: seen.append(len(step.layers)))
+    profile_run(SimpleNamespace(get_model=lambda: model))
+    assert seen == [1]

@@ -431,3 +431,30 @@ def test_with_vllms_default_graph_sizes_every_verify_batch_of_a_wide_tree_has_a_
     modes = vllm_v2_verify_modes(sizes, max_num_seqs, 1 + budget)
     within = {b: mode for b, mode in modes.items() if b * (1 + budget) <= max(sizes)}
     assert within and set(within.values()) == {"FULL"}, within
+
+
+def test_engines_the_tree_step_cannot_serve_exactly_are_refused_before_they_start(
+    tiny_target_path, tiny_drafter_path
+):
+    """Pipeline parallelism and engine-wide custom logits processors (which tree nodes did not
+    get) are refused naming DDTree and what to use instead; so is a target whose attention
+    layers form several KV-cache groups (one slot mapping commits the tree)."""
+    from vllm_ddtree.config import check_engine_is_supported
+
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    processor = "vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor"
+    with pytest.raises(DDTreeConfigError, match="custom logits_processors.*'dflash'"):
+        engine_config(tiny_target_path, spec, logits_processors=[processor])
+    with pytest.raises(DDTreeConfigError, match="pipeline parallelism.*tensor_parallel_size"):
+        check_engine_is_supported(None, pipeline_parallel_size=2)
+    mixed = ["sliding_attention", "full_attention"] * 2
+    with pytest.raises(DDTreeConfigError, match="full_attention, sliding_attention"):
+        check_engine_is_supported(mixed)
+    check_engine_is_supported(["linear_attention"] * 3 + ["full_attention"])  # GDN hybrids
+    check_engine_is_supported(["sliding_attention"] * 4)  # one group: TREE_ATTN windows it
+
+
+def test_pipeline_parallelism_is_refused_naming_ddtree(tiny_target_path, tiny_drafter_path):
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    with pytest.raises(DDTreeConfigError, match="ddtree.*pipeline parallelism"):
+        engine_config(tiny_target_path, spec, pipeline_parallel_size=2)

@@ -280,6 +280,45 @@ def check_target_is_supported(
         )
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def check_engine_is_supported(
+    layer_types: Iterable[str] | None,
+    pipeline_parallel_size: int = 1,
+    logits_processors: Iterable[Any] | None = None,
+) -> None:
+    """Raise for engine settings DDTree refuses before any engine process starts.
+
+    * ``layer_types`` (the target's HF config): attention layers of more than one kind
+      (interleaved sliding-window and full attention) get KV-cache groups of their own, each
+      with its own slot mapping; the tree's accepted K/V are committed with one.
+    * ``pipeline_parallel_size`` > 1: the tree step runs on one stage's runner (and vLLM's
+      DFlash drafter has no pipeline parallelism).
+    * engine-wide custom ``logits_processors``: the tree sampler does not apply them to tree
+      nodes, so their requests would not get the target's output.
+    """
+    kinds = sorted({kind for kind in layer_types or () if kind in ATTENTION_LAYER_TYPES})
+    if len(kinds) > 1:
+        raise DDTreeConfigError(
+            f"method 'ddtree' does not support targets whose attention layers are of several "
+            f"kinds ({', '.join(kinds)}: one KV-cache group each); supported: targets with one "
+            "kind of attention layer (optionally beside GatedDeltaNet layers). Use method "
+            "'dflash' (chain) for this target."
+        )
+    if pipeline_parallel_size > 1:
+        raise DDTreeConfigError(
+            f"method 'ddtree' does not support pipeline parallelism (pipeline_parallel_size="
+            f"{pipeline_parallel_size}); use tensor_parallel_size to split the target, or "
+            "method 'dflash' without DDTree"
+        )
+    if logits_processors:
+        raise DDTreeConfigError(
+            "method 'ddtree' does not apply custom logits_processors to tree nodes yet; start "
+            "the engine without --logits-processors, or use method 'dflash' without DDTree"
+        )
+
+
 def unsupported_sampling_params(params: Any) -> list[str]:
     """The request's ``SamplingParams`` fields the tree sampler cannot apply yet (their names;
     empty when the request is fine). Checked when vLLM validates a request, so such a request

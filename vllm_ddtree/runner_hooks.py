@@ -675,15 +675,33 @@ def _wrap_input_fits_in_drafter(original):
     return _input_fits_in_drafter
 
 
+def _prepare_gdn_buffers(runner, when: str) -> None:
+    """Hybrid targets: the GDN tree path's per-layer buffers (``hybrid_gdn``), allocated once."""
+    gdn = hybrid_gdn.active_step()
+    if gdn is not None and _ddtree_proposer(runner) is not None:
+        found = gdn.prepare_layers(runner.get_model())
+        logger.info("vllm-ddtree: buffers for %d GatedDeltaNet layers %s", found, when)
+
+
+def _wrap_profile_run(original):
+    """The GDN tree buffers exist while vLLM profiles memory, so the KV cache it sizes after
+    leaves room for them (allocated later, a server at a high ``gpu_memory_utilization`` could
+    run out of memory at capture or under load)."""
+
+    @functools.wraps(original)
+    def profile_run(self, *args, **kwargs):
+        _prepare_gdn_buffers(self, "before memory profiling")
+        return original(self, *args, **kwargs)
+
+    return profile_run
+
+
 def _wrap_capture_model(original):
     @functools.wraps(original)
     def capture_model(self, *args, **kwargs):
-        # Hybrid targets: the GDN tree path's per-layer buffers exist before the first capture
-        # (inside one they would come from the graph pool, which replays overwrite).
-        gdn = hybrid_gdn.active_step()
-        if gdn is not None and _ddtree_proposer(self) is not None:
-            found = gdn.prepare_layers(self.get_model())
-            logger.info("vllm-ddtree: buffers for %d GatedDeltaNet layers before capture", found)
+        # The buffers exist before the first capture (inside one they would come from the
+        # graph pool, which replays overwrite); profile_run made them unless it did not run.
+        _prepare_gdn_buffers(self, "before capture")
         return original(self, *args, **kwargs)
 
     return capture_model
@@ -691,6 +709,7 @@ def _wrap_capture_model(original):
 
 EXPECTED_SIGNATURES = {
     "capture_model": ["self"],
+    "profile_run": ["self"],
     "_determine_batch_execution_and_padding": [
         "self",
         "num_tokens",
@@ -734,6 +753,7 @@ def install() -> None:
 
     for name, wrap in (
         ("capture_model", _wrap_capture_model),
+        ("profile_run", _wrap_profile_run),
         ("_determine_batch_execution_and_padding", _wrap_determine_batch_execution),
         ("_prepare_inputs", _wrap_prepare_inputs),
         ("_sample", _wrap_sample),

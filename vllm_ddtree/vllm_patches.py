@@ -63,6 +63,7 @@ from vllm_ddtree.config import (
     DDTreeConfig,
     DDTreeConfigError,
     check_drafter_is_dflash,
+    check_engine_is_supported,
     check_sampling_params,
     check_target_is_supported,
     choose_runner,
@@ -181,6 +182,11 @@ def _wrap_create_speculative_config(original):
                     ),
                     bool(getattr(self, "enable_prefix_caching", False))
                     or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
+                )
+                check_engine_is_supported(
+                    getattr(target_model_config.hf_config, "layer_types", None),
+                    getattr(target_parallel_config, "pipeline_parallel_size", 1),
+                    getattr(self, "logits_processors", None),
                 )
                 if gives_batch_size_schedule(merged):
                     _check_batch_size_schedule(merged)
