@@ -226,7 +226,7 @@ case "$STEP" in
     grep -E '^\{"budget|^\{"sampling|^greedy' "$OUT/lossless_gpu_v2.log" | cut -c1-300 ;;
   lifecycle)
     timeout "${LIFECYCLE_TIMEOUT:-560}" python3 benchmarks/lifecycle_fuzz.py gpu --out "$OUT" \
-      --seeds "${SEEDS:-0,1}" ${LIFECYCLE_ARGS:-} > "$OUT/lifecycle_fuzz.log" 2>&1
+      --seeds "${SEEDS:-0,1,2}" ${LIFECYCLE_ARGS:-} > "$OUT/lifecycle_fuzz.log" 2>&1
     echo "lifecycle rc=$?"; grep -E '^\{"seed|^lifecycle' "$OUT/lifecycle_fuzz.log" | cut -c1-600
     (cd /tmp/vllm-ddtree-lifecycle && tar czf "$OUT/lifecycle_logs.tgz" ./*.log) ;;
   hybrid-steps)

@@ -301,6 +301,9 @@ def gpu_main(args) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "enable_prefix_caching": True,
+        # A fixed KV-cache size: no memory profiling, which the seeds' engines, started side by
+        # side, would disturb for each other (the block count is num_gpu_blocks_override).
+        "kv_cache_memory_bytes": 1 << 30,
         "gpu_memory_utilization": 0.2,
     }
     report: dict = {
@@ -378,9 +381,9 @@ def main() -> int:
     gpu = modes.add_parser("gpu", help="the longer mode on a GPU host")
     gpu.add_argument("--out", required=True)
     gpu.add_argument("--work", default="/tmp/vllm-ddtree-lifecycle")
-    gpu.add_argument("--seeds", default="0,1")
+    gpu.add_argument("--seeds", default="0,1,2")
     gpu.add_argument("--num-requests", type=int, default=48)
-    gpu.add_argument("--num-blocks", type=int, default=48)  # of 16 tokens
+    gpu.add_argument("--num-blocks", type=int, default=20)  # of 16 tokens: preemptions
     gpu.add_argument("--max-num-batched-tokens", type=int, default=128)
     gpu.add_argument("--max-num-seqs", type=int, default=8)
     gpu.add_argument("--seed-timeout", type=int, default=520)
