@@ -509,8 +509,8 @@ def test_a_chain_served_for_ddtree_gets_the_same_guard():
     leave plain DFlash engines alone."""
     from types import SimpleNamespace
 
+    from vllm_ddtree.compat import DDTREE_CHAIN_ATTR
     from vllm_ddtree.runner_hooks import _wrap_prepare_inputs
-    from vllm_ddtree.vllm_patches import DDTREE_CHAIN_ATTR
 
     with_a_prefill = SimpleNamespace(num_draft_tokens=[15, 0])
     prepare = _wrap_prepare_inputs(lambda self, out, counts: (None, with_a_prefill))

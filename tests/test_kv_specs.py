@@ -71,7 +71,7 @@ def test_uniform_flags_are_left_alone():
 
 
 def test_both_runners_get_the_wrapper():
-    from vllm_ddtree import runner_v2, vllm_patches
+    from vllm_ddtree import compat, runner_v2, vllm_patches
 
     vllm_patches.apply()
     from vllm.v1.worker import gpu_model_runner
@@ -79,7 +79,7 @@ def test_both_runners_get_the_wrapper():
 
     runner_v2.install(model_runner)
     for runner in (gpu_model_runner.GPUModelRunner, model_runner.GPUModelRunner):
-        assert getattr(runner.get_kv_cache_spec, vllm_patches._PATCHED_FLAG, False)
+        assert compat.is_applied(runner.get_kv_cache_spec)
 
 
 def test_engines_without_ddtree_keep_vllms_specs():

@@ -19,8 +19,8 @@ from tests.vllm_graphs import (  # noqa: E402
     vllm_v2_drafter_graphs,
     vllm_v2_verify_modes,
 )
+from vllm_ddtree.compat import DDTREE_CHAIN_ATTR, get_ddtree_config  # noqa: E402
 from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
-from vllm_ddtree.vllm_patches import DDTREE_CHAIN_ATTR, get_ddtree_config  # noqa: E402
 
 
 def engine_args(target, spec, **kwargs):
@@ -193,7 +193,7 @@ def test_without_a_budget_the_engine_gets_the_cost_model_s_choice(
     """No ``tree_budget``: "auto" for the engine's request limit (vLLM's default when unset,
     resolved later by vLLM): the chain where the runner's profile predicts it faster, else the
     tree it predicts fastest at that limit."""
-    from vllm_ddtree.vllm_patches import get_ddtree_config
+    from vllm_ddtree.compat import get_ddtree_config
 
     spec = {"method": "ddtree", "model": tiny_drafter_path}
     monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
@@ -295,7 +295,7 @@ def test_each_engine_config_keeps_the_runner_chosen_for_it(
 ):
     """The runner travels on the config (``DDTreeConfig.runner``), so a config made later in the
     same process with another choice does not change an earlier one's."""
-    from vllm_ddtree.vllm_patches import get_ddtree_config
+    from vllm_ddtree.compat import get_ddtree_config
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}

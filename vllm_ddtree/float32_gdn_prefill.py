@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from vllm_ddtree.compat import wrap_function
 from vllm_ddtree.hybrid_gdn import gather_rows, row_token_index, scatter_rows
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
@@ -113,7 +114,6 @@ def _wrap_forward(original):
             core_attn_out.reshape(-1)[: flat.numel()].copy_(flat)
         return o, (final if output_final_state else None)
 
-    forward.ddtree_original = original
     return forward
 
 
@@ -122,6 +122,4 @@ def install(module) -> None:
     chain (``module``: vLLM's GDN layer module; before any layer is built, idempotent)."""
     op = module.ChunkGatedDeltaRule
     for name in ("forward_native", "forward_cuda"):
-        current = getattr(op, name)
-        if not hasattr(current, "ddtree_original"):
-            setattr(op, name, _wrap_forward(current))
+        wrap_function(op, name, "ChunkGatedDeltaRule", _wrap_forward)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.compat import wrap_function
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
@@ -517,8 +518,7 @@ def check_gdn_metadata(metadata, num_blocks: int) -> None:
 def wrap_metadata_builder(builder_cls) -> None:
     """Check each GatedDeltaNet metadata ``builder_cls.build`` returns (``check_gdn_metadata``
     against the engine's block count) while ``VLLM_DDTREE_CHECK_INDICES=1``; once per process
-    (``vllm_patches._wrap_function``)."""
-    from vllm_ddtree.vllm_patches import _wrap_function
+    (``compat.wrap_function``)."""
 
     def make_build(original):
         def build(self, *args, **kwargs):
@@ -530,7 +530,7 @@ def wrap_metadata_builder(builder_cls) -> None:
 
         return build
 
-    _wrap_function(builder_cls, "build", GDN_METADATA_MODULE, make_build)
+    wrap_function(builder_cls, "build", GDN_METADATA_MODULE, make_build)
 
 
 _ACTIVE: HybridTreeStep | None = None
@@ -577,7 +577,6 @@ def _conv_dispatcher(original):
             given["max_query_len"],
         )
 
-    causal_conv1d_update.ddtree_original = original
     return causal_conv1d_update
 
 
@@ -601,7 +600,6 @@ def _recurrence_dispatcher(original):
             kwargs.get("use_qk_l2norm_in_kernel", False),
         )
 
-    fused_sigmoid_gating_delta_rule_update.ddtree_original = original
     return fused_sigmoid_gating_delta_rule_update
 
 
@@ -655,7 +653,6 @@ def _cpu_spec_dispatcher(original):
             return original(layer, md, x, b, a, conv_buf, ssm_state, *args, **kwargs)
         return tree_spec_forward_cpu(step, layer, md, x, b, a, conv_buf, ssm_state)
 
-    _spec_forward.ddtree_original = original
     return _spec_forward
 
 
@@ -664,14 +661,7 @@ def _install_cpu(module_name: str = CPU_GDN_MODULE) -> None:
     import importlib
 
     module = importlib.import_module(module_name)
-    current = getattr(module, "_spec_forward", None)
-    if current is None:
-        raise RuntimeError(
-            f"vllm-ddtree: {module_name}._spec_forward is missing; vLLM-CPU's GatedDeltaNet "
-            "code is not the one the hybrid tree path was written for (vLLM 0.26.0)"
-        )
-    if not hasattr(current, "ddtree_original"):
-        module._spec_forward = _cpu_spec_dispatcher(current)
+    wrap_function(module, "_spec_forward", module_name, _cpu_spec_dispatcher)
 
 
 def install(max_rows: int, tokens_per_row: int, device: torch.device) -> HybridTreeStep:
@@ -686,14 +676,7 @@ def install(max_rows: int, tokens_per_row: int, device: torch.device) -> HybridT
         ("causal_conv1d_update", _conv_dispatcher),
         ("fused_sigmoid_gating_delta_rule_update", _recurrence_dispatcher),
     ):
-        current = getattr(module, name, None)
-        if current is None:
-            raise RuntimeError(
-                f"vllm-ddtree: {GDN_MODULE}.{name} is missing; this vLLM's GatedDeltaNet layer "
-                "is not the one the hybrid tree path was written for (vLLM 0.26.0)"
-            )
-        if not hasattr(current, "ddtree_original"):
-            setattr(module, name, make(current))
+        wrap_function(module, name, GDN_MODULE, make)
     if os.environ.get(CHECK_INDICES_ENV) == "1":
         wrap_metadata_builder(
             importlib.import_module(GDN_METADATA_MODULE).GDNAttentionMetadataBuilder

@@ -27,6 +27,8 @@ import dataclasses
 
 import torch
 
+from vllm_ddtree.compat import get_ddtree_config
+
 
 def one_block_stride_indexing(specs: dict) -> dict:
     """``{layer name: KVCacheSpec}`` with ``indexes_kv_by_block_stride`` False on every
@@ -97,12 +99,9 @@ def wrap_zero_block_ids(original):
             return original(self, block_ids)
         zero_attention_blocks(self, block_ids)
 
-    _zero_block_ids.ddtree_original = original
     return _zero_block_ids
 
 
 def _ddtree_configured(runner) -> bool:
-    from vllm_ddtree.vllm_patches import get_ddtree_config
-
     config = getattr(runner, "vllm_config", None)
     return get_ddtree_config(getattr(config, "speculative_config", None)) is not None

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree import step_checks
+from vllm_ddtree import hybrid_gdn, step_checks
+from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
 from vllm_ddtree.ops.tree_build import build_draft_trees
@@ -33,8 +34,6 @@ class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner  # vLLM's base proposer does not keep it
-        from vllm_ddtree.vllm_patches import get_ddtree_config
-
         self.ddtree: DDTreeConfig | None = get_ddtree_config(vllm_config.speculative_config)
         if self.ddtree is not None and self.ddtree.depth > self.num_speculative_tokens:
             self._size_query_buffers(1 + self.ddtree.depth)
@@ -47,16 +46,12 @@ class DDTreeProposer(DFlashProposer):
         if self.ddtree is not None and vllm_config.model_config.is_hybrid:
             self._install_hybrid_tree_path(vllm_config, device)
         else:
-            from vllm_ddtree import hybrid_gdn
-
             hybrid_gdn.uninstall()  # an earlier engine of this process may have installed it
 
     def _install_hybrid_tree_path(self, vllm_config, device) -> None:
         """GatedDeltaNet layers verify trees (``hybrid_gdn``); before any graph is captured.
         (The float32 states and plain state layout it needs were checked before the engine
         started: ``config.check_target_is_supported``.)"""
-        from vllm_ddtree import hybrid_gdn
-
         hybrid_gdn.install(
             max_rows=vllm_config.scheduler_config.max_num_seqs,
             tokens_per_row=self.ddtree.tree_budget + 1,

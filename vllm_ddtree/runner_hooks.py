@@ -21,7 +21,6 @@ copy of the step's per-request tables; nothing waits for the device.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ import numpy as np
 import torch
 
 from tree_attn_backend import tree_verify
-from vllm_ddtree import hybrid_gdn, step_checks
+from vllm_ddtree import compat, hybrid_gdn, step_checks
+from vllm_ddtree.compat import wrap_function
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
 from vllm_ddtree.ops.kv_commit import (
@@ -42,10 +42,9 @@ from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
+from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.request_seeds import batch_seeds
 from vllm_ddtree.tree import DDTreeBatch
-
-_PATCHED = "__vllm_ddtree_runner_hook__"
 
 
 @dataclass
@@ -128,8 +127,6 @@ def check_ranks_agree(step: StepTrees) -> None:
 
 
 def _ddtree_proposer(runner):
-    from vllm_ddtree.proposer import DDTreeProposer
-
     drafter = getattr(runner, "drafter", None)
     if isinstance(drafter, DDTreeProposer) and drafter.ddtree is not None:
         return drafter
@@ -190,7 +187,6 @@ def _upload(runner) -> StepTableUpload:
 
 
 def _wrap_prepare_inputs(original):
-    @functools.wraps(original)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = original(self, scheduler_output, num_scheduled_tokens)
         drafter = _ddtree_proposer(self)
@@ -225,10 +221,8 @@ def rows_without_drafts(spec_decode_metadata) -> bool:
 
 def serves_chain_for_ddtree(runner) -> bool:
     """Whether ``runner``'s engine was asked for ``"method": "ddtree"`` and ``"tree_budget":
-    "auto"`` chose vLLM's DFlash chain for it (``vllm_patches.DDTREE_CHAIN_ATTR``)."""
-    from vllm_ddtree.vllm_patches import DDTREE_CHAIN_ATTR
-
-    return bool(getattr(getattr(runner, "speculative_config", None), DDTREE_CHAIN_ATTR, False))
+    "auto"`` chose vLLM's DFlash chain for it."""
+    return compat.serves_chain_for_ddtree(getattr(runner, "speculative_config", None))
 
 
 def _wrap_determine_batch_execution(original):
@@ -246,7 +240,6 @@ def _wrap_determine_batch_execution(original):
     vLLM's chain, whose 16-token prompts the same bug hits.
     Capture runs (``force_uniform_decode`` given) are left as vLLM asks."""
 
-    @functools.wraps(original)
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         without_tree = getattr(self, "_ddtree_rows_without_drafts", False)
         self._ddtree_rows_without_drafts = False  # one step's answer, read once
@@ -469,7 +462,6 @@ def _sample_without_trees(runner, original, logits):
 
 
 def _wrap_sample(original):
-    @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
         step = getattr(self, "_ddtree_step", None)
         if _ddtree_proposer(self) is None:
@@ -627,7 +619,6 @@ def _commit_kv(runner, step: StepTrees) -> None:
 
 
 def _wrap_propose(original):
-    @functools.wraps(original)
     def propose_draft_token_ids(self, *args, **kwargs):
         # vLLM 0.26.0 signature: (scheduler_output, sampled_token_ids, sampling_metadata,
         # hidden_states, sample_hidden_states, aux_hidden_states, ...): aux is the 6th.
@@ -663,7 +654,6 @@ def _wrap_input_fits_in_drafter(original):
     drafter's length limit, counting ``1 + num_speculative_tokens`` (= the budget) queries; a
     DDTree drafter runs ``1 + depth``."""
 
-    @functools.wraps(original)
     def _input_fits_in_drafter(self, common_attn_metadata):
         drafter = _ddtree_proposer(self)
         if drafter is None or common_attn_metadata is None:
@@ -688,7 +678,6 @@ def _wrap_profile_run(original):
     leaves room for them (allocated later, a server at a high ``gpu_memory_utilization`` could
     run out of memory at capture or under load)."""
 
-    @functools.wraps(original)
     def profile_run(self, *args, **kwargs):
         _prepare_gdn_buffers(self, "before memory profiling")
         return original(self, *args, **kwargs)
@@ -697,7 +686,6 @@ def _wrap_profile_run(original):
 
 
 def _wrap_capture_model(original):
-    @functools.wraps(original)
     def capture_model(self, *args, **kwargs):
         # The buffers exist before the first capture (inside one they would come from the
         # graph pool, which replays overwrite); profile_run made them unless it did not run.
@@ -738,18 +726,7 @@ EXPECTED_SIGNATURES = {
 
 def install() -> None:
     """Wrap the V1 runner methods once per process (fails loudly if vLLM changed them)."""
-    import inspect
-
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    for name, expected in EXPECTED_SIGNATURES.items():
-        method = getattr(GPUModelRunner, name, None)
-        params = list(inspect.signature(method).parameters) if method else []
-        if params[: len(expected)] != expected:
-            raise RuntimeError(
-                f"vllm-ddtree: GPUModelRunner.{name}{tuple(params)} is not the vLLM 0.26.0 "
-                f"method it wraps (expected parameters starting {tuple(expected)})"
-            )
 
     for name, wrap in (
         ("capture_model", _wrap_capture_model),
@@ -760,9 +737,4 @@ def install() -> None:
         ("_input_fits_in_drafter", _wrap_input_fits_in_drafter),
         ("propose_draft_token_ids", _wrap_propose),
     ):
-        original = getattr(GPUModelRunner, name)
-        if getattr(original, _PATCHED, False):
-            continue
-        wrapped = wrap(original)
-        setattr(wrapped, _PATCHED, True)
-        setattr(GPUModelRunner, name, wrapped)
+        wrap_function(GPUModelRunner, name, "GPUModelRunner", wrap, EXPECTED_SIGNATURES[name])

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from tree_attn_backend import tree_verify
-from vllm_ddtree import step_checks
+from vllm_ddtree import compat, step_checks
+from vllm_ddtree.compat import get_ddtree_config, wrap_function
 from vllm_ddtree.config import RUNNER_ENV, uses_v2_runner
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
@@ -44,7 +45,12 @@ from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.oracle import DeviceOracle, oracle_path
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.proposal_store import ProposalStore
-from vllm_ddtree.runner_hooks import StepTableUpload, check_ranks_agree, set_tree_step_inputs
+from vllm_ddtree.runner_hooks import (
+    StepTableUpload,
+    check_ranks_agree,
+    commit_tree_kv,
+    set_tree_step_inputs,
+)
 from vllm_ddtree.tree import DDTreeBatch
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -92,8 +98,6 @@ def tree_sampler_output(
 
 def _speculator_class():
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-
-    from vllm_ddtree.vllm_patches import get_ddtree_config
 
     class DDTreeSpeculator(DFlashSpeculator):
         """vLLM's V2 DFlash speculator at the drafter's depth, drafting one tree per request.
@@ -190,8 +194,6 @@ def _speculator_class():
 
 def _wrap_init_speculator(original):
     def init_speculator(vllm_config, device):
-        from vllm_ddtree.vllm_patches import get_ddtree_config
-
         if get_ddtree_config(vllm_config.speculative_config) is None:
             return original(vllm_config, device)
         return _speculator_class()(vllm_config, device)
@@ -340,8 +342,6 @@ def _wrap_sample(original):
 def _commit_kv_v2(runner, step: TreeStepV2) -> None:
     """Accepted nodes' K/V to the slots of rows root + 1.. in every TREE_ATTN layer, at the
     slots TREE_ATTN's builder saw for the target (else the first KV cache group's)."""
-    from vllm_ddtree.runner_hooks import commit_tree_kv
-
     recorded = tree_verify.last_step()
     slot_mapping = recorded.slot_mapping if recorded is not None else step.slot_mapping
     commit_tree_kv(
@@ -385,45 +385,43 @@ EXPECTED_SIGNATURES = {
 }
 
 
-def check_v2_signatures() -> None:
-    """Raise if vLLM's V2 runner no longer has the seams this module wraps (their leading
-    parameters, by name)."""
-    import inspect
-
+def _seams():
+    """vLLM's V2 runner seams this module wraps or reads: ``(owner, name)`` by the
+    ``EXPECTED_SIGNATURES`` key."""
     from vllm.v1.worker.gpu import model_runner
     from vllm.v1.worker.gpu.sample.sampler import Sampler
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     owners = {
         "GPUModelRunner": model_runner.GPUModelRunner,
-        "init_speculator": model_runner,
         "DFlashSpeculator": DFlashSpeculator,
         "Sampler": Sampler,
     }
-    for qualified, expected in EXPECTED_SIGNATURES.items():
+    seams = {}
+    for qualified in EXPECTED_SIGNATURES:
         owner_name, _, attr = qualified.rpartition(".")
-        owner = owners[owner_name or qualified]
-        fn = getattr(owner, attr or qualified, None)
+        seams[qualified] = (owners.get(owner_name, model_runner), attr)
+    return seams
+
+
+def check_v2_signatures() -> None:
+    """Raise ``VLLMIncompatibleError`` if vLLM's V2 runner no longer has the seams this module
+    wraps or reads (their leading parameters, by name)."""
+    for qualified, (owner, attr) in _seams().items():
+        fn = getattr(owner, attr, None)
         if fn is None:
-            raise RuntimeError(f"vllm-ddtree: vLLM's V2 runner has no {qualified}")
-        fn = getattr(fn, "__wrapped__", fn)
-        params = list(inspect.signature(fn).parameters)[: len(expected)]
-        if params != expected:
-            raise RuntimeError(
-                f"vllm-ddtree: {qualified}{tuple(params)} changed (expected {tuple(expected)})"
-            )
+            raise compat.incompatible(f"vLLM's V2 runner has no {qualified}")
+        compat.check_signature(fn, EXPECTED_SIGNATURES[qualified], qualified)
 
 
 def install(module) -> None:
     """Wrap the V2 runner module's seams once per process (``module``: its model_runner)."""
-    from vllm_ddtree.vllm_patches import _wrap_function
-
     check_v2_signatures()
     runner = module.GPUModelRunner
-    _wrap_function(runner, "prepare_attn", "GPUModelRunner", _wrap_prepare_attn)
-    _wrap_function(runner, "sample", "GPUModelRunner", _wrap_sample)
-    _wrap_function(runner, "get_kv_cache_spec", "GPUModelRunner", wrap_get_kv_cache_spec)
-    _wrap_function(module, "init_speculator", RUNNER_MODULE, _wrap_init_speculator)
+    wrap_function(runner, "prepare_attn", "GPUModelRunner", _wrap_prepare_attn)
+    wrap_function(runner, "sample", "GPUModelRunner", _wrap_sample)
+    wrap_function(runner, "get_kv_cache_spec", "GPUModelRunner", wrap_get_kv_cache_spec)
+    wrap_function(module, "init_speculator", RUNNER_MODULE, _wrap_init_speculator)
 
 
 __all__ = [

@@ -49,14 +49,27 @@ Patches:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.abc
 import importlib.util
-import inspect
 import logging
 import os
 import sys
 
+from vllm_ddtree.compat import (
+    DDTREE_ATTR,
+    DDTREE_CHAIN_ATTR,
+    WRITTEN_FOR_VLLM,
+    VLLMIncompatibleError,
+    alias_enum_member,
+    get_ddtree_config,
+    incompatible,
+    is_applied,
+    replace_attribute,
+    vllm_version,
+    wrap_classmethod,
+    wrap_function,
+    wrap_property,
+)
 from vllm_ddtree.config import (
     DDTREE_METHOD,
     SCHEDULE_KEY,
@@ -75,24 +88,6 @@ from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 
 logger = logging.getLogger("vllm.ddtree")
 
-WRITTEN_FOR_VLLM = "0.26.0"
-DDTREE_ATTR = "ddtree_config"
-# Set on the SpeculativeConfig of an engine asked for "ddtree" whose "tree_budget": "auto" chose
-# vLLM's DFlash chain (the runner hooks still guard its CUDA-graph dispatch).
-DDTREE_CHAIN_ATTR = "ddtree_served_chain"
-_PATCHED_FLAG = "__vllm_ddtree_patched__"
-
-
-class VLLMIncompatibleError(RuntimeError):
-    """The installed vLLM no longer has what a vllm-ddtree patch wraps."""
-
-
-def get_ddtree_config(speculative_config) -> DDTreeConfig | None:
-    """The ``DDTreeConfig`` attached to a vLLM ``SpeculativeConfig`` (None if not DDTree)."""
-    if speculative_config is None:
-        return None
-    return getattr(speculative_config, DDTREE_ATTR, None)
-
 
 def _speculative_config_fields() -> list[str]:
     from vllm.config import SpeculativeConfig
@@ -103,20 +98,8 @@ def _speculative_config_fields() -> list[str]:
 def _check_vllm_shape() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    fn = getattr(EngineArgs, "create_speculative_config", None)
-    if fn is None:
-        raise VLLMIncompatibleError(
-            "vllm-ddtree: vllm.engine.arg_utils.EngineArgs.create_speculative_config is gone; "
-            f"this plugin was written for vLLM {WRITTEN_FOR_VLLM}"
-        )
-    params = list(inspect.signature(fn).parameters)
-    if params[:3] != ["self", "target_model_config", "target_parallel_config"]:
-        raise VLLMIncompatibleError(
-            "vllm-ddtree: EngineArgs.create_speculative_config(self, target_model_config, "
-            f"target_parallel_config) changed to {params}; written for vLLM {WRITTEN_FOR_VLLM}"
-        )
     if "speculative_config" not in {f.name for f in dataclasses.fields(EngineArgs)}:
-        raise VLLMIncompatibleError("vllm-ddtree: EngineArgs has no speculative_config field")
+        raise incompatible("EngineArgs has no speculative_config field")
 
 
 def _as_backend(value):
@@ -150,7 +133,6 @@ def _choose_attention_backends(engine_args, speculative: dict) -> None:
 
 
 def _wrap_create_speculative_config(original):
-    @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config):
         ddtree: DDTreeConfig | None = getattr(self, "_ddtree_config", None)
         if getattr(self, "spec_method", None) == DDTREE_METHOD:
@@ -239,7 +221,6 @@ def _wrap_create_speculative_config(original):
             )
         return spec
 
-    setattr(create_speculative_config, _PATCHED_FLAG, True)
     return create_speculative_config
 
 
@@ -300,8 +281,7 @@ def register_tree_attention() -> None:
             "TREE_ATTN needs it"
         )
     registry.register_backend(custom, TREE_ATTN_PATH)
-    if TREE_ATTN_NAME not in enum._member_map_:
-        enum._member_map_[TREE_ATTN_NAME] = custom
+    alias_enum_member(enum, TREE_ATTN_NAME, custom)
 
 
 def is_tree_attention(backend) -> bool:
@@ -312,37 +292,6 @@ def is_tree_attention(backend) -> bool:
         backend is AttentionBackendEnum.CUSTOM
         and _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM) == TREE_ATTN_PATH
     )
-
-
-def _wrap_function(owner, name: str, where: str, make_wrapper) -> None:
-    """``owner.name = make_wrapper(original)``, once per process (the wrapper is flagged);
-    raise ``VLLMIncompatibleError`` naming ``where.name`` if vLLM no longer has it."""
-    original = getattr(owner, name, None)
-    if original is None:
-        raise VLLMIncompatibleError(
-            f"vllm-ddtree: {where}.{name} is gone; written for vLLM {WRITTEN_FOR_VLLM}"
-        )
-    if getattr(original, _PATCHED_FLAG, False):
-        return
-    wrapped = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapped, _PATCHED_FLAG, True)
-    setattr(owner, name, wrapped)
-
-
-def _wrap_property(cls, name: str, make_getter) -> None:
-    """``cls.name`` becomes ``property(make_getter(original getter))``, once per process;
-    raise ``VLLMIncompatibleError`` if it is no longer a property."""
-    prop = cls.__dict__.get(name)
-    if not isinstance(prop, property):
-        raise VLLMIncompatibleError(
-            f"vllm-ddtree: {cls.__name__}.{name} is no longer a property; written for vLLM "
-            f"{WRITTEN_FOR_VLLM}"
-        )
-    if getattr(prop.fget, _PATCHED_FLAG, False):
-        return
-    getter = functools.wraps(prop.fget)(make_getter(prop.fget))
-    setattr(getter, _PATCHED_FLAG, True)
-    setattr(cls, name, property(getter))
 
 
 def _patch_drafting_slots() -> None:
@@ -358,7 +307,7 @@ def _patch_drafting_slots() -> None:
 
         return max_num_new_slots_for_drafting
 
-    _wrap_property(SpeculativeConfig, "max_num_new_slots_for_drafting", wrap)
+    wrap_property(SpeculativeConfig, "max_num_new_slots_for_drafting", wrap)
 
 
 def _patch_scheduler_lookahead() -> None:
@@ -375,7 +324,7 @@ def _patch_scheduler_lookahead() -> None:
 
         return __init__
 
-    _wrap_function(Scheduler, "__init__", "Scheduler", wrap)
+    wrap_function(Scheduler, "__init__", "Scheduler", wrap)
 
 
 def _patch_model_runner_choice() -> None:
@@ -391,7 +340,7 @@ def _patch_model_runner_choice() -> None:
 
         return use_v2_model_runner
 
-    _wrap_property(VllmConfig, "use_v2_model_runner", wrap)
+    wrap_property(VllmConfig, "use_v2_model_runner", wrap)
 
 
 def coerce_template_switches(kwargs: dict) -> dict:
@@ -417,7 +366,7 @@ def _patch_chat_template_kwargs() -> None:
 
         return resolve_chat_template_kwargs
 
-    _wrap_function(hf, "resolve_chat_template_kwargs", "vllm.renderers.hf", wrap)
+    wrap_function(hf, "resolve_chat_template_kwargs", "vllm.renderers.hf", wrap)
 
 
 def _patch_sampling_params_validation() -> None:
@@ -431,7 +380,7 @@ def _patch_sampling_params_validation() -> None:
 
         return _validate_spec_decode
 
-    _wrap_function(SamplingParams, "_validate_spec_decode", "SamplingParams", wrap)
+    wrap_function(SamplingParams, "_validate_spec_decode", "SamplingParams", wrap)
 
 
 def _patch_cpu_platform() -> None:
@@ -439,18 +388,16 @@ def _patch_cpu_platform() -> None:
         from vllm.platforms.cpu import CpuPlatform
     except Exception:  # noqa: BLE001 - no CPU platform in this vLLM build
         return
-    original = CpuPlatform.get_attn_backend_cls.__func__
-    if getattr(original, _PATCHED_FLAG, False):
-        return
 
-    @functools.wraps(original)
-    def get_attn_backend_cls(cls, selected_backend, *args, **kwargs):
-        if is_tree_attention(selected_backend):
-            return TREE_ATTN_PATH
-        return original(cls, selected_backend, *args, **kwargs)
+    def wrap(original):
+        def get_attn_backend_cls(cls, selected_backend, *args, **kwargs):
+            if is_tree_attention(selected_backend):
+                return TREE_ATTN_PATH
+            return original(cls, selected_backend, *args, **kwargs)
 
-    setattr(get_attn_backend_cls, _PATCHED_FLAG, True)
-    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+        return get_attn_backend_cls
+
+    wrap_classmethod(CpuPlatform, "get_attn_backend_cls", wrap)
 
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
@@ -458,13 +405,14 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 def _patch_model_runner(module) -> None:
     """DDTree's proposer in place of DFlash's, and the verification hooks (V1 runner)."""
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
     from vllm_ddtree import runner_hooks
     from vllm_ddtree.proposer import DDTreeProposer
 
-    if getattr(module, "DFlashProposer", None) is not DDTreeProposer:
-        module.DFlashProposer = DDTreeProposer
+    replace_attribute(module, "DFlashProposer", RUNNER_MODULE, DDTreeProposer, DFlashProposer)
     runner_hooks.install()
-    _wrap_function(
+    wrap_function(
         module.GPUModelRunner, "get_kv_cache_spec", "GPUModelRunner", wrap_get_kv_cache_spec
     )
 
@@ -505,7 +453,7 @@ def _patch_when_imported(name: str, callback) -> None:
 def _patch_cpu_model_runner(module) -> None:
     from vllm_ddtree.kv_specs import wrap_zero_block_ids
 
-    _wrap_function(module.CPUModelRunner, "_zero_block_ids", "CPUModelRunner", wrap_zero_block_ids)
+    wrap_function(module.CPUModelRunner, "_zero_block_ids", "CPUModelRunner", wrap_zero_block_ids)
 
 
 def _patch_model_runner_when_imported() -> None:
@@ -624,20 +572,19 @@ def apply() -> None:
     _patch_chat_template_kwargs()
     _patch_sampling_params_validation()
     _patch_model_runner_when_imported()
-    if getattr(EngineArgs.create_speculative_config, _PATCHED_FLAG, False):
+    if is_applied(EngineArgs.create_speculative_config):
         return
     _check_vllm_shape()
-    try:
-        import vllm
-
-        version = getattr(vllm, "__version__", "unknown")
-    except Exception:  # noqa: BLE001
-        version = "unknown"
-    if not str(version).startswith(WRITTEN_FOR_VLLM):
+    version = vllm_version()
+    if not version.startswith(WRITTEN_FOR_VLLM):
         logger.warning(
             "vllm-ddtree was written for vLLM %s; running on %s", WRITTEN_FOR_VLLM, version
         )
-    EngineArgs.create_speculative_config = _wrap_create_speculative_config(
-        EngineArgs.create_speculative_config
+    wrap_function(
+        EngineArgs,
+        "create_speculative_config",
+        "EngineArgs",
+        _wrap_create_speculative_config,
+        expected=["self", "target_model_config", "target_parallel_config"],
     )
-    _wrap_function(EngineArgs, "create_engine_config", "EngineArgs", _wrap_create_engine_config)
+    wrap_function(EngineArgs, "create_engine_config", "EngineArgs", _wrap_create_engine_config)

@@ -1,0 +1,89 @@
+"""The package's import graph (every import, at module level or inside a function, read from
+the source with ``ast``) has no circle, and only ``compat`` reaches into the installer's
+helpers: each module is imported for what it provides, never to break a cycle."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("vllm_ddtree", "tree_attn_backend")
+
+
+def module_files() -> dict[str, str]:
+    """Dotted module name -> file, for every module of the project's packages."""
+    found = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, ROOT)[: -len(".py")].replace(os.sep, ".")
+                found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def imports_of(path: str, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports (``from package import submodule`` counts as the
+    submodule)."""
+    tree = ast.parse(open(path).read())
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names}
+            targets |= (submodules & modules) or {node.module}
+    return {t for t in targets if t in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    names = set(files)
+    return {name: imports_of(path, names) - {name} for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (its modules in order, the first repeated), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a"}}) is None
+
+
+def test_no_import_circle_in_the_package():
+    graph = import_graph()
+    assert "vllm_ddtree.runner_hooks" in graph and graph["vllm_ddtree.runner_v2"]
+    assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def test_only_the_package_entry_point_imports_the_installer():
+    """``vllm_patches`` installs everything; nothing it installs imports it back (they share
+    what they need through ``compat``)."""
+    graph = import_graph()
+    importers = sorted(
+        name for name, targets in graph.items() if "vllm_ddtree.vllm_patches" in targets
+    )
+    assert importers == ["vllm_ddtree"], importers
