@@ -11,7 +11,8 @@ or ``"fuzz": {...}`` (``random_requests``' arguments) in place of ``"requests"``
 the reference engine only.
 
 1. The target alone, one request at a time (``max_num_seqs=1``): the truth of every greedy
-   request (its whole continuation also feeds the oracle drafter, ``vllm_ddtree/oracle.py``).
+   request (its whole continuation also feeds the oracle drafter,
+   ``vllm_ddtree/testing/oracle.py``).
 2. Each run: a DDTree engine driven step by step (``LLMEngine.step``); requests join at their
    ``arrive`` step and are aborted ``abort`` steps later; the scheduler preempts, chunks and
    prefix-caches as the engine settings make it. Every step checks its invariants

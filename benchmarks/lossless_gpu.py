@@ -22,10 +22,10 @@ Writes JSON; exits non-zero on any divergence, failed engine or failed sampling 
 ``--hybrid``: the target is a tiny Qwen3-Next (GatedDeltaNet + attention, GDN heads of 128),
 run through the GDN tree path (float32 SSM states, no prefix caching, Triton GDN prefill);
 float32 activations by default, with vLLM's chunked GDN prefill (which refuses float32)
-replaced in every engine by the test-only chain prefill
-(``VLLM_DDTREE_TEST_FLOAT32_GDN=1``, ``vllm_ddtree/float32_gdn_prefill.py``): in bf16 the target
-alone and any speculative path, vLLM's own chain included, part at near-ties within a few
-tokens (``--hybrid-dtype bfloat16``); budgets 8/64/256; needs vLLM's MoE ops.
+replaced in every engine by the test-only chain prefill (``VLLM_DDTREE_TEST_FLOAT32_GDN=1``,
+``vllm_ddtree/testing/float32_gdn_prefill.py``): in bf16 the target alone and any speculative
+path, vLLM's own chain included, part at near-ties within a few tokens
+(``--hybrid-dtype bfloat16``); budgets 8/64/256; needs vLLM's MoE ops.
 """
 
 from __future__ import annotations
@@ -398,7 +398,7 @@ def main() -> int:
         base["dtype"] = args.hybrid_dtype
         if args.hybrid_dtype == "float32":
             # vLLM's chunked GDN prefill refuses float32: the test-only chain prefill
-            # (vllm_ddtree/float32_gdn_prefill.py), in every engine, reference included.
+            # (vllm_ddtree/testing/float32_gdn_prefill.py), in every engine, reference included.
             os.environ["VLLM_DDTREE_TEST_FLOAT32_GDN"] = "1"
             os.environ["TRITON_F32_DEFAULT"] = args.f32_dots  # the engines inherit it
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}

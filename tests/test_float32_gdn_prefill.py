@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree.float32_gdn_prefill import _wrap_forward, chunk_gated_delta_rule_as_chain
+from vllm_ddtree.testing.float32_gdn_prefill import _wrap_forward, chunk_gated_delta_rule_as_chain
 
 HK, HV, DK, DV = 2, 4, 16, 8
 
@@ -79,7 +79,8 @@ def test_only_float32_calls_leave_vllms_kernel():
 def test_install_wraps_both_forwards_of_vllms_op_once(monkeypatch):
     import importlib
 
-    from vllm_ddtree import float32_gdn_prefill, hybrid_gdn
+    from vllm_ddtree import hybrid_gdn
+    from vllm_ddtree.testing import float32_gdn_prefill
 
     module = importlib.import_module(hybrid_gdn.GDN_MODULE)
     op = module.ChunkGatedDeltaRule

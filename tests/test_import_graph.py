@@ -87,3 +87,40 @@ def test_only_the_package_entry_point_imports_the_installer():
         name for name, targets in graph.items() if "vllm_ddtree.vllm_patches" in targets
     )
     assert importers == ["vllm_ddtree"], importers
+
+
+def module_level_imports(path: str, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports when it is imported (not inside functions)."""
+    tree = ast.parse(open(path).read())
+    top = ast.Module(
+        body=[n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))],
+        type_ignores=[],
+    )
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    body = top.body + [n for c in classes for n in c.body if not isinstance(n, ast.FunctionDef)]
+    found = set()
+    for statement in body:
+        sub = ast.Module(body=[statement], type_ignores=[])
+        for node in ast.walk(sub):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = {f"{node.module}.{alias.name}" for alias in node.names}
+                found |= (names & modules) or {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+    return {name for name in found if name in modules}
+
+
+def test_production_modules_load_no_test_kit():
+    """``vllm_ddtree/testing/`` (tiny checkpoints, the oracle drafter, the float32 GDN prefill)
+    is imported by tests and benchmarks, and by production code only behind its test switch
+    (inside the function that found the switch set)."""
+    files = module_files()
+    names = set(files)
+    loading = {
+        name: sorted(
+            t for t in module_level_imports(path, names) if t.startswith("vllm_ddtree.testing")
+        )
+        for name, path in files.items()
+        if not name.startswith("vllm_ddtree.testing")
+    }
+    assert {name: kit for name, kit in loading.items() if kit} == {}

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from vllm_ddtree.oracle import DeviceOracle, HostOracle, match_sequence
+from vllm_ddtree.testing.oracle import DeviceOracle, HostOracle, match_sequence
 
 VOCAB = 50
 

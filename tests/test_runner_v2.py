@@ -223,8 +223,8 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     from types import SimpleNamespace
 
     from vllm_ddtree import runner_v2
-    from vllm_ddtree.oracle import DeviceOracle
     from vllm_ddtree.proposal_store import ProposalStore
+    from vllm_ddtree.testing.oracle import DeviceOracle
 
     depth, budget, vocab = 3, 6, 50
     sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]

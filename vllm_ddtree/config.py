@@ -151,6 +151,21 @@ HYBRID_ENGINE_ARGS = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching
 GDN_STATE_DTYPES = ("float32", "bfloat16")
 
 
+# Test switches (never on by default); what they switch on lives in vllm_ddtree/testing/, which
+# production code imports only when they are set.
+TEST_ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"  # testing/oracle.py: a controllable drafter
+FLOAT32_GDN_ENV = "VLLM_DDTREE_TEST_FLOAT32_GDN"  # testing/float32_gdn_prefill.py
+
+
+def oracle_path() -> str | None:
+    """The oracle file named by ``VLLM_DDTREE_TEST_ORACLE``, or None (the normal case)."""
+    return os.environ.get(TEST_ORACLE_ENV) or None
+
+
+def float32_gdn_prefill_requested() -> bool:
+    return os.environ.get(FLOAT32_GDN_ENV, "") == "1"
+
+
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"  # the user's choice: "v1", "v2", or unset (automatic)
 RUNNER_CHOICES = ("v1", "v2")
 # The runner chosen for the engine whose config this process made last (``choose_runner``);

@@ -8,7 +8,7 @@ logits ``[R, depth, V]`` go through ``build_trees`` on the device, and the ``bud
 keyed by request id, for each request's next scheduled step (``proposal_store.RequestTrees``,
 read by the runner hooks, ``runner_hooks.py``).
 
-Test-only mode: ``VLLM_DDTREE_TEST_ORACLE`` (``oracle.py``) replaces the drafter's logits by
+Test-only mode: ``VLLM_DDTREE_TEST_ORACLE`` (``testing/oracle.py``) replaces the drafter's logits by
 target-future noise, so the tree paths are exercised deeply even with random weights.
 """
 
@@ -19,10 +19,9 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import hybrid_gdn, step_checks
 from vllm_ddtree.compat import get_ddtree_config
-from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.config import DDTreeConfig, oracle_path
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
 from vllm_ddtree.ops.tree_build import build_draft_trees
-from vllm_ddtree.oracle import HostOracle, oracle_path
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.proposal_store import RequestTrees
 from vllm_ddtree.request_seeds import batch_seeds
@@ -40,8 +39,10 @@ class DDTreeProposer(DFlashProposer):
         self.proposals: RequestTrees | None = None
         if self.ddtree is not None:
             self.proposals = RequestTrees(self.ddtree.tree_budget, self.ddtree.depth)
-        self._oracle: HostOracle | None = None
-        if self.ddtree is not None and oracle_path():
+        self._oracle = None
+        if self.ddtree is not None and oracle_path():  # a test switch (testing/oracle.py)
+            from vllm_ddtree.testing.oracle import HostOracle
+
             self._oracle = HostOracle(oracle_path(), vllm_config.model_config.get_vocab_size())
         if self.ddtree is not None and vllm_config.model_config.is_hybrid:
             self._install_hybrid_tree_path(vllm_config, device)

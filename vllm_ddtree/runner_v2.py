@@ -36,13 +36,12 @@ import torch
 from tree_attn_backend import tree_verify
 from vllm_ddtree import compat, step_checks
 from vllm_ddtree.compat import get_ddtree_config, wrap_function
-from vllm_ddtree.config import RUNNER_ENV, uses_v2_runner
+from vllm_ddtree.config import RUNNER_ENV, oracle_path, uses_v2_runner
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.ops.tree_walk import walk_and_emit
-from vllm_ddtree.oracle import DeviceOracle, oracle_path
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.proposal_store import ProposalStore
 from vllm_ddtree.runner_hooks import (
@@ -125,8 +124,10 @@ def _speculator_class():
             # request state (vLLM's req_state index), read at each request's next step.
             self.proposals = ProposalStore(rows, budget, ddtree.depth, device)
             self.step: TreeStepV2 | None = None
-            self.oracle: DeviceOracle | None = None
-            if oracle_path():
+            self.oracle = None
+            if oracle_path():  # a test switch (testing/oracle.py)
+                from vllm_ddtree.testing.oracle import DeviceOracle
+
                 vocab_size = vllm_config.model_config.get_vocab_size()
                 self.oracle = DeviceOracle(oracle_path(), vocab_size, rows, device)
 

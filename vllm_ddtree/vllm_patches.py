@@ -37,7 +37,7 @@ Patches:
   CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
 
 * Test-only, with ``VLLM_DDTREE_TEST_FLOAT32_GDN=1``: float32 calls of vLLM's GDN
-  ``ChunkGatedDeltaRule`` run as a chain through the tree op (``float32_gdn_prefill.py``).
+  ``ChunkGatedDeltaRule`` run as a chain through the tree op (``testing/float32_gdn_prefill.py``).
 
 * ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (called by
   ``create_engine_config`` in the API / ``LLM`` process, before any engine process starts): a
@@ -80,6 +80,7 @@ from vllm_ddtree.config import (
     check_sampling_params,
     check_target_is_supported,
     choose_runner,
+    float32_gdn_prefill_requested,
     gives_batch_size_schedule,
     split_speculative_config,
     uses_v2_runner,
@@ -459,9 +460,11 @@ def _patch_cpu_model_runner(module) -> None:
 def _patch_model_runner_when_imported() -> None:
     _patch_when_imported(RUNNER_MODULE, _patch_model_runner)
     _patch_when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_model_runner)
-    from vllm_ddtree import float32_gdn_prefill, hybrid_gdn
+    from vllm_ddtree import hybrid_gdn
 
-    if float32_gdn_prefill.requested():  # test-only, see float32_gdn_prefill.py
+    if float32_gdn_prefill_requested():  # a test switch, see testing/float32_gdn_prefill.py
+        from vllm_ddtree.testing import float32_gdn_prefill
+
         _patch_when_imported(hybrid_gdn.GDN_MODULE, float32_gdn_prefill.install)
     if uses_v2_runner():
         _install_v2_hooks()

@@ -17,11 +17,9 @@ Two forms of the same rule:
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-TEST_ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"
 TRUTH_MARGIN = 8.0  # the ranked-first token's lead over the noise's maximum
 
 
@@ -30,11 +28,6 @@ def _load(path: str) -> dict:
         spec = json.load(f)
     spec["sequences"] = [list(s) for s in spec["sequences"]]
     return spec
-
-
-def oracle_path() -> str | None:
-    """The oracle file named by ``VLLM_DDTREE_TEST_ORACLE``, or None (the normal case)."""
-    return os.environ.get(TEST_ORACLE_ENV) or None
 
 
 def match_sequence(sequences: list[list[int]], prompt: list[int]) -> int:

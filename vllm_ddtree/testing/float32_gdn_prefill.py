@@ -12,20 +12,12 @@ float32 end to end (``benchmarks/lossless_gpu.py --hybrid``). Other dtypes go to
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm_ddtree.compat import wrap_function
 from vllm_ddtree.hybrid_gdn import gather_rows, row_token_index, scatter_rows
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
-
-FLOAT32_GDN_ENV = "VLLM_DDTREE_TEST_FLOAT32_GDN"
-
-
-def requested() -> bool:
-    return os.environ.get(FLOAT32_GDN_ENV, "") == "1"
 
 
 def chunk_gated_delta_rule_as_chain(
