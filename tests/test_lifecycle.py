@@ -11,13 +11,11 @@ fail, and every KV block must be free at the end.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.benchmark_modules import load_benchmark
+from tests.vllm_runs import run_helper
 
 pytest.importorskip("vllm")
 FUZZ = load_benchmark("lifecycle_fuzz")
@@ -42,16 +40,8 @@ def request(
 def run_plan(target: str, drafter: str, plan: dict, timeout: int = 900) -> dict:
     """``benchmarks/lifecycle_fuzz.py plan`` in a subprocess (vLLM engines keep process-wide
     state); its result."""
-    proc = subprocess.run(
-        [sys.executable, FUZZ.__file__, "plan", target, drafter, json.dumps(plan)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    args = ("plan", target, drafter, json.dumps(plan))
+    return run_helper(FUZZ.__file__, *args, timeout=timeout)[0]
 
 
 def check_lifecycle(result: dict) -> None:

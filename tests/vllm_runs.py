@@ -10,7 +10,8 @@ TREE_ATTN_ACTIVE = "TREE_ATTN: tree attention backend active"
 
 
 def run_helper(script: str, *args: str, timeout: int = 900) -> tuple[dict, str]:
-    """Run a helper script (``tests/helpers/``) that prints one ``RESULT {json}`` line.
+    """Run a script that prints one ``RESULT {json}`` line: a helper in ``tests/helpers/`` by
+    name, or any script by its path.
 
     Returns (the parsed result, the subprocess's whole log)."""
     proc = subprocess.run(
