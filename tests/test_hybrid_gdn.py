@@ -475,6 +475,7 @@ def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_ddtree.runner_hooks import _wrap_determine_batch_execution, rows_without_drafts
+    from vllm_ddtree.runner_state import runner_state
 
     budget = 8
     # vLLM's own rule: one 9-token prefill at budget 8 is a "uniform decode" batch.
@@ -490,15 +491,16 @@ def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
 
     seen = []
     wrapped = _wrap_determine_batch_execution(lambda self, **kw: seen.append(kw))
-    runner = SimpleNamespace(_ddtree_rows_without_drafts=True)
+    runner = SimpleNamespace()
+    runner_state(runner).rows_without_drafts = True
     wrapped(runner, num_tokens=9, num_reqs=1)
     assert seen[-1]["force_uniform_decode"] is False
     wrapped(runner, num_tokens=9, num_reqs=1)  # the answer belongs to one step
     assert "force_uniform_decode" not in seen[-1]
-    runner._ddtree_rows_without_drafts = False  # every request verifies a tree
+    runner_state(runner).rows_without_drafts = False  # every request verifies a tree
     wrapped(runner, num_tokens=18, num_reqs=2)
     assert "force_uniform_decode" not in seen[-1]
-    runner._ddtree_rows_without_drafts = True  # a capture says what it captures
+    runner_state(runner).rows_without_drafts = True  # a capture says what it captures
     wrapped(runner, num_tokens=9, num_reqs=1, force_uniform_decode=True)
     assert seen[-1]["force_uniform_decode"] is True
 
@@ -511,16 +513,17 @@ def test_a_chain_served_for_ddtree_gets_the_same_guard():
 
     from vllm_ddtree.compat import DDTREE_CHAIN_ATTR
     from vllm_ddtree.runner_hooks import _wrap_prepare_inputs
+    from vllm_ddtree.runner_state import HANDLE, runner_state
 
     with_a_prefill = SimpleNamespace(num_draft_tokens=[15, 0])
     prepare = _wrap_prepare_inputs(lambda self, out, counts: (None, with_a_prefill))
     served = SimpleNamespace(drafter=None, speculative_config=SimpleNamespace())
     setattr(served.speculative_config, DDTREE_CHAIN_ATTR, True)
     prepare(served, None, [16, 16])
-    assert served._ddtree_rows_without_drafts is True
+    assert runner_state(served).rows_without_drafts is True
     plain = SimpleNamespace(drafter=None, speculative_config=SimpleNamespace())
     prepare(plain, None, [16, 16])
-    assert not hasattr(plain, "_ddtree_rows_without_drafts")
+    assert not hasattr(plain, HANDLE)  # a plain DFlash runner gets no DDTree state
 
 
 def test_layer_buffers_exist_while_vllm_profiles_memory(monkeypatch):

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vllm_ddtree.runner_state import runner_state
+
 
 def _random_seed() -> int:
     """A 63-bit seed from torch's default CPU generator."""
@@ -50,11 +52,11 @@ class RequestSeeds:
 
 
 def runner_seeds(runner) -> RequestSeeds:
-    """The V1 runner's seed table (created on first use)."""
-    table = getattr(runner, "_ddtree_seeds", None)
-    if table is None:
-        table = runner._ddtree_seeds = RequestSeeds(keep=lambda req_id: req_id in runner.requests)
-    return table
+    """The V1 runner's seed table (created on first use, kept in its ``RunnerState``)."""
+    state = runner_state(runner)
+    if state.seeds is None:
+        state.seeds = RequestSeeds(keep=lambda req_id: req_id in runner.requests)
+    return state.seeds
 
 
 def batch_seeds(runner, num_reqs: int, device: torch.device) -> torch.Tensor:

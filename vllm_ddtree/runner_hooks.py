@@ -44,6 +44,7 @@ from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.request_seeds import batch_seeds
+from vllm_ddtree.runner_state import HANDLE, runner_state
 from vllm_ddtree.tree import DDTreeBatch
 
 
@@ -179,23 +180,23 @@ class StepTableUpload:
 
 
 def _upload(runner) -> StepTableUpload:
-    upload = getattr(runner, "_ddtree_upload", None)
-    if upload is None:
-        upload = StepTableUpload(rows=6, device=runner.positions.device)
-        runner._ddtree_upload = upload
-    return upload
+    state = runner_state(runner)
+    if state.upload is None:
+        state.upload = StepTableUpload(rows=6, device=runner.positions.device)
+    return state.upload
 
 
 def _wrap_prepare_inputs(original):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = original(self, scheduler_output, num_scheduled_tokens)
         drafter = _ddtree_proposer(self)
-        self._ddtree_step = None
         logits_indices, spec_decode_metadata = result
-        self._ddtree_logits_indices = logits_indices  # the sampled rows (keys of their noise)
         # For the graph dispatch after this (in "auto"'s chain too, where the same bug hits).
         if drafter is not None or serves_chain_for_ddtree(self):
-            self._ddtree_rows_without_drafts = rows_without_drafts(spec_decode_metadata)
+            state = runner_state(self)
+            state.step = None
+            state.logits_indices = logits_indices  # the sampled rows (keys of their noise)
+            state.rows_without_drafts = rows_without_drafts(spec_decode_metadata)
         if drafter is None:
             tree_verify.publish(None)
             return result
@@ -241,8 +242,10 @@ def _wrap_determine_batch_execution(original):
     Capture runs (``force_uniform_decode`` given) are left as vLLM asks."""
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
-        without_tree = getattr(self, "_ddtree_rows_without_drafts", False)
-        self._ddtree_rows_without_drafts = False  # one step's answer, read once
+        state = getattr(self, HANDLE, None)
+        without_tree = state is not None and state.rows_without_drafts
+        if state is not None:
+            state.rows_without_drafts = False  # one step's answer, read once
         positional_force = len(args) >= 8  # vLLM 0.26.0 passes it by keyword
         if without_tree and not positional_force and kwargs.get("force_uniform_decode") is None:
             kwargs["force_uniform_decode"] = False
@@ -273,7 +276,7 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     trees = taken.trees(ddtree.tree_budget, ddtree.depth, source_d, num_nodes_d)
     step_checks.check_tree_tokens(runner.input_ids.gpu, trees, query_start_d)
     step = StepTrees(trees=trees, query_start=query_start_d, num_draft=num_draft_d)
-    runner._ddtree_step = step
+    runner_state(runner).step = step
 
     set_tree_step_inputs(
         trees,
@@ -428,7 +431,7 @@ def _keyed_rows(runner, num_reqs: int):
     def row_seeds_and_keys(request_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = request_of_row.device
         seeds = batch_seeds(runner, num_reqs, device).index_select(0, request_of_row)
-        rows = runner._ddtree_logits_indices.to(device)
+        rows = runner_state(runner).logits_indices.to(device)
         return seeds, runner.positions.index_select(0, rows).long()
 
     return row_seeds_and_keys
@@ -463,9 +466,9 @@ def _sample_without_trees(runner, original, logits):
 
 def _wrap_sample(original):
     def _sample(self, logits, spec_decode_metadata):
-        step = getattr(self, "_ddtree_step", None)
         if _ddtree_proposer(self) is None:
             return original(self, logits, spec_decode_metadata)
+        step = runner_state(self).step
         if spec_decode_metadata is None:
             return _sample_without_trees(self, original, logits)
         if step is None:
@@ -525,7 +528,8 @@ def _tree_attention_layers(runner) -> list:
     from tree_attn_backend.backend import TreeAttentionImpl
 
     context = runner.compilation_config.static_forward_context
-    cached = getattr(runner, "_ddtree_tree_layers", None)
+    state = runner_state(runner)
+    cached = state.tree_layers
     if cached is not None and cached[0] is context and cached[1] == len(context):
         return cached[2]
     layers = [
@@ -533,7 +537,7 @@ def _tree_attention_layers(runner) -> list:
         for layer in context.values()
         if isinstance(getattr(layer, "impl", None), TreeAttentionImpl)
     ]
-    runner._ddtree_tree_layers = (context, len(context), layers)
+    state.tree_layers = (context, len(context), layers)
     return layers
 
 
@@ -560,7 +564,8 @@ def _kv_layer_groups(runner) -> list[PagedKVLayers]:
         tuple(map(id, objects)),
         (live[0].data_ptr(), live[-1].data_ptr()) if live else (),
     )
-    cached = getattr(runner, "_ddtree_kv_layers", None)
+    state = runner_state(runner)
+    cached = state.kv_layers
     if cached is not None and cached[0] == quick_key:
         return cached[1]
     caches = [c for c in live if c.numel()]
@@ -574,7 +579,7 @@ def _kv_layer_groups(runner) -> list[PagedKVLayers]:
         for group in by_layout.values()
     ]
     if len(caches) == len(objects):  # every cache allocated: keep the tables
-        runner._ddtree_kv_layers = (quick_key, groups)
+        state.kv_layers = (quick_key, groups)
     return groups
 
 
@@ -622,8 +627,9 @@ def _wrap_propose(original):
     def propose_draft_token_ids(self, *args, **kwargs):
         # vLLM 0.26.0 signature: (scheduler_output, sampled_token_ids, sampling_metadata,
         # hidden_states, sample_hidden_states, aux_hidden_states, ...): aux is the 6th.
-        step = getattr(self, "_ddtree_step", None)
-        if step is not None and step.accepted is not None and _ddtree_proposer(self):
+        drafter = _ddtree_proposer(self)
+        step = runner_state(self).step if drafter is not None else None
+        if step is not None and step.accepted is not None:
             aux_hidden_states = kwargs.get("aux_hidden_states", args[5] if len(args) > 5 else None)
             with step_range("ddtree::move_path_rows_first"):
                 _move_path_rows_first(self, step, aux_hidden_states)
