@@ -126,7 +126,7 @@ def test_v1_request_trees_take_each_requests_own_latest_proposal():
     second = build_trees(torch.randn(2, DEPTH, VOCAB, generator=gen) * 3, BUDGET)
     store.proposed(["a", "b"], second)
     taken = store.take(["b", "c", "d", "a"], np.array([BUDGET, 3, BUDGET, BUDGET]))
-    trees = taken.trees(BUDGET, DEPTH, *tables(taken))
+    trees = taken.trees(*tables(taken))
     want = {"b": (second, 1, BUDGET), "c": (first, 2, 3), "a": (second, 0, BUDGET)}
     for row, req_id in enumerate(["b", "c", "d", "a"]):
         if req_id not in want:
@@ -146,7 +146,7 @@ def test_v1_a_steady_step_verifies_the_proposal_in_place():
     trees = build_trees(torch.randn(2, DEPTH, VOCAB, generator=gen) * 3, BUDGET)
     store.proposed(["a", "b"], trees)
     taken = store.take(["a", "b"], np.array([BUDGET, BUDGET]))
-    assert taken.trees(BUDGET, DEPTH, *tables(taken)) is trees
+    assert taken.trees(*tables(taken)) is trees
     store.proposed(["a", "b"], trees)
     store.forget_all_but({"b"})  # "a" finished
     assert store.take(["a", "b"], np.array([BUDGET, BUDGET])).num_nodes.tolist() == [0, BUDGET]

@@ -144,24 +144,30 @@ class RequestTrees:
                 sources.append(trees)
             source[r] = offsets[id(trees)] + row
         num_nodes = np.where(source >= 0, num_draft, 0)
-        return TakenTrees(sources, source, num_nodes)
+        return TakenTrees(sources, source, num_nodes, self.budget, self.depth)
 
 
 class TakenTrees:
     """The proposals one V1 step verifies: ``sources`` (the proposals they come from),
     ``source`` long ``[R]`` (each request's row in them, stacked; -1: no tree) and
-    ``num_nodes`` long ``[R]`` (the nodes to verify: its scheduled drafts, or 0)."""
+    ``num_nodes`` long ``[R]`` (the nodes to verify: its scheduled drafts, or 0), host side."""
 
-    def __init__(self, sources: list[DDTreeBatch], source: np.ndarray, num_nodes: np.ndarray):
+    def __init__(
+        self,
+        sources: list[DDTreeBatch],
+        source: np.ndarray,
+        num_nodes: np.ndarray,
+        budget: int,
+        depth: int,
+    ):
         self.sources, self.source, self.num_nodes = sources, source, num_nodes
+        self.budget, self.depth = budget, depth
 
-    def trees(
-        self, budget: int, depth: int, source: torch.Tensor, num_nodes: torch.Tensor
-    ) -> DDTreeBatch:
+    def trees(self, source: torch.Tensor, num_nodes: torch.Tensor) -> DDTreeBatch:
         """``[R, budget]`` trees (``source``, ``num_nodes``: the same tables on the device)."""
-        num_reqs = len(self.source)
+        num_reqs, budget = len(self.source), self.budget
         if not self.sources:
-            return empty_batch(num_reqs, budget, depth, source.device)
+            return empty_batch(num_reqs, budget, self.depth, source.device)
         if len(self.sources) == 1:
             stacked = self.sources[0]
             steady = (

@@ -272,8 +272,7 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     query_start_d, num_draft_d, counts_d, source_d, num_nodes_d, is_tree_d = _upload(runner).send(
         query_start, num_draft, counts, taken.source, taken.num_nodes, num_draft > 0
     )
-    ddtree = drafter.ddtree
-    trees = taken.trees(ddtree.tree_budget, ddtree.depth, source_d, num_nodes_d)
+    trees = taken.trees(source_d, num_nodes_d)
     step_checks.check_tree_tokens(runner.input_ids.gpu, trees, query_start_d)
     step = StepTrees(trees=trees, query_start=query_start_d, num_draft=num_draft_d)
     runner_state(runner).step = step
