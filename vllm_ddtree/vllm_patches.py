@@ -1,7 +1,10 @@
-"""Every change vllm-ddtree makes to vLLM at run time, in one place.
+"""The installer: what vllm-ddtree changes in vLLM at run time, and where.
 
-Written against vLLM 0.26.0. Each patch names the vLLM function it wraps; ``apply()`` checks
-that the function still has the shape this module expects and fails loudly if vLLM changed.
+Written against vLLM 0.26.0. Each patch names the vLLM function it wraps and goes through
+``compat`` (one applied-marker; the wrapped function's parameters checked by name; a
+``VLLMIncompatibleError`` naming the symbol if vLLM changed). The V1 and V2 runner hooks
+(``runner_hooks.install``, ``runner_v2.install``) and the GatedDeltaNet tree path
+(``hybrid_gdn.install``) install their own wraps the same way when vLLM imports their modules.
 
 Patches:
 
@@ -14,8 +17,10 @@ Patches:
 * ``vllm.v1.core.sched.scheduler.Scheduler.__init__``: the KV lookahead a request gets each
   step covers every slot the DDTree drafter writes (``DDTreeConfig.kv_lookahead``).
 * ``vllm.v1.worker.gpu_model_runner``: ``DFlashProposer`` is replaced by ``DDTreeProposer`` and
-  ``runner_hooks.install`` wraps the V1 runner's ``_prepare_inputs``, ``_sample`` and
-  ``propose_draft_token_ids`` (inert unless DDTree is configured), when that module is imported.
+  ``runner_hooks.install`` wraps the V1 runner's ``profile_run``, ``capture_model``,
+  ``_prepare_inputs``, ``_determine_batch_execution_and_padding``, ``_sample``,
+  ``_input_fits_in_drafter`` and ``propose_draft_token_ids`` (inert unless DDTree is
+  configured), when that module is imported.
 * ``GPUModelRunner.get_kv_cache_spec`` (V1 and V2 runners): every attention layer's spec gets
   the same ``indexes_kv_by_block_stride`` (``kv_specs.py``), so that on hybrid targets the
   drafter's layers share one KV-cache group with the target's TREE_ATTN layers.
@@ -33,6 +38,8 @@ Patches:
   tree sampler cannot apply yet (penalties, logprobs, allowed_token_ids, bad_words, thinking
   budgets, structured outputs) is refused with an error naming the fields, instead of failing
   inside the engine.
+* ``vllm.engine.arg_utils.EngineArgs.create_engine_config``: the checks that need the resolved
+  config (GatedDeltaNet tree states must fit the memory vLLM may use).
 * ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
   CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
 
