@@ -76,6 +76,14 @@ def check_signature(fn: Callable, expected: Sequence[str], where: str) -> None:
         raise incompatible(f"{where}{tuple(params)} changed (expected {tuple(expected)})")
 
 
+def _marked_wrapper(original: Callable, make_wrapper: Callable[[Callable], Callable]):
+    """``make_wrapper(original)`` with ``original``'s name, docs and ``__wrapped__``, marked
+    ``APPLIED``."""
+    wrapped = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapped, APPLIED, True)
+    return wrapped
+
+
 def wrap_function(
     owner: Any,
     name: str,
@@ -92,9 +100,7 @@ def wrap_function(
         return
     if expected is not None:
         check_signature(original, expected, f"{where}.{name}")
-    wrapped = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapped, APPLIED, True)
-    setattr(owner, name, wrapped)
+    setattr(owner, name, _marked_wrapper(original, make_wrapper))
 
 
 def wrap_classmethod(cls: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
@@ -105,9 +111,7 @@ def wrap_classmethod(cls: type, name: str, make_wrapper: Callable[[Callable], Ca
         raise incompatible(f"{cls.__name__}.{name} is no longer a classmethod")
     if is_applied(member.__func__):
         return
-    wrapped = functools.wraps(member.__func__)(make_wrapper(member.__func__))
-    setattr(wrapped, APPLIED, True)
-    setattr(cls, name, classmethod(wrapped))
+    setattr(cls, name, classmethod(_marked_wrapper(member.__func__, make_wrapper)))
 
 
 def wrap_property(cls: type, name: str, make_getter: Callable[[Callable], Callable]) -> None:
@@ -117,9 +121,7 @@ def wrap_property(cls: type, name: str, make_getter: Callable[[Callable], Callab
         raise incompatible(f"{cls.__name__}.{name} is no longer a property")
     if is_applied(prop.fget):
         return
-    getter = functools.wraps(prop.fget)(make_getter(prop.fget))
-    setattr(getter, APPLIED, True)
-    setattr(cls, name, property(getter))
+    setattr(cls, name, property(_marked_wrapper(prop.fget, make_getter)))
 
 
 def replace_attribute(owner: Any, name: str, where: str, value: Any, base: type) -> None:
@@ -128,7 +130,7 @@ def replace_attribute(owner: Any, name: str, where: str, value: Any, base: type)
     current = getattr(owner, name, None)
     if current is value:
         return
-    if not (isinstance(current, type) and issubclass(value, current) and current is base):
+    if current is not base or not issubclass(value, base):
         raise incompatible(f"{where}.{name} is {current!r}, not vLLM's {base.__name__}")
     setattr(owner, name, value)
 
