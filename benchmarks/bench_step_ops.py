@@ -37,7 +37,7 @@ from vllm_ddtree.ops.path_rows import move_path_rows  # noqa: E402
 from vllm_ddtree.ops.tree_build import build_draft_trees  # noqa: E402
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_triton  # noqa: E402
 from vllm_ddtree.ops.tree_walk import walk_and_emit  # noqa: E402
-from vllm_ddtree.proposal_store import ProposalStore  # noqa: E402
+from vllm_ddtree.spec_decode.proposal_store import ProposalStore  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, KV_HEADS, HEAD, BLOCK, DEPTH, FEATURES = 49152, 576, 30, 3, 64, 16, 15, 4
 

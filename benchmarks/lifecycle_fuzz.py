@@ -16,7 +16,7 @@ the reference engine only.
 2. Each run: a DDTree engine driven step by step (``LLMEngine.step``); requests join at their
    ``arrive`` step and are aborted ``abort`` steps later; the scheduler preempts, chunks and
    prefix-caches as the engine settings make it. Every step checks its invariants
-   (``VLLM_DDTREE_CHECK_STEPS=1``, ``vllm_ddtree/step_checks.py``).
+   (``VLLM_DDTREE_CHECK_STEPS=1``, ``vllm_ddtree/spec_decode/step_checks.py``).
 
 Prints ``RESULT {json}``: the truth, the requests, and per run each request's tokens, whether
 it finished or was aborted, the error that stopped the engine (if any), the KV blocks free at
@@ -400,5 +400,5 @@ def main() -> int:
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_DDTREE_CHECK_STEPS", "1")  # vllm_ddtree/step_checks.py
+    os.environ.setdefault("VLLM_DDTREE_CHECK_STEPS", "1")  # vllm_ddtree/spec_decode/step_checks.py
     sys.exit(main())

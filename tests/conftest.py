@@ -33,12 +33,3 @@ def tiny_target(tiny_target_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_path, dtype=torch.float32)
     return model.eval()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_runner_choice(monkeypatch):
-    """Each test starts without the runner an earlier test's engine config chose
-    (``config.choose_runner`` records it in the process environment for the engine's processes)."""
-    from vllm_ddtree.config import CHOSEN_RUNNER_ENV
-
-    monkeypatch.delenv(CHOSEN_RUNNER_ENV, raising=False)

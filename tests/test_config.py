@@ -43,11 +43,11 @@ def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
     predicted 10% faster) and budget 16 at vLLM's default request limit (judged at the largest
     measured batch, 64)."""
     assert DEFAULT_TREE_BUDGET == "auto"
-    monkeypatch.setenv("VLLM_DDTREE_CHOSEN_RUNNER", "v1")
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v1")
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"})
     assert ddtree is None
     assert vllm_part == {"method": "dflash", "model": "d", "num_speculative_tokens": 15}
-    monkeypatch.setenv("VLLM_DDTREE_CHOSEN_RUNNER", "v2")
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     _, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=1)
     assert ddtree is not None and ddtree.tree_budget == 128
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=16)
@@ -144,14 +144,14 @@ def test_drafter_config_is_read_from_a_local_checkpoint(tiny_drafter_path):
 def test_the_runner_is_v2_for_dense_gpu_targets_unless_the_user_says(monkeypatch):
     """V2 for attention-only targets on one GPU or tensor-parallel GPUs (checked at TP = 2:
     ``benchmarks/results/tp2_v2_f59dea1``), V1 for hybrids, pipeline parallel and the CPU."""
-    from vllm_ddtree.config import CHOSEN_RUNNER_ENV, choose_runner, uses_v2_runner
+    from vllm_ddtree.config import choose_runner
 
     monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
     dense = dict(on_gpu=True, has_recurrent_layers=False, tensor_parallel_size=1)
-    assert choose_runner(**dense) == "v2" and uses_v2_runner()
-    assert os.environ[CHOSEN_RUNNER_ENV] == "v2"  # what the engine's processes inherit
+    before = dict(os.environ)
+    assert choose_runner(**dense) == "v2"
+    assert dict(os.environ) == before  # the choice travels in the config, not the environment
     assert choose_runner(**{**dense, "has_recurrent_layers": True}) == "v1"
-    assert not uses_v2_runner()
     assert choose_runner(**{**dense, "tensor_parallel_size": 2}) == "v2"
     assert choose_runner(**{**dense, "pipeline_parallel_size": 2}) == "v1"
     assert choose_runner(**{**dense, "on_gpu": False}) == "v1"

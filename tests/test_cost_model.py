@@ -216,7 +216,7 @@ def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
     for runner in ("v1", "v2"):
         config._automatic_budget(None, 1, 15, runner)
     assert seen == ["V1", "V2"]
-    # split_speculative_config without a runner: the one uses_v2_runner reports.
+    # split_speculative_config without a runner: the user's VLLM_DDTREE_RUNNER, else V1.
     for value in ("", "v2"):
         monkeypatch.setenv("VLLM_DDTREE_RUNNER", value)
         split_speculative_config(

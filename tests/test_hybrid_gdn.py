@@ -343,13 +343,18 @@ def check_graph_padding(graph_pad: int) -> None:
         torch.testing.assert_close(padded, unpadded, atol=0, rtol=0)
 
 
-def test_install_routes_only_the_speculative_gdn_calls(monkeypatch):
-    """vLLM's module-level functions are wrapped: the speculative calls (those with
-    ``num_accepted_tokens``) go to the tree step, every other call to vLLM's function;
-    after ``uninstall`` everything goes to vLLM's function."""
+def test_install_routes_only_the_speculative_gdn_calls_of_a_ddtree_forward(monkeypatch):
+    """vLLM's module-level functions are wrapped: in a forward whose TREE_ATTN metadata carries
+    a DDTree step state with a hybrid step, the speculative calls (those with
+    ``num_accepted_tokens``) go to that step; every other call, and every call outside such a
+    forward, to vLLM's function."""
     import importlib
+    from types import SimpleNamespace
+
+    from vllm.forward_context import override_forward_context
 
     from vllm_ddtree import hybrid_gdn
+    from vllm_ddtree.spec_decode.step_state import StepState
 
     module = importlib.import_module(hybrid_gdn.GDN_MODULE)
     calls = []
@@ -357,35 +362,51 @@ def test_install_routes_only_the_speculative_gdn_calls(monkeypatch):
     monkeypatch.setattr(
         module, "fused_sigmoid_gating_delta_rule_update", lambda *a, **k: calls.append("rec")
     )
-    monkeypatch.setattr(hybrid_gdn, "_ACTIVE", None)
-    step = hybrid_gdn.install(max_rows=2, tokens_per_row=3, device=torch.device("cpu"))
+    hybrid_gdn.install(torch.device("cpu"))
+    step = hybrid_gdn.HybridTreeStep(max_rows=2, tokens_per_row=3, device=torch.device("cpu"))
     monkeypatch.setattr(step, "tree_conv", lambda *a: calls.append("tree_conv"))
     monkeypatch.setattr(step, "tree_recurrence", lambda *a: calls.append("tree_rec"))
     indices = torch.zeros(2, 3, dtype=torch.int32)
     conv, rec = module.causal_conv1d_update, module.fused_sigmoid_gating_delta_rule_update
     speculative = dict(num_accepted_tokens=indices[0], query_start_loc=indices[0], max_query_len=3)
-    conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], validate_data=True)  # decode
-    conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], **speculative)
-    rec(q=1, ssm_state_indices=indices[:, 0], num_accepted_tokens=None)  # plain decode
-    rec(
-        cu_seqlens=indices[0],
-        A_log=1,
-        a=2,
-        b=3,
-        dt_bias=4,
-        q=5,
-        k=6,
-        v=7,
-        initial_state=8,
-        ssm_state_indices=indices,
-        num_accepted_tokens=indices[0],
+
+    def every_call():
+        conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], validate_data=True)  # decode
+        conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], **speculative)
+        rec(q=1, ssm_state_indices=indices[:, 0], num_accepted_tokens=None)  # plain decode
+        rec(
+            cu_seqlens=indices[0],
+            A_log=1,
+            a=2,
+            b=3,
+            dt_bias=4,
+            q=5,
+            k=6,
+            v=7,
+            initial_state=8,
+            ssm_state_indices=indices,
+            num_accepted_tokens=indices[0],
+        )
+
+    tree_forward = SimpleNamespace(
+        attn_metadata={
+            "model.layers.0.linear_attn": SimpleNamespace(),  # a GDN layer's metadata
+            "model.layers.3.self_attn": SimpleNamespace(tree_source=StepState(hybrid=step)),
+        }
     )
+    with override_forward_context(tree_forward):
+        every_call()
     assert calls == ["conv", "tree_conv", "rec", "tree_rec"]
-    assert hybrid_gdn.install(2, 3, torch.device("cpu")) is hybrid_gdn.active_step()
+    hybrid_gdn.install(torch.device("cpu"))
     assert module.causal_conv1d_update is conv, "installing twice does not wrap twice"
-    hybrid_gdn.uninstall()
-    conv(1, 2, 3, 4, "silu", conv_state_indices=indices[:, 0], **speculative)
-    assert calls[-1] == "conv"
+    calls.clear()
+    every_call()  # outside a forward
+    plain_forward = SimpleNamespace(
+        attn_metadata={"model.layers.3.self_attn": SimpleNamespace(tree_source=StepState())}
+    )
+    with override_forward_context(plain_forward):  # a dense DDTree engine's forward
+        every_call()
+    assert calls == ["conv", "conv", "rec", "rec"] * 2
 
 
 def test_every_hybrid_architecture_accepted_uses_the_gdn_layer_the_tree_path_routes():
@@ -417,7 +438,7 @@ def test_the_gdn_layers_speculative_rows_must_be_the_tree_rows():
     in one set only is refused loudly (its tree would run through the GDN layers as a chain)."""
     import numpy as np
 
-    from vllm_ddtree.runner_hooks import check_gdn_rows_are_tree_rows
+    from vllm_ddtree.spec_decode.v1_hooks import check_gdn_rows_are_tree_rows
 
     check_gdn_rows_are_tree_rows(np.array([8, -1, 5]), np.array([8, 0, 5]))
     with pytest.raises(RuntimeError, match=r"disagree .*batch rows \[1\]"):
@@ -474,8 +495,11 @@ def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_ddtree.runner_hooks import _wrap_determine_batch_execution, rows_without_drafts
-    from vllm_ddtree.runner_state import runner_state
+    from vllm_ddtree.spec_decode.step_state import runner_step_state
+    from vllm_ddtree.spec_decode.v1_hooks import (
+        _wrap_determine_batch_execution,
+        rows_without_drafts,
+    )
 
     budget = 8
     # vLLM's own rule: one 9-token prefill at budget 8 is a "uniform decode" batch.
@@ -490,19 +514,36 @@ def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
     assert not rows_without_drafts(SimpleNamespace(num_draft_tokens=[budget, budget]))
 
     seen = []
-    wrapped = _wrap_determine_batch_execution(lambda self, **kw: seen.append(kw))
+
+    def original(  # vLLM 0.26.0's parameters (v1_hooks.EXPECTED_SIGNATURES)
+        self,
+        num_tokens,
+        num_reqs,
+        num_scheduled_tokens_np=None,
+        max_num_scheduled_tokens=None,
+        use_cascade_attn=False,
+        allow_microbatching=False,
+        force_eager=False,
+        force_uniform_decode=None,
+    ):
+        seen.append(force_uniform_decode)
+
+    wrapped = _wrap_determine_batch_execution(original)
     runner = SimpleNamespace()
-    runner_state(runner).rows_without_drafts = True
+    runner_step_state(runner).rows_without_drafts = True
     wrapped(runner, num_tokens=9, num_reqs=1)
-    assert seen[-1]["force_uniform_decode"] is False
+    assert seen[-1] is False
     wrapped(runner, num_tokens=9, num_reqs=1)  # the answer belongs to one step
-    assert "force_uniform_decode" not in seen[-1]
-    runner_state(runner).rows_without_drafts = False  # every request verifies a tree
+    assert seen[-1] is None
+    runner_step_state(runner).rows_without_drafts = False  # every request verifies a tree
     wrapped(runner, num_tokens=18, num_reqs=2)
-    assert "force_uniform_decode" not in seen[-1]
-    runner_state(runner).rows_without_drafts = True  # a capture says what it captures
+    assert seen[-1] is None
+    runner_step_state(runner).rows_without_drafts = True  # a capture says what it captures
     wrapped(runner, num_tokens=9, num_reqs=1, force_uniform_decode=True)
-    assert seen[-1]["force_uniform_decode"] is True
+    assert seen[-1] is True
+    runner_step_state(runner).rows_without_drafts = True  # bound by name, not by position
+    wrapped(runner, 9, 1, None, 9, False, False, False, None)
+    assert seen[-1] is False
 
 
 def test_a_chain_served_for_ddtree_gets_the_same_guard():
@@ -512,15 +553,15 @@ def test_a_chain_served_for_ddtree_gets_the_same_guard():
     from types import SimpleNamespace
 
     from vllm_ddtree.compat import DDTREE_CHAIN_ATTR
-    from vllm_ddtree.runner_hooks import _wrap_prepare_inputs
-    from vllm_ddtree.runner_state import HANDLE, runner_state
+    from vllm_ddtree.spec_decode.step_state import HANDLE, runner_step_state
+    from vllm_ddtree.spec_decode.v1_hooks import _wrap_prepare_inputs
 
     with_a_prefill = SimpleNamespace(num_draft_tokens=[15, 0])
     prepare = _wrap_prepare_inputs(lambda self, out, counts: (None, with_a_prefill))
     served = SimpleNamespace(drafter=None, speculative_config=SimpleNamespace())
     setattr(served.speculative_config, DDTREE_CHAIN_ATTR, True)
     prepare(served, None, [16, 16])
-    assert runner_state(served).rows_without_drafts is True
+    assert runner_step_state(served).rows_without_drafts is True
     plain = SimpleNamespace(drafter=None, speculative_config=SimpleNamespace())
     prepare(plain, None, [16, 16])
     assert not hasattr(plain, HANDLE)  # a plain DFlash runner gets no DDTree state
@@ -532,14 +573,15 @@ def test_layer_buffers_exist_while_vllm_profiles_memory(monkeypatch):
     share), so they are counted as the engine's own memory."""
     from types import SimpleNamespace
 
-    from vllm_ddtree import runner_hooks
+    from vllm_ddtree.spec_decode import v1_hooks
+    from vllm_ddtree.spec_decode.step_state import StepState
 
     gen = torch.Generator().manual_seed(4)
     layer, _, step = layer_table_step(2, 4, gen)
     model = torch.nn.Sequential(GDNLikeModule(layer))
-    monkeypatch.setattr(hybrid_gdn, "_ACTIVE", step)
-    monkeypatch.setattr(runner_hooks, "_ddtree_proposer", lambda runner: runner)
+    drafter = SimpleNamespace(state=StepState(hybrid=step))
+    monkeypatch.setattr(v1_hooks, "_ddtree_proposer", lambda runner: drafter)
     seen = []
-    profile_run = runner_hooks._wrap_profile_run(lambda runner: seen.append(len(step.layers)))
+    profile_run = v1_hooks._wrap_profile_run(lambda runner: seen.append(len(step.layers)))
     profile_run(SimpleNamespace(get_model=lambda: model))
     assert seen == [1]

@@ -75,7 +75,7 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_no_import_circle_in_the_package():
     graph = import_graph()
-    assert "vllm_ddtree.runner_hooks" in graph and graph["vllm_ddtree.runner_v2"]
+    assert graph["vllm_ddtree.spec_decode.v1_hooks"] and graph["vllm_ddtree.spec_decode.v2_hooks"]
     assert find_cycle(graph) is None, find_cycle(graph)
 
 
@@ -124,3 +124,28 @@ def test_production_modules_load_no_test_kit():
         if not name.startswith("vllm_ddtree.testing")
     }
     assert {name: kit for name, kit in loading.items() if kit} == {}
+
+
+# Process-wide by nature: the plugin registers once per process; the phase timer is a
+# benchmark's switch for the whole process (``benchmarks/step_split.py``).
+PROCESS_WIDE = {"vllm_ddtree": {"_registered"}, "vllm_ddtree.profiling": {"_PHASE_TIMES"}}
+
+
+def test_no_step_state_in_module_globals():
+    """A step's state lives in its ``StepState`` (``spec_decode/step_state.py``): no module
+    rebinds a global (``global name``) but the process-wide switches above, and no module
+    writes the process environment to carry a choice to the engine's processes."""
+    rebinding = {}
+    writes_environment = []
+    for name, path in module_files().items():
+        tree = ast.parse(open(path).read())
+        names = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+        if names - PROCESS_WIDE.get(name, set()):
+            rebinding[name] = sorted(names)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if isinstance(target, ast.Subscript) and "environ" in ast.unparse(target.value):
+                    writes_environment.append(f"{name}: {ast.unparse(node)}")
+    assert rebinding == {}, rebinding
+    assert writes_environment == [], writes_environment

@@ -147,7 +147,7 @@ def test_v2_perturbation_is_the_noise_vllms_sampler_draws():
 def test_request_seeds_are_explicit_or_drawn_alike_on_every_rank():
     """A seeded request keeps its seed; an unseeded one gets one from torch's default
     generator, so two ranks seeded alike (as vLLM seeds its workers) draw the same seeds."""
-    from vllm_ddtree.request_seeds import RequestSeeds
+    from vllm_ddtree.spec_decode.request_seeds import RequestSeeds
 
     explicit = {"a": 5, "b": None, "c": None}
     drawn = []

@@ -174,13 +174,14 @@ def test_kernels_under_interpreter():
 
 
 def test_the_runners_layer_tables_are_reused_until_a_cache_changes():
-    """``runner_hooks._kv_layer_groups`` (the GPU commit's launch tables): built once from the
+    """``tree_step._kv_layer_groups`` (the GPU commit's launch tables): built once from the
     target's TREE_ATTN layers (other layers left out), reused while the caches stay, rebuilt
     when vLLM gives a layer a new cache, and not kept while a cache is still unallocated."""
     from types import SimpleNamespace
 
     from tree_attn_backend.backend import TreeAttentionImpl
-    from vllm_ddtree import runner_hooks
+    from vllm_ddtree.spec_decode import tree_step
+    from vllm_ddtree.spec_decode.step_state import StepState
 
     def tree_layer(cache):
         return SimpleNamespace(impl=object.__new__(TreeAttentionImpl), kv_cache=[cache])
@@ -189,13 +190,14 @@ def test_the_runners_layer_tables_are_reused_until_a_cache_changes():
     layers = {f"l{i}": tree_layer(torch.zeros(shape)) for i in range(3)}
     layers["drafter"] = SimpleNamespace(impl=object(), kv_cache=[torch.zeros(shape)])
     runner = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
-    first = runner_hooks._kv_layer_groups(runner)
+    state = StepState()
+    first = tree_step._kv_layer_groups(runner, state)
     assert len(first) == 1 and first[0].num_layers == 3
-    assert runner_hooks._kv_layer_groups(runner) is first
+    assert tree_step._kv_layer_groups(runner, state) is first
     layers["l1"].kv_cache = [torch.ones(shape)]  # a new cache (e.g. re-allocated)
-    second = runner_hooks._kv_layer_groups(runner)
+    second = tree_step._kv_layer_groups(runner, state)
     assert second is not first
     assert second[0].key_ptrs[1] == layers["l1"].kv_cache[0][0].data_ptr()
     layers["l2"].kv_cache = [torch.zeros(0)]  # not allocated yet: tables not kept
-    partial = runner_hooks._kv_layer_groups(runner)
-    assert partial[0].num_layers == 2 and runner_hooks._kv_layer_groups(runner) is not partial
+    partial = tree_step._kv_layer_groups(runner, state)
+    assert partial[0].num_layers == 2 and tree_step._kv_layer_groups(runner, state) is not partial

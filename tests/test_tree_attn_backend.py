@@ -111,6 +111,7 @@ def test_builder_treats_cuda_graph_padding_requests_as_causal():
 
     from tree_attn_backend import tree_verify
     from tree_attn_backend.backend import TreeAttentionMetadataBuilder
+    from vllm_ddtree.spec_decode.step_state import StepState
 
     builder = object.__new__(TreeAttentionMetadataBuilder)
     builder._is_tree = torch.full((8,), 7, dtype=torch.int32)  # stale values from earlier steps
@@ -130,11 +131,15 @@ def test_builder_treats_cuda_graph_padding_requests_as_causal():
         slot_mapping=torch.arange(12),
         positions=None,
     )
-    tree_verify.publish(published)
-    try:
-        metadata = builder.build(0, padded)
-    finally:
-        tree_verify.publish(None)
+    assert not builder.build(0, padded).has_trees  # no source: plain causal attention
+    state = StepState()
+    group = SimpleNamespace(metadata_builders=[builder, SimpleNamespace()])  # + another kind
+    assert tree_verify.bind_tree_source([[group]], state) == 1
+    state.publish(published)
+    metadata = builder.build(0, padded)
     assert metadata.is_tree.tolist() == [1, 1, 0, 0]
     assert metadata.tree_mask[:9, 0].tolist() == list(range(9))
-    assert metadata.has_trees
+    assert metadata.has_trees and metadata.tree_source is state
+    assert state.built_slot_mapping is padded.slot_mapping  # where the KV commit reads slots
+    state.publish(None)
+    assert builder.build(0, padded).is_tree.tolist() == [0, 0, 0, 0]

@@ -4,7 +4,7 @@ The four pieces of a vLLM backend (modelled on ``vllm/v1/attention/backends/trit
 
 * ``TreeAttentionMetadata``: what one step's attention needs, built once per step;
 * ``TreeAttentionMetadataBuilder``: turns vLLM's ``CommonAttentionMetadata`` (plus the tree
-  structure the DDTree proposer published, ``tree_verify.current()``) into that dataclass,
+  structure from the source it was handed, ``tree_verify.bind_tree_source``) into that dataclass,
   copying the tree into persistent buffers so CUDA graphs replay with fresh trees;
 * ``TreeAttentionBackend``: capability queries, answered honestly;
 * ``TreeAttentionImpl``: KV cache update and the attention call (Triton kernel on CUDA, the
@@ -29,8 +29,8 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from tree_attn_backend import tree_verify
 from tree_attn_backend.ops.tree_attention import tree_attention, tree_attention_ref
+from tree_attn_backend.tree_verify import TreeVerifySource
 
 logger = init_logger("vllm.tree_attn_backend")
 
@@ -61,11 +61,15 @@ class TreeAttentionMetadata:
     is_tree: torch.Tensor  # int32 [R]
     tree_mask: torch.Tensor  # int32 [T, MASK_WORDS]
     has_trees: bool
+    # The source the builder was handed (the DDTree step state); layers of the same forward
+    # that verify trees too (hybrid GatedDeltaNet) reach the step through it.
+    tree_source: TreeVerifySource | None = None
 
 
 class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
     # Uniform verify batches (every request 1 + budget tokens) are graph-captured.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    tree_source: TreeVerifySource | None = None  # handed by tree_verify.bind_tree_source
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -86,8 +90,10 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         num_reqs, num_tokens = cad.num_reqs, cad.num_actual_tokens
         is_tree = self._is_tree[:num_reqs]
         tree_mask = self._tree_mask[:num_tokens]
-        published = tree_verify.current()
-        tree_verify.record_step(cad.slot_mapping)
+        source = self.tree_source
+        published = source.published_trees() if source is not None else None
+        if source is not None:
+            source.record_slot_mapping(cad.slot_mapping)
         if published is not None:
             # CUDA-graph batches are padded past the published requests/tokens: the padding
             # requests are plain causal, their mask rows unused.
@@ -111,6 +117,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             is_tree=is_tree,
             tree_mask=tree_mask,
             has_trees=published is not None,
+            tree_source=source,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata):

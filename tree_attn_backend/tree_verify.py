@@ -1,14 +1,18 @@
-"""The per-step tree structure handed from the DDTree proposer to the TREE_ATTN builder.
+"""What the TREE_ATTN metadata builder reads each step: the trees' structure, from whoever
+drafts them.
 
-The proposer builds the batch's trees; the attention metadata builder runs later in the same
-step, in the same worker process. ``TreeVerifyBatch`` is what passes between them: which
-requests verify a tree and the bit-packed ancestor mask of every query token. With nothing
-published, every request is plain causal attention.
+The DDTree step builds the batch's trees; vLLM's attention metadata builders run later in the
+same step, in the same worker process. A builder is handed a ``TreeVerifySource`` (the DDTree
+step state, ``bind_tree_source``); each ``build`` reads its ``TreeVerifyBatch`` (None: every
+request plain causal) and reports the step's KV slot mapping back to it. A builder with no
+source is plain causal attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,35 +31,24 @@ class TreeVerifyBatch:
     tree_mask: torch.Tensor
 
 
-_current: TreeVerifyBatch | None = None
+class TreeVerifySource(Protocol):
+    """What a TREE_ATTN builder is handed: the step's trees, and where its slots go."""
+
+    def published_trees(self) -> TreeVerifyBatch | None:
+        """The tree structure of the step being built (None: no request verifies a tree)."""
+
+    def record_slot_mapping(self, slot_mapping: torch.Tensor) -> None:
+        """The KV slot of every query token of the step the builder just built (int64 [T])."""
 
 
-def publish(batch: TreeVerifyBatch | None) -> None:
-    """Set (or clear, with None) the tree structure of the step about to run."""
-    global _current
-    _current = batch
-
-
-def current() -> TreeVerifyBatch | None:
-    """The tree structure published for this step, if any."""
-    return _current
-
-
-@dataclass
-class RecordedStep:
-    """What the TREE_ATTN builder saw for the target in the current step."""
-
-    slot_mapping: torch.Tensor  # int64 [T]: KV slot of every query token
-
-
-_recorded: RecordedStep | None = None
-
-
-def record_step(slot_mapping: torch.Tensor) -> None:
-    """Called by the builder each step: remember the target's slot mapping (for KV commit)."""
-    global _recorded
-    _recorded = RecordedStep(slot_mapping=slot_mapping)
-
-
-def last_step() -> RecordedStep | None:
-    return _recorded
+def bind_tree_source(attn_groups: Iterable, source: TreeVerifySource | None) -> int:
+    """Hand ``source`` to every TREE_ATTN metadata builder among vLLM's attention groups
+    (``runner.attn_groups``: a list per KV-cache group); returns how many builders it reached."""
+    reached = 0
+    for groups in attn_groups:
+        for group in groups:
+            for builder in getattr(group, "metadata_builders", ()):
+                if hasattr(builder, "tree_source"):  # TREE_ATTN's builder reads one
+                    builder.tree_source = source
+                    reached += 1
+    return reached

@@ -139,3 +139,15 @@ def alias_enum_member(enum: Any, alias: str, member: Any) -> None:
     """``enum[alias]`` names ``member`` too (it pickles as ``member``)."""
     if alias not in enum._member_map_:
         enum._member_map_[alias] = member
+
+
+@functools.lru_cache(maxsize=64)
+def _signature_of(fn: Callable) -> inspect.Signature:
+    return inspect.signature(inspect.unwrap(fn))
+
+
+def bind_arguments(original: Callable, *args: Any, **kwargs: Any) -> inspect.BoundArguments:
+    """vLLM's arguments to ``original`` (a wrapped function), bound by name: a wrapper reads
+    ``bound.arguments["name"]`` whether vLLM passed it by position or keyword, and may change
+    it before ``original(*bound.args, **bound.kwargs)``."""
+    return _signature_of(original).bind(*args, **kwargs)

@@ -168,9 +168,6 @@ def float32_gdn_prefill_requested() -> bool:
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"  # the user's choice: "v1", "v2", or unset (automatic)
 RUNNER_CHOICES = ("v1", "v2")
-# The runner chosen for the engine whose config this process made last (``choose_runner``);
-# the engine's own processes (engine core, workers) start after it is set and inherit it.
-CHOSEN_RUNNER_ENV = "VLLM_DDTREE_CHOSEN_RUNNER"
 
 
 def requested_runner() -> str | None:
@@ -204,8 +201,9 @@ def choose_runner(
     pipeline_parallel_size: int = 1,
     vllm_runner_env: str | None = None,
 ) -> str:
-    """The model runner a DDTree engine runs on, "v1" or "v2" (``runner_hooks.py`` /
-    ``runner_v2.py``), and record it for the engine's processes (``CHOSEN_RUNNER_ENV``).
+    """The model runner a DDTree engine runs on, "v1" or "v2" (``spec_decode/v1_hooks.py`` /
+    ``spec_decode/v2_hooks.py``); kept as ``DDTreeConfig.runner``, which carries it with the
+    engine's config to its processes.
 
     ``VLLM_DDTREE_RUNNER`` decides when set. Unset, DDTree follows vLLM 0.26.0's own choice
     for dense GPU targets, V2 (its DFlash chain and DDTree steps cost less there), where V2 is
@@ -238,18 +236,7 @@ def choose_runner(
             and vllm_says not in ("0", "false")
             else "v1"
         )
-    os.environ[CHOSEN_RUNNER_ENV] = runner
     return runner
-
-
-def uses_v2_runner() -> bool:
-    """Whether this process's DDTree engine runs on vLLM's V2 model runner: the choice made
-    with its config (``choose_runner``, inherited by its processes), else the user's
-    ``VLLM_DDTREE_RUNNER``."""
-    chosen = os.environ.get(CHOSEN_RUNNER_ENV)
-    if chosen in RUNNER_CHOICES:
-        return chosen == "v2"
-    return requested_runner() == "v2"
 
 
 def check_target_is_supported(
@@ -429,8 +416,8 @@ def split_speculative_config(
         max_num_seqs: the engine's request limit when set (``"tree_budget": "auto"`` chooses
             for it).
         runner: the model runner ``choose_runner`` chose for the engine, "v1" or "v2" (its
-            cost profile serves "auto"; kept as ``DDTreeConfig.runner``); by default the one
-            ``uses_v2_runner`` reports.
+            cost profile serves "auto"; kept as ``DDTreeConfig.runner``); by default the
+            user's ``VLLM_DDTREE_RUNNER``, else "v1".
 
     Returns:
         ``(vllm_dict, ddtree)``: for ``method == "ddtree"``, ``vllm_dict`` is the request vLLM's
@@ -493,7 +480,7 @@ def split_speculative_config(
         depth = _check_int("num_speculative_tokens", depth, 1, None, " (the tree depth limit)")
 
     if runner is None:
-        runner = "v2" if uses_v2_runner() else "v1"
+        runner = requested_runner() or "v1"
     budget = config.pop("tree_budget", DEFAULT_TREE_BUDGET)
     if isinstance(budget, str) and budget != AUTO_BUDGET:
         raise DDTreeConfigError(

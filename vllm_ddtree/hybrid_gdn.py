@@ -533,12 +533,23 @@ def wrap_metadata_builder(builder_cls) -> None:
     wrap_function(builder_cls, "build", GDN_METADATA_MODULE, make_build)
 
 
-_ACTIVE: HybridTreeStep | None = None
+def step_of_this_forward() -> HybridTreeStep | None:
+    """The DDTree step of the forward vLLM is running, when it verifies trees on a hybrid
+    target: found through the TREE_ATTN metadata of the same forward (its builder was handed
+    the step state, ``StepState.bind_tree_attention``), as vLLM's own layers find their
+    metadata; None outside a forward or in an engine without DDTree."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
 
-
-def active_step() -> HybridTreeStep | None:
-    """The installed step object (in a worker serving a hybrid target with DDTree)."""
-    return _ACTIVE
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if not isinstance(metadata, dict):
+        return None
+    for layer_metadata in metadata.values():
+        source = getattr(layer_metadata, "tree_source", None)
+        if source is not None:
+            return getattr(source, "hybrid", None)
+    return None
 
 
 def _is_tree_conv_call(kwargs: dict) -> bool:
@@ -561,8 +572,8 @@ def _is_tree_recurrence_call(kwargs: dict) -> bool:
 
 def _conv_dispatcher(original):
     def causal_conv1d_update(*args, **kwargs):
-        step = _ACTIVE
-        if step is None or not _is_tree_conv_call(kwargs):
+        step = step_of_this_forward() if _is_tree_conv_call(kwargs) else None
+        if step is None:
             return original(*args, **kwargs)
         names = ("x", "conv_state", "weight", "bias", "activation")
         given = {**dict(zip(names, args, strict=False)), **kwargs}
@@ -582,8 +593,9 @@ def _conv_dispatcher(original):
 
 def _recurrence_dispatcher(original):
     def fused_sigmoid_gating_delta_rule_update(*args, **kwargs):
-        step = _ACTIVE
-        if step is None or args or not _is_tree_recurrence_call(kwargs):
+        tree_call = not args and _is_tree_recurrence_call(kwargs)
+        step = step_of_this_forward() if tree_call else None
+        if step is None:
             return original(*args, **kwargs)
         return step.tree_recurrence(
             kwargs["A_log"],
@@ -648,7 +660,7 @@ def tree_spec_forward_cpu(
 
 def _cpu_spec_dispatcher(original):
     def _spec_forward(layer, md, x, b, a, conv_buf, ssm_state, *args, **kwargs):
-        step = _ACTIVE
+        step = step_of_this_forward()
         if step is None:
             return original(layer, md, x, b, a, conv_buf, ssm_state, *args, **kwargs)
         return tree_spec_forward_cpu(step, layer, md, x, b, a, conv_buf, ssm_state)
@@ -664,11 +676,11 @@ def _install_cpu(module_name: str = CPU_GDN_MODULE) -> None:
     wrap_function(module, "_spec_forward", module_name, _cpu_spec_dispatcher)
 
 
-def install(max_rows: int, tokens_per_row: int, device: torch.device) -> HybridTreeStep:
-    """In a worker: route vLLM's speculative GDN calls to the tree kernels (idempotent)."""
+def install(device: torch.device) -> None:
+    """In a worker: route vLLM's speculative GDN calls to the tree kernels when the forward
+    verifies trees (``step_of_this_forward``); once per process."""
     import importlib
 
-    global _ACTIVE
     if torch.device(device).type == "cpu":
         _install_cpu()
     module = importlib.import_module(GDN_MODULE)
@@ -681,12 +693,3 @@ def install(max_rows: int, tokens_per_row: int, device: torch.device) -> HybridT
         wrap_metadata_builder(
             importlib.import_module(GDN_METADATA_MODULE).GDNAttentionMetadataBuilder
         )
-    _ACTIVE = HybridTreeStep(max_rows, tokens_per_row, device)
-    return _ACTIVE
-
-
-def uninstall() -> None:
-    """Stop routing (vLLM's functions are called again); for a non-hybrid engine after a
-    hybrid one in the same process."""
-    global _ACTIVE
-    _ACTIVE = None

@@ -3,7 +3,7 @@
 Written against vLLM 0.26.0. Each patch names the vLLM function it wraps and goes through
 ``compat`` (one applied-marker; the wrapped function's parameters checked by name; a
 ``VLLMIncompatibleError`` naming the symbol if vLLM changed). The V1 and V2 runner hooks
-(``runner_hooks.install``, ``runner_v2.install``) and the GatedDeltaNet tree path
+(``spec_decode/v1_hooks.install``, ``spec_decode/v2_hooks.install``) and the GatedDeltaNet tree path
 (``hybrid_gdn.install``) install their own wraps the same way when vLLM imports their modules.
 
 Patches:
@@ -17,7 +17,7 @@ Patches:
 * ``vllm.v1.core.sched.scheduler.Scheduler.__init__``: the KV lookahead a request gets each
   step covers every slot the DDTree drafter writes (``DDTreeConfig.kv_lookahead``).
 * ``vllm.v1.worker.gpu_model_runner``: ``DFlashProposer`` is replaced by ``DDTreeProposer`` and
-  ``runner_hooks.install`` wraps the V1 runner's ``profile_run``, ``capture_model``,
+  ``v1_hooks.install`` wraps the V1 runner's ``profile_run``, ``capture_model``,
   ``_prepare_inputs``, ``_determine_batch_execution_and_padding``, ``_sample``,
   ``_input_fits_in_drafter`` and ``propose_draft_token_ids`` (inert unless DDTree is
   configured), when that module is imported.
@@ -90,7 +90,6 @@ from vllm_ddtree.config import (
     float32_gdn_prefill_requested,
     gives_batch_size_schedule,
     split_speculative_config,
-    uses_v2_runner,
 )
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 
@@ -415,11 +414,11 @@ def _patch_model_runner(module) -> None:
     """DDTree's proposer in place of DFlash's, and the verification hooks (V1 runner)."""
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
-    from vllm_ddtree import runner_hooks
-    from vllm_ddtree.proposer import DDTreeProposer
+    from vllm_ddtree.spec_decode import v1_hooks
+    from vllm_ddtree.spec_decode.proposer import DDTreeProposer
 
     replace_attribute(module, "DFlashProposer", RUNNER_MODULE, DDTreeProposer, DFlashProposer)
-    runner_hooks.install()
+    v1_hooks.install()
     wrap_function(
         module.GPUModelRunner, "get_kv_cache_spec", "GPUModelRunner", wrap_get_kv_cache_spec
     )
@@ -473,8 +472,10 @@ def _patch_model_runner_when_imported() -> None:
         from vllm_ddtree.testing import float32_gdn_prefill
 
         _patch_when_imported(hybrid_gdn.GDN_MODULE, float32_gdn_prefill.install)
-    if uses_v2_runner():
-        _install_v2_hooks()
+    # The V2 hooks are inert unless the engine's speculator is DDTree's (the runner choice
+    # travels with the engine's config, ``DDTreeConfig.runner``); vLLM imports the V2 runner
+    # only in engines that run on it.
+    _install_v2_hooks()
 
 
 def _size_graphs_for_the_drafter(engine_args, ddtree: DDTreeConfig) -> None:
@@ -517,9 +518,9 @@ def _max_num_seqs(engine_args) -> int | None:
 
 
 def _install_v2_hooks() -> None:
-    from vllm_ddtree import runner_v2
+    from vllm_ddtree.spec_decode import v2_hooks
 
-    _patch_when_imported(runner_v2.RUNNER_MODULE, runner_v2.install)
+    _patch_when_imported(v2_hooks.RUNNER_MODULE, v2_hooks.install)
 
 
 def _check_batch_size_schedule(raw: dict) -> None:
@@ -539,21 +540,17 @@ def _check_batch_size_schedule(raw: dict) -> None:
 
 def _choose_runner(target_model_config, target_parallel_config) -> str:
     """Choose the DDTree engine's model runner (``config.choose_runner``), "v1" or "v2",
-    before its config is made (the cost profile of ``"tree_budget": "auto"`` is the runner's),
-    and give this process the V2 hooks when it is V2 (the engine's own processes install them
-    at start)."""
+    before its config is made (the cost profile of ``"tree_budget": "auto"`` is the runner's).
+    The choice travels with the engine's config (``DDTreeConfig.runner``) to its processes."""
     from vllm.platforms import current_platform
 
-    runner = choose_runner(
+    return choose_runner(
         on_gpu=current_platform.is_cuda(),
         has_recurrent_layers=_has_recurrent_layers(target_model_config),
         tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
         pipeline_parallel_size=getattr(target_parallel_config, "pipeline_parallel_size", 1),
         vllm_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
     )
-    if runner == "v2":
-        _install_v2_hooks()
-    return runner
 
 
 def _ssm_state_dtype(cache_dtype: str | None, model_config) -> str | None:

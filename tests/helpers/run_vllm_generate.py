@@ -8,7 +8,7 @@ state, so tests start this script as a subprocess):
 RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` arguments
 (e.g. ``speculative_config``, ``attention_backend``, ``dtype``). A run may add
 ``"oracle": {"from": RUN_NAME, "p_top": P}``: the DDTree test drafter then proposes the
-continuations an earlier run produced (see ``vllm_ddtree.proposer``), and
+continuations an earlier run produced (see ``vllm_ddtree.spec_decode.proposer``), and
 ``"sampling": {"temperature": T, "repeats": K, ...}``: the first prompt K times, seeds 0..K-1
 (other keys, e.g. ``top_k``/``top_p``, go to ``SamplingParams``), and ``"params": {...}``: extra
 ``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``), and ``"env": {...}``:

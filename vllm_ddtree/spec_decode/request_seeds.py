@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vllm_ddtree.runner_state import runner_state
+from vllm_ddtree.spec_decode.step_state import runner_step_state
 
 
 def _random_seed() -> int:
@@ -53,7 +53,7 @@ class RequestSeeds:
 
 def runner_seeds(runner) -> RequestSeeds:
     """The V1 runner's seed table (created on first use, kept in its ``RunnerState``)."""
-    state = runner_state(runner)
+    state = runner_step_state(runner)
     if state.seeds is None:
         state.seeds = RequestSeeds(keep=lambda req_id: req_id in runner.requests)
     return state.seeds

@@ -6,7 +6,7 @@ runs its ``depth`` mask queries. After the one drafter forward, the mask rows' f
 logits ``[R, depth, V]`` go through ``build_trees`` on the device, and the ``budget`` node tokens
 (node order, padding as token 0) are what vLLM schedules for verification. The trees are kept,
 keyed by request id, for each request's next scheduled step (``proposal_store.RequestTrees``,
-read by the runner hooks, ``runner_hooks.py``).
+read by the runner hooks, ``v1_hooks.py``).
 
 Test-only mode: ``VLLM_DDTREE_TEST_ORACLE`` (``testing/oracle.py``) replaces the drafter's logits by
 target-future noise, so the tree paths are exercised deeply even with random weights.
@@ -17,14 +17,16 @@ from __future__ import annotations
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree import hybrid_gdn, step_checks
+from vllm_ddtree import hybrid_gdn
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import DDTreeConfig, oracle_path
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.profiling import step_range
-from vllm_ddtree.proposal_store import RequestTrees
-from vllm_ddtree.request_seeds import batch_seeds
+from vllm_ddtree.spec_decode import step_checks
+from vllm_ddtree.spec_decode.proposal_store import RequestTrees
+from vllm_ddtree.spec_decode.request_seeds import batch_seeds
+from vllm_ddtree.spec_decode.step_state import StepState, runner_step_state
 
 
 class DDTreeProposer(DFlashProposer):
@@ -37,8 +39,12 @@ class DDTreeProposer(DFlashProposer):
         if self.ddtree is not None and self.ddtree.depth > self.num_speculative_tokens:
             self._size_query_buffers(1 + self.ddtree.depth)
         self.proposals: RequestTrees | None = None
+        self.state: StepState | None = None  # the step's hand-overs (step_state.py)
         if self.ddtree is not None:
             self.proposals = RequestTrees(self.ddtree.tree_budget, self.ddtree.depth)
+            self.state = StepState()
+            if runner is not None:
+                runner_step_state(runner, self.state)
         self._oracle = None
         if self.ddtree is not None and oracle_path():  # a test switch (testing/oracle.py)
             from vllm_ddtree.testing.oracle import HostOracle
@@ -46,14 +52,13 @@ class DDTreeProposer(DFlashProposer):
             self._oracle = HostOracle(oracle_path(), vllm_config.model_config.get_vocab_size())
         if self.ddtree is not None and vllm_config.model_config.is_hybrid:
             self._install_hybrid_tree_path(vllm_config, device)
-        else:
-            hybrid_gdn.uninstall()  # an earlier engine of this process may have installed it
 
     def _install_hybrid_tree_path(self, vllm_config, device) -> None:
         """GatedDeltaNet layers verify trees (``hybrid_gdn``); before any graph is captured.
         (The float32 states and plain state layout it needs were checked before the engine
         started: ``config.check_target_is_supported``.)"""
-        hybrid_gdn.install(
+        hybrid_gdn.install(torch.device(device))
+        self.state.hybrid = hybrid_gdn.HybridTreeStep(
             max_rows=vllm_config.scheduler_config.max_num_seqs,
             tokens_per_row=self.ddtree.tree_budget + 1,
             device=torch.device(device),

@@ -27,44 +27,26 @@ v2``. Request features are refused per request as on V1 (``config.check_sampling
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import numpy as np
 import torch
 
-from tree_attn_backend import tree_verify
-from vllm_ddtree import compat, step_checks
+from vllm_ddtree import compat
 from vllm_ddtree.compat import get_ddtree_config, wrap_function
-from vllm_ddtree.config import RUNNER_ENV, oracle_path, uses_v2_runner
 from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
-from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
-from vllm_ddtree.ops.path_rows import move_path_rows
-from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
-from vllm_ddtree.proposal_store import ProposalStore
-from vllm_ddtree.runner_hooks import (
+from vllm_ddtree.spec_decode import step_checks
+from vllm_ddtree.spec_decode.speculator import ddtree_speculator_class
+from vllm_ddtree.spec_decode.tree_step import (
     StepTableUpload,
+    TreeStep,
     check_ranks_agree,
-    commit_tree_kv,
+    commit_step_kv,
     set_tree_step_inputs,
 )
 from vllm_ddtree.tree import DDTreeBatch
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
-
-
-@dataclasses.dataclass
-class TreeStepV2:
-    """The trees verified in the current step, aligned with the batch's requests."""
-
-    trees: DDTreeBatch  # [R, budget], cut to the scheduled nodes
-    root_row: torch.Tensor  # long [R]: the token row of each request's root
-    num_draft: torch.Tensor  # long [R]: scheduled nodes per request
-    slot_mapping: torch.Tensor  # the step's KV slots (sequential positions), [T_padded]
-    accepted: torch.Tensor | None = None  # long [R, L + 1] after the walk
-    num_accepted: torch.Tensor | None = None  # long [R]
 
 
 def tree_sampler_output(
@@ -95,109 +77,11 @@ def tree_sampler_output(
     return sampled, num_sampled, accepted, num_accepted
 
 
-def _speculator_class():
-    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-
-    class DDTreeSpeculator(DFlashSpeculator):
-        """vLLM's V2 DFlash speculator at the drafter's depth, drafting one tree per request.
-
-        vLLM's ``num_speculative_tokens`` is the tree budget (the runner's verify width); the
-        drafter is built from a copy of the config whose ``num_speculative_tokens`` is the
-        depth, so its query block, sample rows and CUDA graphs are DFlash's own.
-        """
-
-        _speculator_name = "DDTree"
-
-        def __init__(self, vllm_config, device: torch.device):
-            ddtree = get_ddtree_config(vllm_config.speculative_config)
-            assert ddtree is not None
-            # Shallow copies: no config validation runs again, the drafter's model config and
-            # everything else are shared; only the drafter's depth differs.
-            drafter_spec = copy.copy(vllm_config.speculative_config)
-            drafter_spec.num_speculative_tokens = ddtree.depth
-            drafter_config = copy.copy(vllm_config)
-            drafter_config.speculative_config = drafter_spec
-            super().__init__(drafter_config, device)
-            self.ddtree = ddtree
-            rows, budget = self.max_num_reqs, ddtree.tree_budget
-            # The last proposals, per batch row (written inside the drafter's graph) and per
-            # request state (vLLM's req_state index), read at each request's next step.
-            self.proposals = ProposalStore(rows, budget, ddtree.depth, device)
-            self.step: TreeStepV2 | None = None
-            self.oracle = None
-            if oracle_path():  # a test switch (testing/oracle.py)
-                from vllm_ddtree.testing.oracle import DeviceOracle
-
-                vocab_size = vllm_config.model_config.get_vocab_size()
-                self.oracle = DeviceOracle(oracle_path(), vocab_size, rows, device)
-
-        def sample_draft(
-            self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs
-        ):
-            """``hidden_states`` ``[R * depth, H]`` of the mask rows -> the trees of the batch
-            rows (kept in ``proposals.batch``); returns placeholder drafts ``[R * depth]``.
-            ``positions`` (long ``[R * depth]``) are vLLM's Gumbel keys, each mask row's
-            predicted position minus 2; ``idx_mapping`` its request state (-1: padding);
-            ``temperature``, ``seeds``: by request state. Sampled requests' trees are built
-            from logits coupled to the noise vLLM's sampler will draw at each depth
-            (``ops/keyed_gumbel.py``)."""
-            depth = self.ddtree.depth
-            num_reqs = hidden_states.shape[0] // depth
-            if self.oracle is not None:
-                logits = self.oracle.logits(positions + 2, idx_mapping)
-            else:
-                logits = self.model.compute_logits(hidden_states)
-            if coupled_drafts_enabled() and logits.is_cuda:  # (V2 runs on CUDA only)
-                logits = logits.float().contiguous()
-                # The target row choosing the predicted token sits one position before it.
-                perturb_like_vllm_v2(
-                    logits, idx_mapping, temperature, seeds, positions + 1, self.use_fp64_gumbel
-                )
-            logits = logits.view(num_reqs, depth, -1)
-            trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
-            self.proposals.write_batch(trees)
-            return torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
-
-        def propose(self, input_batch, *args, **kwargs) -> torch.Tensor:
-            """vLLM's DFlash proposal (its arguments: ``input_batch, attn_metadata,
-            slot_mappings, last_hidden_states, aux_hidden_states, num_sampled, ...``) on the
-            accepted path's rows; returns the node tokens ``[R, budget]`` (padding: token 0),
-            keeping each request's tree for its next step."""
-            dummy_run = kwargs.get("dummy_run", False)
-            step, self.step = self.step, None
-            if not dummy_run and step is not None and step.accepted is not None:
-                last = kwargs.get("last_hidden_states", args[2] if len(args) > 2 else None)
-                aux = kwargs.get("aux_hidden_states", args[3] if len(args) > 3 else None)
-                move_path_rows(
-                    input_batch.input_ids,
-                    input_batch.positions,
-                    list(aux or [last]),
-                    step.root_row,
-                    step.accepted,
-                    step.num_accepted,
-                    step.num_draft,
-                    self.ddtree.tree_budget,
-                )
-            self.proposals.flush()  # the drafter run overwrites the per-row trees
-            with step_range("ddtree::draft"):  # the drafter's graph: its pass and the trees
-                super().propose(input_batch, *args, **kwargs)
-            num_reqs = input_batch.num_reqs
-            if not dummy_run:
-                self.proposals.proposed(
-                    input_batch.idx_mapping_np[:num_reqs],
-                    input_batch.idx_mapping[:num_reqs],
-                    input_batch.req_ids[:num_reqs],
-                )
-            return self.proposals.batch.token_ids[:num_reqs].clamp(min=0)
-
-    return DDTreeSpeculator
-
-
 def _wrap_init_speculator(original):
     def init_speculator(vllm_config, device):
         if get_ddtree_config(vllm_config.speculative_config) is None:
             return original(vllm_config, device)
-        return _speculator_class()(vllm_config, device)
+        return ddtree_speculator_class()(vllm_config, device)
 
     return init_speculator
 
@@ -214,9 +98,10 @@ def _step_trees(speculator, input_batch, has_tree: np.ndarray):
     verifies a tree (sent in one non-blocking copy from pinned memory)."""
     num_reqs = input_batch.num_reqs
     device = speculator.proposals.state.token_ids.device
-    upload = getattr(speculator, "upload", None)
-    if upload is None:
-        upload = speculator.upload = StepTableUpload(rows=5, device=device)
+    state = speculator.state
+    if state.upload is None:
+        state.upload = StepTableUpload(rows=5, device=device)
+    upload = state.upload
     counts = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
     starts = np.asarray(input_batch.query_start_loc_np[:num_reqs], dtype=np.int64)
     num_draft_np = np.asarray(input_batch.num_draft_tokens_per_req[:num_reqs], dtype=np.int64)
@@ -258,10 +143,13 @@ def _wrap_prepare_attn(original):
             has_tree = speculator.proposals.take(
                 input_batch.idx_mapping_np[:num_reqs], input_batch.req_ids[:num_reqs]
             )
-        if speculator is None or input_batch.num_draft_tokens == 0:
-            tree_verify.publish(None)
-            if speculator is not None:
-                speculator.step = None
+        if speculator is None:
+            return block_tables, slot_mappings
+        state = speculator.state
+        state.bind_tree_attention(self.attn_groups)
+        state.publish(None)
+        state.step = None
+        if input_batch.num_draft_tokens == 0:
             return block_tables, slot_mappings
         with step_range("ddtree::prepare_tree_inputs"):
             trees, root_row, num_draft, counts, is_tree = _step_trees(
@@ -269,6 +157,7 @@ def _wrap_prepare_attn(original):
             )
             step_checks.check_tree_tokens(input_batch.input_ids, trees, root_row)
             set_tree_step_inputs(
+                state,
                 trees,
                 root_row,
                 num_draft,
@@ -277,7 +166,7 @@ def _wrap_prepare_attn(original):
                 input_batch.num_tokens,
                 is_tree=is_tree,
             )
-            speculator.step = TreeStepV2(
+            state.step = TreeStep(
                 trees=trees, root_row=root_row, num_draft=num_draft, slot_mapping=slot_mappings[0]
             )
         return block_tables, slot_mappings
@@ -288,7 +177,7 @@ def _wrap_prepare_attn(original):
 def _wrap_sample(original):
     def sample(self, hidden_states, input_batch, grammar_output):
         speculator = _ddtree_speculator(self)
-        step = speculator.step if speculator is not None else None
+        step = speculator.state.step if speculator is not None else None
         if step is None or input_batch.num_draft_tokens == 0:
             return original(self, hidden_states, input_batch, grammar_output)
         if grammar_output is not None:
@@ -327,7 +216,7 @@ def _wrap_sample(original):
             self.sampler.req_states.prefill_len.gpu,
         )
         with step_range("ddtree::commit_kv"):
-            _commit_kv_v2(self, step)
+            commit_step_kv(self, speculator.state, step)
         output = SamplerOutput(
             sampled_token_ids=sampled,
             logprobs_tensors=None,
@@ -338,16 +227,6 @@ def _wrap_sample(original):
         return output, output.num_sampled, output.num_rejected
 
     return sample
-
-
-def _commit_kv_v2(runner, step: TreeStepV2) -> None:
-    """Accepted nodes' K/V to the slots of rows root + 1.. in every TREE_ATTN layer, at the
-    slots TREE_ATTN's builder saw for the target (else the first KV cache group's)."""
-    recorded = tree_verify.last_step()
-    slot_mapping = recorded.slot_mapping if recorded is not None else step.slot_mapping
-    commit_tree_kv(
-        runner, slot_mapping, step.root_row, step.trees.width, step.accepted, step.num_accepted
-    )
 
 
 EXPECTED_SIGNATURES = {
@@ -425,11 +304,4 @@ def install(module) -> None:
     wrap_function(module, "init_speculator", RUNNER_MODULE, _wrap_init_speculator)
 
 
-__all__ = [
-    "RUNNER_ENV",
-    "TreeStepV2",
-    "check_v2_signatures",
-    "install",
-    "tree_sampler_output",
-    "uses_v2_runner",
-]
+__all__ = ["check_v2_signatures", "install", "tree_sampler_output"]

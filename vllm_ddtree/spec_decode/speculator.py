@@ -1,0 +1,126 @@
+"""The DDTree speculator for vLLM 0.26.0's V2 model runner: one draft tree per request.
+
+``DDTreeSpeculator`` is vLLM's V2 DFlash speculator at the drafter's depth. Its
+``sample_draft`` (inside the speculator's FULL CUDA graph) builds the trees from the mask rows'
+full-vocabulary logits (``ops/tree_build.py``, no host synchronisation) and keeps them per
+request state (``ProposalStore``); ``propose`` first puts the accepted path's rows first with
+fresh positions (``ops/path_rows.py``), then returns the node tokens ``[R, budget]`` vLLM
+schedules next. It owns the worker's ``StepState``, which the V2 runner hooks
+(``v2_hooks.py``) fill and read.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from vllm_ddtree.compat import bind_arguments, get_ddtree_config
+from vllm_ddtree.config import oracle_path
+from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
+from vllm_ddtree.ops.path_rows import move_path_rows
+from vllm_ddtree.ops.tree_build import build_draft_trees
+from vllm_ddtree.profiling import step_range
+from vllm_ddtree.spec_decode.proposal_store import ProposalStore
+from vllm_ddtree.spec_decode.step_state import StepState
+
+
+def ddtree_speculator_class():
+    """``DDTreeSpeculator`` (made on first use: it subclasses vLLM's V2 DFlash speculator,
+    imported only where the V2 runner runs)."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    class DDTreeSpeculator(DFlashSpeculator):
+        """vLLM's V2 DFlash speculator at the drafter's depth, drafting one tree per request.
+
+        vLLM's ``num_speculative_tokens`` is the tree budget (the runner's verify width); the
+        drafter is built from a copy of the config whose ``num_speculative_tokens`` is the
+        depth, so its query block, sample rows and CUDA graphs are DFlash's own.
+        """
+
+        _speculator_name = "DDTree"
+
+        def __init__(self, vllm_config, device: torch.device):
+            ddtree = get_ddtree_config(vllm_config.speculative_config)
+            assert ddtree is not None
+            # Shallow copies: no config validation runs again, the drafter's model config and
+            # everything else are shared; only the drafter's depth differs.
+            drafter_spec = copy.copy(vllm_config.speculative_config)
+            drafter_spec.num_speculative_tokens = ddtree.depth
+            drafter_config = copy.copy(vllm_config)
+            drafter_config.speculative_config = drafter_spec
+            super().__init__(drafter_config, device)
+            self.ddtree = ddtree
+            rows, budget = self.max_num_reqs, ddtree.tree_budget
+            # The last proposals, per batch row (written inside the drafter's graph) and per
+            # request state (vLLM's req_state index), read at each request's next step.
+            self.proposals = ProposalStore(rows, budget, ddtree.depth, device)
+            self.state = StepState()  # the step's hand-overs (step_state.py)
+            self.oracle = None
+            if oracle_path():  # a test switch (testing/oracle.py)
+                from vllm_ddtree.testing.oracle import DeviceOracle
+
+                vocab_size = vllm_config.model_config.get_vocab_size()
+                self.oracle = DeviceOracle(oracle_path(), vocab_size, rows, device)
+
+        def sample_draft(
+            self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs
+        ):
+            """``hidden_states`` ``[R * depth, H]`` of the mask rows -> the trees of the batch
+            rows (kept in ``proposals.batch``); returns placeholder drafts ``[R * depth]``.
+            ``positions`` (long ``[R * depth]``) are vLLM's Gumbel keys, each mask row's
+            predicted position minus 2; ``idx_mapping`` its request state (-1: padding);
+            ``temperature``, ``seeds``: by request state. Sampled requests' trees are built
+            from logits coupled to the noise vLLM's sampler will draw at each depth
+            (``ops/keyed_gumbel.py``)."""
+            depth = self.ddtree.depth
+            num_reqs = hidden_states.shape[0] // depth
+            if self.oracle is not None:
+                logits = self.oracle.logits(positions + 2, idx_mapping)
+            else:
+                logits = self.model.compute_logits(hidden_states)
+            if coupled_drafts_enabled() and logits.is_cuda:  # (V2 runs on CUDA only)
+                logits = logits.float().contiguous()
+                # The target row choosing the predicted token sits one position before it.
+                perturb_like_vllm_v2(
+                    logits, idx_mapping, temperature, seeds, positions + 1, self.use_fp64_gumbel
+                )
+            logits = logits.view(num_reqs, depth, -1)
+            trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
+            self.proposals.write_batch(trees)
+            return torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
+
+        def propose(self, input_batch, *args, **kwargs) -> torch.Tensor:
+            """vLLM's DFlash proposal (its arguments: ``input_batch, attn_metadata,
+            slot_mappings, last_hidden_states, aux_hidden_states, num_sampled, ...``) on the
+            accepted path's rows; returns the node tokens ``[R, budget]`` (padding: token 0),
+            keeping each request's tree for its next step."""
+            bound = bind_arguments(DFlashSpeculator.propose, self, input_batch, *args, **kwargs)
+            dummy_run = bound.arguments.get("dummy_run", False)
+            step, self.state.step = self.state.step, None
+            if not dummy_run and step is not None and step.accepted is not None:
+                last = bound.arguments["last_hidden_states"]
+                aux = bound.arguments["aux_hidden_states"]
+                move_path_rows(
+                    input_batch.input_ids,
+                    input_batch.positions,
+                    list(aux or [last]),
+                    step.root_row,
+                    step.accepted,
+                    step.num_accepted,
+                    step.num_draft,
+                    self.ddtree.tree_budget,
+                )
+            self.proposals.flush()  # the drafter run overwrites the per-row trees
+            with step_range("ddtree::draft"):  # the drafter's graph: its pass and the trees
+                super().propose(input_batch, *args, **kwargs)
+            num_reqs = input_batch.num_reqs
+            if not dummy_run:
+                self.proposals.proposed(
+                    input_batch.idx_mapping_np[:num_reqs],
+                    input_batch.idx_mapping[:num_reqs],
+                    input_batch.req_ids[:num_reqs],
+                )
+            return self.proposals.batch.token_ids[:num_reqs].clamp(min=0)
+
+    return DDTreeSpeculator
