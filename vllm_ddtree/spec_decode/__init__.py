@@ -1,0 +1,11 @@
+"""DDTree inside vLLM's model runners (laid out like vLLM's ``v1/worker/gpu/spec_decode/``).
+
+* ``proposer.py``: ``DDTreeProposer``, the V1 runner's drafter (vLLM's DFlash proposer, then
+  one tree per request); ``speculator.py``: ``DDTreeSpeculator``, the same for the V2 runner.
+* ``tree_step.py``: the verify step both runners share (``TreeStep``, tree inputs, KV commit).
+* ``v1_hooks.py`` / ``v2_hooks.py``: where each runner is wrapped to run that step.
+* ``step_state.py``: ``StepState``, everything a step hands from one stage to the next.
+* ``proposal_store.py``: each request's last tree, good for its next scheduled step only.
+* ``request_seeds.py``: per-request sampling seeds (V1); ``step_checks.py``: invariant
+  checks behind ``VLLM_DDTREE_CHECK_STEPS=1``.
+"""
