@@ -178,7 +178,7 @@ def layer_table_step(num_reqs: int, budget: int, gen, max_rows: int = 4):
     tokens = budget + 1
     layer = Layer(num_reqs, budget, gen)
     table = (1 + torch.arange(num_reqs * tokens)).view(num_reqs, tokens).to(torch.int32)
-    step = HybridTreeStep(max_rows=max_rows, tokens_per_row=tokens, device=torch.device("cpu"))
+    step = HybridTreeStep(max_rows=max_rows, tree_budget=tokens - 1, device=torch.device("cpu"))
     return layer, table, step
 
 
@@ -363,7 +363,7 @@ def test_install_routes_only_the_speculative_gdn_calls_of_a_ddtree_forward(monke
         module, "fused_sigmoid_gating_delta_rule_update", lambda *a, **k: calls.append("rec")
     )
     hybrid_gdn.install(torch.device("cpu"))
-    step = hybrid_gdn.HybridTreeStep(max_rows=2, tokens_per_row=3, device=torch.device("cpu"))
+    step = hybrid_gdn.HybridTreeStep(max_rows=2, tree_budget=2, device=torch.device("cpu"))
     monkeypatch.setattr(step, "tree_conv", lambda *a: calls.append("tree_conv"))
     monkeypatch.setattr(step, "tree_recurrence", lambda *a: calls.append("tree_rec"))
     indices = torch.zeros(2, 3, dtype=torch.int32)

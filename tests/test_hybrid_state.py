@@ -40,8 +40,8 @@ def test_shapes_from_a_multimodal_qwen3_5_config_read_its_text_config():
 
 def test_persistent_slots_per_node_cost_far_more_than_the_shared_scratch():
     shapes = GDNStateShapes.from_hf_config(NEXT)
-    slots = slot_layout_bytes(shapes, max_num_seqs=16, budget=64)
-    scratch = scratch_layout_bytes(shapes, max_num_seqs=16, budget=64)
+    slots = slot_layout_bytes(shapes, max_num_seqs=16, tree_budget=64)
+    scratch = scratch_layout_bytes(shapes, max_num_seqs=16, tree_budget=64)
     # Slots: 16 x 65 blocks of 36 layers x (2 MiB SSM + a 67-wide bf16 conv window).
     per_block = 36 * (32 * 128 * 128 * 4 + shapes.conv_dim * 67 * 2)
     assert slots == 16 * 65 * per_block

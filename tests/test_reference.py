@@ -55,7 +55,7 @@ PROMPTS = [[5, 17, 300, 42], [900, 1, 2, 3, 4, 5, 6, 7], [77]]
 
 def test_greedy_matches_hf_generate_with_a_random_dflash_drafter(tiny_target, tiny_drafter_path):
     drafter = DFlashDrafter.from_pretrained(tiny_drafter_path)
-    engine = DDTreeReference(tiny_target, DFlashDraftSource(drafter, tiny_target), budget=16)
+    engine = DDTreeReference(tiny_target, DFlashDraftSource(drafter, tiny_target), tree_budget=16)
     for prompt in PROMPTS:
         out = engine.generate(prompt, max_new_tokens=24)
         hf = tiny_target.generate(
@@ -74,7 +74,7 @@ def test_greedy_output_matches_target_alone_with_deep_acceptance(
         expected = autoregressive_generate(tiny_target, prompt, max_new_tokens=80).token_ids
         sequence = list(prompt) + expected
         oracle = OracleDraftSource(sequence, tiny_spec.vocab_size, depth=15, p_top=p_top, seed=seed)
-        engine = DDTreeReference(tiny_target, oracle, budget=budget)
+        engine = DDTreeReference(tiny_target, oracle, tree_budget=budget)
         out = engine.generate(prompt, max_new_tokens=80, trace=True)
         assert out.token_ids == expected
         if budget >= 32:
@@ -91,7 +91,7 @@ def test_trace_records_each_round(tiny_target, tiny_spec):
     prompt = PROMPTS[0]
     expected = autoregressive_generate(tiny_target, prompt, max_new_tokens=30).token_ids
     oracle = OracleDraftSource(list(prompt) + expected, tiny_spec.vocab_size, 15, p_top=0.7)
-    out = DDTreeReference(tiny_target, oracle, budget=24).generate(prompt, 30, trace=True)
+    out = DDTreeReference(tiny_target, oracle, tree_budget=24).generate(prompt, 30, trace=True)
     assert len(out.traces) == out.num_rounds
     emitted = [out.token_ids[0]] + [t for trace in out.traces for t in trace.emitted]
     assert emitted[:30] == out.token_ids
@@ -109,7 +109,9 @@ def test_eos_stops_generation(tiny_target, tiny_spec):
     expected = autoregressive_generate(tiny_target, prompt, max_new_tokens=40).token_ids
     eos = expected[17]
     oracle = OracleDraftSource(list(prompt) + expected, tiny_spec.vocab_size, 15, p_top=1.0)
-    out = DDTreeReference(tiny_target, oracle, budget=16).generate(prompt, 40, eos_token_id=eos)
+    out = DDTreeReference(tiny_target, oracle, tree_budget=16).generate(
+        prompt, 40, eos_token_id=eos
+    )
     assert out.token_ids == expected[: expected.index(eos) + 1]
 
 
@@ -127,7 +129,7 @@ def test_sampling_is_distributed_like_the_target_alone(tiny_target, tiny_spec):
         )
         counts_ar[ar.token_ids[position]] += 1
         oracle = OracleDraftSource(list(prompt) + greedy, vocab, depth=4, p_top=0.8, seed=seed)
-        tree = DDTreeReference(tiny_target, oracle, budget=12).generate(
+        tree = DDTreeReference(tiny_target, oracle, tree_budget=12).generate(
             prompt, 3, temperature=1.5, generator=torch.Generator().manual_seed(10_000 + seed)
         )
         counts_tree[tree.token_ids[position]] += 1

@@ -80,7 +80,7 @@ def test_scores_are_non_increasing_and_parents_precede_children():
 
 def test_fewer_prefixes_than_budget_pads_the_rest():
     logits = torch.randn(2, 2, 3)
-    tree = build_trees(logits, budget=50)
+    tree = build_trees(logits, tree_budget=50)
     check_tree(tree)
     assert tree.num_nodes.tolist() == [3 + 9, 3 + 9]
     assert torch.all(tree.token_ids[:, 12:] == -1)
@@ -92,7 +92,7 @@ def test_zero_probability_tokens_are_never_drafted():
     logits = torch.full((1, 3, 6), float("-inf"))
     logits[0, :, 2] = 0.0
     logits[0, 1, 4] = -1.0
-    tree = build_trees(logits, budget=10)
+    tree = build_trees(logits, tree_budget=10)
     check_tree(tree)
     assert set(node_paths(tree, 0)) == {(2,), (2, 2), (2, 4), (2, 2, 2), (2, 4, 2)}
 
@@ -102,7 +102,7 @@ def test_certain_tokens_keep_the_tree_prefix_closed():
     logits = torch.full((2, 4, 5), -1e9)
     logits[:, :, 1] = 0.0
     logits[1, 2, 3] = 0.0  # a 50/50 split at depth 3
-    tree = build_trees(logits, budget=6)
+    tree = build_trees(logits, tree_budget=6)
     check_tree(tree)
     assert node_paths(tree, 0)[:4] == [(1,), (1, 1), (1, 1, 1), (1, 1, 1, 1)]
     assert set(node_paths(tree, 1)[:4]) == {(1,), (1, 1), (1, 1, 1), (1, 1, 3)}
@@ -110,7 +110,7 @@ def test_certain_tokens_keep_the_tree_prefix_closed():
 
 def test_top_k_caps_siblings_per_depth():
     logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(3))
-    tree = build_trees(logits, budget=100, top_k=2)
+    tree = build_trees(logits, tree_budget=100, top_k=2)
     check_tree(tree)
     for r in range(3):
         for parent in range(101):
@@ -120,7 +120,7 @@ def test_top_k_caps_siblings_per_depth():
 
 def test_ancestor_mask_matches_parent_chains():
     logits = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(4))
-    tree = build_trees(logits, budget=30, top_k=3)
+    tree = build_trees(logits, tree_budget=30, top_k=3)
     mask = ancestor_mask(tree)
     assert mask.shape == (3, 31, 31) and mask.dtype == torch.bool
     for r in range(3):
@@ -135,7 +135,7 @@ def test_ancestor_mask_matches_parent_chains():
 
 
 def test_ancestor_mask_padding_sees_only_itself():
-    tree = build_trees(torch.randn(1, 1, 3), budget=5)
+    tree = build_trees(torch.randn(1, 1, 3), tree_budget=5)
     mask = ancestor_mask(tree)
     for i in range(4, 6):
         assert mask[0, i].nonzero().flatten().tolist() == [i]
@@ -176,7 +176,7 @@ def test_follow_tree_accepts_the_whole_spine_when_the_target_agrees():
     logits = torch.randn(2, 6, 10, generator=torch.Generator().manual_seed(7))
     greedy = logits.argmax(-1)
     logits.scatter_add_(2, greedy.unsqueeze(2), torch.full((2, 6, 1), 4.0))  # a likely spine
-    tree = build_trees(logits, budget=20)  # the spine: rank-0 token at every depth
+    tree = build_trees(logits, tree_budget=20)  # the spine: rank-0 token at every depth
     target = torch.zeros(2, 21, dtype=torch.long)
     for r in range(2):
         # Node at depth d on the spine: the target picks the spine token of depth d + 1.
@@ -189,7 +189,7 @@ def test_follow_tree_accepts_the_whole_spine_when_the_target_agrees():
 
 
 def test_follow_tree_with_no_match_returns_the_root_token():
-    tree = build_trees(torch.randn(1, 3, 5), budget=4)
+    tree = build_trees(torch.randn(1, 3, 5), tree_budget=4)
     target = torch.full((1, 5), 99)
     accepted, num_accepted, bonus = follow_tree(tree, target)
     assert accepted[0].tolist() == [0, -1, -1, -1]
@@ -197,14 +197,14 @@ def test_follow_tree_with_no_match_returns_the_root_token():
 
 
 def test_follow_tree_rejects_a_wrong_target_shape():
-    tree = build_trees(torch.randn(1, 3, 5), budget=4)
+    tree = build_trees(torch.randn(1, 3, 5), tree_budget=4)
     with pytest.raises(ValueError, match=r"\[R, N \+ 1\]"):
         follow_tree(tree, torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_summarize_reports_structure():
     logits = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(2))
-    tree = build_trees(logits, budget=12)
+    tree = build_trees(logits, tree_budget=12)
     info = summarize(tree, num_accepted=torch.tensor([3, 0]))
     assert [d["budget"] for d in info] == [12, 12]
     assert sum(info[0]["branching"]) == info[0]["nodes"] == 12

@@ -69,7 +69,7 @@ def test_kernel_whole_tree_rows_match_reference(case):
     tree, _ = walked_batch(*case, seed=1)
     want = assert_step_inputs_kernel_matches(tree, *whole_tree_step(tree))
     # The rows are the packed ancestor matrix, request after request (padding nodes: zero).
-    real = torch.arange(tree.width + 1).unsqueeze(0) <= tree.num_nodes.unsqueeze(1)
+    real = torch.arange(tree.tree_budget + 1).unsqueeze(0) <= tree.num_nodes.unsqueeze(1)
     matrix = packed_ancestor_mask_ref(tree) * real.unsqueeze(2)
     assert torch.equal(want, matrix.flatten(0, 1))
 
@@ -199,7 +199,7 @@ def cut_tree(tree, keep: list[int]):
     from vllm_ddtree.tree import DDTreeBatch
 
     num_nodes = torch.minimum(tree.num_nodes, torch.tensor(keep))
-    real = torch.arange(tree.width).unsqueeze(0) < num_nodes.unsqueeze(1)
+    real = torch.arange(tree.tree_budget).unsqueeze(0) < num_nodes.unsqueeze(1)
     return DDTreeBatch(
         token_ids=torch.where(real, tree.token_ids, -1),
         parents=torch.where(real, tree.parents, 0),

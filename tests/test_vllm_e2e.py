@@ -262,7 +262,7 @@ def test_ddtree_accepts_as_deeply_as_the_reference_engine_with_the_trained_pair(
     max_tokens, budget = 64, 64
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     drafter = DFlashDrafter.from_pretrained(TRAINED_DRAFTER).eval()
-    engine = DDTreeReference(target, DFlashDraftSource(drafter, target), budget=budget)
+    engine = DDTreeReference(target, DFlashDraftSource(drafter, target), tree_budget=budget)
     reference = [engine.generate(p, max_tokens, eos_token_id=None) for p in prompts]
     reference_rounds = sum(out.num_rounds for out in reference)
 

@@ -64,7 +64,7 @@ def random_case(
     for kind, context_len, n in requests:
         if kind == "tree":
             if n > 0:
-                tree = build_trees(torch.randn(1, depth, vocab, generator=gen) * 3, budget=n)
+                tree = build_trees(torch.randn(1, depth, vocab, generator=gen) * 3, tree_budget=n)
                 num_nodes = int(tree.num_nodes[0])
                 visible = ancestor_mask(tree)[0, : num_nodes + 1, : num_nodes + 1]
                 depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths[0, :num_nodes]])

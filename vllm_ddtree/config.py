@@ -375,7 +375,9 @@ def _automatic_budget(
             "written by python -m vllm_ddtree.cost_model BENCH_JSON --out PATH)"
         )
     batch = max_num_seqs or 1
-    budget, predicted, profile = choose_automatic(batch, runner, tensor_parallel_size, profile_path)
+    tree_budget, predicted, profile = choose_automatic(
+        batch, runner, tensor_parallel_size, profile_path
+    )
     if profile is None:
         logger.warning(
             "vllm-ddtree: tree_budget 'auto' at tensor_parallel_size=%d chose the DFlash chain "
@@ -385,7 +387,7 @@ def _automatic_budget(
         )
         return None
     shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
-    choice = "the DFlash chain" if budget is None else f"tree_budget {budget}"
+    choice = "the DFlash chain" if tree_budget is None else f"tree_budget {tree_budget}"
     logger.warning(
         "vllm-ddtree: tree_budget 'auto' at max_num_seqs=%d chose %s (predicted tok/s: %s; "
         "profile: %s, drafter depth there %d, here %d)",
@@ -396,7 +398,7 @@ def _automatic_budget(
         profile.depth,
         depth,
     )
-    return budget
+    return tree_budget
 
 
 def split_speculative_config(
@@ -481,31 +483,31 @@ def split_speculative_config(
 
     if runner is None:
         runner = requested_runner() or "v1"
-    budget = config.pop("tree_budget", DEFAULT_TREE_BUDGET)
-    if isinstance(budget, str) and budget != AUTO_BUDGET:
+    tree_budget = config.pop("tree_budget", DEFAULT_TREE_BUDGET)
+    if isinstance(tree_budget, str) and tree_budget != AUTO_BUDGET:
         raise DDTreeConfigError(
             f"speculative_config['tree_budget'] must be an int in {MIN_TREE_BUDGET}.."
-            f"{MAX_TREE_BUDGET} or 'auto', got {budget!r}"
+            f"{MAX_TREE_BUDGET} or 'auto', got {tree_budget!r}"
         )
-    if budget == AUTO_BUDGET:
-        budget = _automatic_budget(
+    if tree_budget == AUTO_BUDGET:
+        tree_budget = _automatic_budget(
             config.pop("cost_profile", None), max_num_seqs, depth, runner, tensor_parallel_size
         )
-        if budget is None:
+        if tree_budget is None:
             config.pop("tree_top_k", None)
             config["method"] = DFLASH_METHOD
             config["num_speculative_tokens"] = depth
             return config, None
-    budget = _check_int("tree_budget", budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
-    top_k = config.pop("tree_top_k", min(budget, DEFAULT_TOP_K_CAP))
-    top_k = _check_int("tree_top_k", top_k, 1, budget)
+    tree_budget = _check_int("tree_budget", tree_budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
+    top_k = config.pop("tree_top_k", min(tree_budget, DEFAULT_TOP_K_CAP))
+    top_k = _check_int("tree_top_k", top_k, 1, tree_budget)
 
     config["method"] = DFLASH_METHOD
     # vLLM's draft width is the tree budget (scheduler slots and verify tokens per request);
     # the drafter keeps its own `depth` mask queries (DDTreeConfig.depth).
-    config["num_speculative_tokens"] = budget
+    config["num_speculative_tokens"] = tree_budget
     ddtree = DDTreeConfig(
-        tree_budget=budget,
+        tree_budget=tree_budget,
         tree_top_k=top_k,
         depth=depth,
         drafter_block_size=block_size,

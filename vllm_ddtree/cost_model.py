@@ -108,23 +108,23 @@ class CostProfile:
     def measured_range(self) -> tuple[int, int]:
         return min(self.tree_acceptance), max(self.tree_acceptance)
 
-    def acceptance(self, budget: int) -> float:
+    def acceptance(self, tree_budget: int) -> float:
         """Tokens per DDTree step at ``budget``: linear in log2(budget) between measured
         budgets, the nearest measured value outside them."""
         points = sorted(self.tree_acceptance.items())
-        if budget <= points[0][0]:
+        if tree_budget <= points[0][0]:
             return points[0][1]
-        if budget >= points[-1][0]:
+        if tree_budget >= points[-1][0]:
             return points[-1][1]
         for (b0, a0), (b1, a1) in zip(points, points[1:], strict=False):
-            if b0 <= budget <= b1:
-                t = (math.log2(budget) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+            if b0 <= tree_budget <= b1:
+                t = (math.log2(tree_budget) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
                 return a0 + t * (a1 - a0)
         raise AssertionError("unreachable")
 
-    def tree_tokens_per_s(self, budget: int, batch: int) -> float:
-        step = self.tree.step_ms(batch * (1 + budget), batch, budget)
-        return 1000.0 * batch * self.acceptance(budget) / step
+    def tree_tokens_per_s(self, tree_budget: int, batch: int) -> float:
+        step = self.tree.step_ms(batch * (1 + tree_budget), batch, tree_budget)
+        return 1000.0 * batch * self.acceptance(tree_budget) / step
 
     def chain_tokens_per_s(self, batch: int) -> float:
         step = self.chain.step_ms(batch * (1 + self.depth), batch)
@@ -160,8 +160,8 @@ def choose_budget(
     low, high = profile.measured_range()
     candidates = [b for b in candidates if low <= b <= high] or [low]
     predicted = {"chain": profile.chain_tokens_per_s(batch)}
-    for budget in candidates:
-        predicted[f"b{budget}"] = profile.tree_tokens_per_s(budget, batch)
+    for tree_budget in candidates:
+        predicted[f"b{tree_budget}"] = profile.tree_tokens_per_s(tree_budget, batch)
     fastest = max(predicted[f"b{b}"] for b in candidates)
     if fastest < MIN_PREDICTED_GAIN * predicted["chain"]:
         return None, predicted
@@ -320,8 +320,8 @@ def choose_automatic(
     if path is None and tensor_parallel_size > 1:
         return None, {}, None
     profile = load_profile(path, runner=runner.upper())
-    budget, predicted = choose_budget(profile, batch)
-    return budget, predicted, profile
+    tree_budget, predicted = choose_budget(profile, batch)
+    return tree_budget, predicted, profile
 
 
 def load_profile(path: str | None = None, runner: str = "V1") -> CostProfile:
@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write("\n")
     print(profile.source)
     for batch in (int(b) for b in args.batches.split(",")):
-        budget, predicted = choose_budget(profile, batch)
-        best = "the DFlash chain" if budget is None else f"tree_budget {budget}"
+        tree_budget, predicted = choose_budget(profile, batch)
+        best = "the DFlash chain" if tree_budget is None else f"tree_budget {tree_budget}"
         shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
         print(f"batch {batch}: {best} (predicted tok/s: {shown})")
     return 0

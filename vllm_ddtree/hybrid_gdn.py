@@ -148,11 +148,12 @@ class HybridTreeStep:
     long ``[rows + 1]`` (0 for rows without a tree); the last row takes what has no row.
     """
 
-    def __init__(self, max_rows: int, tokens_per_row: int, device: torch.device):
+    def __init__(self, max_rows: int, tree_budget: int, device: torch.device):
         self.max_rows = max_rows
-        self.tokens_per_row = tokens_per_row
+        self.tree_budget = tree_budget
+        self.tokens_per_row = tree_budget + 1  # a verify row: the root, then the nodes
         self.parents = torch.full(
-            (max_rows + 1, tokens_per_row), -1, dtype=torch.long, device=device
+            (max_rows + 1, self.tokens_per_row), -1, dtype=torch.long, device=device
         )
         self.num_tokens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
         self.layers: dict[int, GDNLayerStep] = {}

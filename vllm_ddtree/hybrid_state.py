@@ -92,22 +92,26 @@ def ssm_state_bytes(shapes: GDNStateShapes, ssm_bytes: int = 4) -> int:
 
 
 def slot_layout_bytes(
-    shapes: GDNStateShapes, max_num_seqs: int, budget: int, ssm_bytes: int = 4, conv_bytes: int = 2
+    shapes: GDNStateShapes,
+    max_num_seqs: int,
+    tree_budget: int,
+    ssm_bytes: int = 4,
+    conv_bytes: int = 2,
 ) -> int:
     """vLLM's chain layout extended to trees: ``1 + budget`` persistent blocks per request, each
     an SSM state and a ``K - 1 + budget`` conv window in every GDN layer."""
-    conv = shapes.conv_dim * (shapes.conv_kernel - 1 + budget) * conv_bytes
+    conv = shapes.conv_dim * (shapes.conv_kernel - 1 + tree_budget) * conv_bytes
     per_block = shapes.num_gdn_layers * (ssm_state_bytes(shapes, ssm_bytes) + conv)
-    return max_num_seqs * (1 + budget) * per_block
+    return max_num_seqs * (1 + tree_budget) * per_block
 
 
 def scratch_layout_bytes(
-    shapes: GDNStateShapes, max_num_seqs: int, budget: int, activation_bytes: int = 2
+    shapes: GDNStateShapes, max_num_seqs: int, tree_budget: int, activation_bytes: int = 2
 ) -> int:
     """DDTree's layout, on top of vLLM's committed block per request: one layer's float32 node
     states for the whole batch (``max_num_seqs x (budget + 1)`` nodes), plus every GDN layer's
     node inputs kept for the replay of the accepted path (conv inputs and the two gates)."""
-    nodes = max_num_seqs * (budget + 1)
+    nodes = max_num_seqs * (tree_budget + 1)
     states = nodes * ssm_state_bytes(shapes, 4)
     inputs_per_node = shapes.num_gdn_layers * (shapes.conv_dim + 2 * shapes.num_v_heads)
     return states + nodes * inputs_per_node * activation_bytes
@@ -129,7 +133,9 @@ def largest_fitting_budget(
     """The largest ``tree_budget`` (1..MAX_TREE_BUDGET) whose scratch fits ``available_bytes``
     at ``max_num_seqs``; 0 when not even budget 1 fits."""
     return _largest_budget(
-        lambda budget: scratch_layout_bytes(shapes, max_num_seqs, budget, activation_bytes),
+        lambda tree_budget: scratch_layout_bytes(
+            shapes, max_num_seqs, tree_budget, activation_bytes
+        ),
         available_bytes,
     )
 
@@ -137,7 +143,7 @@ def largest_fitting_budget(
 def check_slot_layout_fits(
     shapes: GDNStateShapes,
     max_num_seqs: int,
-    budget: int,
+    tree_budget: int,
     available_bytes: int,
     ssm_bytes: int = 4,
 ) -> None:
@@ -147,18 +153,18 @@ def check_slot_layout_fits(
     ``max_num_seqs`` and the ``max_num_seqs`` that fits at this budget. A necessary condition
     only (weights, activations and attention KV come out of the same memory), so it refuses
     only what can never run; vLLM's own KV-cache sizing decides the rest."""
-    need = slot_layout_bytes(shapes, max_num_seqs, budget, ssm_bytes)
+    need = slot_layout_bytes(shapes, max_num_seqs, tree_budget, ssm_bytes)
     if need <= available_bytes:
         return
     fits = _largest_budget(
         lambda b: slot_layout_bytes(shapes, max_num_seqs, b, ssm_bytes), available_bytes
     )
-    seqs = available_bytes // slot_layout_bytes(shapes, 1, budget, ssm_bytes)
+    seqs = available_bytes // slot_layout_bytes(shapes, 1, tree_budget, ssm_bytes)
     options = [f"tree_budget <= {fits}" if fits else "no tree_budget fits this max_num_seqs"]
     if seqs:
-        options.append(f"max_num_seqs <= {seqs} at tree_budget={budget}")
+        options.append(f"max_num_seqs <= {seqs} at tree_budget={tree_budget}")
     raise DDTreeConfigError(
-        f"tree_budget={budget} with max_num_seqs={max_num_seqs} keeps "
+        f"tree_budget={tree_budget} with max_num_seqs={max_num_seqs} keeps "
         f"{need / GIB:.1f} GiB of GatedDeltaNet state per GPU (1 + tree_budget state blocks per "
         f"request, each {shapes.num_gdn_layers} layers x {shapes.num_v_heads} value heads of "
         f"{shapes.head_k_dim}x{shapes.head_v_dim} {'float32' if ssm_bytes == 4 else 'bfloat16'} "
@@ -170,19 +176,19 @@ def check_slot_layout_fits(
 def check_scratch_fits(
     shapes: GDNStateShapes,
     max_num_seqs: int,
-    budget: int,
+    tree_budget: int,
     available_bytes: int,
     activation_bytes: int = 2,
 ) -> None:
     """Raise ``DDTreeConfigError`` naming ``tree_budget`` and the budget that would fit when the
     tree's GDN scratch does not fit ``available_bytes`` at ``max_num_seqs``."""
-    need = scratch_layout_bytes(shapes, max_num_seqs, budget, activation_bytes)
+    need = scratch_layout_bytes(shapes, max_num_seqs, tree_budget, activation_bytes)
     if need <= available_bytes:
         return
     fits = largest_fitting_budget(shapes, max_num_seqs, available_bytes, activation_bytes)
     advice = f"tree_budget <= {fits} fits" if fits else "no tree_budget fits; lower max_num_seqs"
     raise DDTreeConfigError(
-        f"tree_budget={budget} with max_num_seqs={max_num_seqs} needs "
+        f"tree_budget={tree_budget} with max_num_seqs={max_num_seqs} needs "
         f"{need / GIB:.2f} GiB of GatedDeltaNet tree state per GPU "
         f"({shapes.num_gdn_layers} GDN layers, {shapes.num_v_heads} value heads of "
         f"{shapes.head_k_dim}x{shapes.head_v_dim} per rank), more than the "

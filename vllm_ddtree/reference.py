@@ -195,13 +195,13 @@ class DDTreeReference:
         self,
         target: nn.Module,
         draft_source: DraftSource,
-        budget: int = 64,
+        tree_budget: int = 64,
         top_k: int | None = None,
         feature_layers: list[int] | None = None,
     ):
         self.target = target
         self.draft_source = draft_source
-        self.budget = budget
+        self.tree_budget = tree_budget
         self.top_k = top_k
         if feature_layers is None:
             feature_layers = getattr(draft_source, "feature_layers", lambda: [])()
@@ -258,7 +258,7 @@ class DDTreeReference:
             t0 = time.perf_counter()
             draft_logits = self.draft_source.draft_logits(bonus, start)
             t1 = time.perf_counter()
-            tree = build_trees(draft_logits[None], self.budget, self.top_k)
+            tree = build_trees(draft_logits[None], self.tree_budget, self.top_k)
             num_nodes = int(tree.num_nodes[0])
             visible = ancestor_mask(tree)[0, : num_nodes + 1, : num_nodes + 1]
             t2 = time.perf_counter()
@@ -281,7 +281,9 @@ class DDTreeReference:
                 output_hidden_states=True,
             )
             chosen = _choose_tokens(out.logits[0], temperature, generator)
-            target_tokens = torch.full((1, tree.width + 1), -1, dtype=torch.long, device=device)
+            target_tokens = torch.full(
+                (1, tree.tree_budget + 1), -1, dtype=torch.long, device=device
+            )
             target_tokens[0, : num_nodes + 1] = chosen
             accepted, num_accepted, new_bonus = follow_tree(tree, target_tokens)
             t3 = time.perf_counter()

@@ -60,8 +60,8 @@ class DDTreeBatch:
         return self.token_ids.shape[0]
 
     @property
-    def width(self) -> int:
-        """``N``: node slots per request (the budget the tree was built for)."""
+    def tree_budget(self) -> int:
+        """``N``: node slots per request (the tree budget the trees were built for)."""
         return self.token_ids.shape[1]
 
     @property
@@ -73,7 +73,7 @@ class DDTreeBatch:
 
     def valid_mask(self) -> torch.Tensor:
         """bool ``[R, N]``: True for real nodes, False for padding."""
-        slots = torch.arange(self.width, device=self.token_ids.device)
+        slots = torch.arange(self.tree_budget, device=self.token_ids.device)
         return slots.unsqueeze(0) < self.num_nodes.unsqueeze(1)
 
     def to(self, device: torch.device | str) -> DDTreeBatch:
@@ -87,15 +87,15 @@ class DDTreeBatch:
         )
 
 
-def _check_budget(budget: int, top_k: int | None) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget must be an int >= 1, got {budget!r}")
+def _check_budget(tree_budget: int, top_k: int | None) -> None:
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"budget must be an int >= 1, got {tree_budget!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
 
 
 def depth_candidates(
-    draft_logits: torch.Tensor, budget: int, top_k: int | None
+    draft_logits: torch.Tensor, tree_budget: int, top_k: int | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Validate a tree build's arguments and rank each depth's tokens.
 
@@ -108,16 +108,18 @@ def depth_candidates(
             f"draft_logits must be a float tensor [R, L, V], got {tuple(draft_logits.shape)} "
             f"{draft_logits.dtype}"
         )
-    _check_budget(budget, top_k)
+    _check_budget(tree_budget, top_k)
     num_reqs, depth_limit, vocab = draft_logits.shape
     if num_reqs == 0 or depth_limit == 0:
         return None
-    cap = min(budget, vocab) if top_k is None else min(top_k, budget, vocab)
+    cap = min(tree_budget, vocab) if top_k is None else min(top_k, tree_budget, vocab)
     log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
     return torch.topk(log_probs, cap, dim=-1)
 
 
-def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = None) -> DDTreeBatch:
+def build_trees(
+    draft_logits: torch.Tensor, tree_budget: int, top_k: int | None = None
+) -> DDTreeBatch:
     """Build one optimal DDTree per request from the drafter's per-depth logits.
 
     Args:
@@ -132,33 +134,33 @@ def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = Non
         only when fewer prefixes with non-zero probability exist. Prefixes through tokens of
         probability 0 (logit ``-inf``) are never drafted.
     """
-    candidates = depth_candidates(draft_logits, budget, top_k)
+    candidates = depth_candidates(draft_logits, tree_budget, top_k)
     if candidates is None:
         num_reqs, depth_limit, _ = draft_logits.shape
-        return empty_batch(num_reqs, budget, depth_limit, draft_logits.device)
+        return empty_batch(num_reqs, tree_budget, depth_limit, draft_logits.device)
     top_log_probs, top_tokens = candidates  # [R, L, K]
     num_reqs, depth_limit, cap = top_log_probs.shape
     device = draft_logits.device
 
     # Per-depth beams of width `budget`: score, parent slot in the previous beam, token.
     # Only the score top-k runs per depth (few launches); parents and tokens come after the loop.
-    beam_scores = torch.full((num_reqs, budget), float("-inf"), device=device)
-    n_first = min(cap, budget)
+    beam_scores = torch.full((num_reqs, tree_budget), float("-inf"), device=device)
+    n_first = min(cap, tree_budget)
     beam_scores[:, :n_first] = top_log_probs[:, 0, :n_first]
-    first_tokens = torch.full((num_reqs, budget), PAD_TOKEN, dtype=torch.long, device=device)
+    first_tokens = torch.full((num_reqs, tree_budget), PAD_TOKEN, dtype=torch.long, device=device)
     first_tokens[:, :n_first] = top_tokens[:, 0, :n_first]
     all_scores = [beam_scores]
     all_flat_idx = []
     for depth in range(1, depth_limit):
         # [R, budget * K] candidate extensions of every beam entry (-inf stays -inf).
         flat = (beam_scores.unsqueeze(2) + top_log_probs[:, depth].unsqueeze(1)).view(
-            num_reqs, budget * cap
+            num_reqs, tree_budget * cap
         )
-        beam_scores, flat_idx = torch.topk(flat, budget, dim=-1)
+        beam_scores, flat_idx = torch.topk(flat, tree_budget, dim=-1)
         all_scores.append(beam_scores)
         all_flat_idx.append(flat_idx)
     all_tokens = [first_tokens]
-    all_parent_slots = [torch.zeros((num_reqs, budget), dtype=torch.long, device=device)]
+    all_parent_slots = [torch.zeros((num_reqs, tree_budget), dtype=torch.long, device=device)]
     if all_flat_idx:
         flat_idx = torch.stack(all_flat_idx, dim=1)  # [R, L - 1, budget]
         all_parent_slots.append((flat_idx // cap).flatten(1))
@@ -170,11 +172,11 @@ def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = Non
     cand_parent_slots = torch.cat(all_parent_slots, dim=1)
     cand_depths = (
         torch.arange(1, depth_limit + 1, device=device)
-        .repeat_interleave(budget)
+        .repeat_interleave(tree_budget)
         .expand(num_reqs, -1)
     )
     order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices
-    chosen = order[:, :budget]  # [R, N] candidate index of each node, in node order
+    chosen = order[:, :tree_budget]  # [R, N] candidate index of each node, in node order
 
     scores = torch.gather(cand_scores, 1, chosen)
     valid = torch.isfinite(scores)
@@ -187,7 +189,9 @@ def build_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = Non
     tree_index.scatter_(
         1, order, torch.arange(1, num_cands + 1, device=device).expand(num_reqs, -1)
     )
-    parent_cand = (depths - 2).clamp(min=0) * budget + torch.gather(cand_parent_slots, 1, chosen)
+    parent_cand = (depths - 2).clamp(min=0) * tree_budget + torch.gather(
+        cand_parent_slots, 1, chosen
+    )
     parents = torch.where(depths > 1, torch.gather(tree_index, 1, parent_cand), ROOT)
 
     parents = torch.where(valid, parents, ROOT)
@@ -220,7 +224,7 @@ def select_trees(trees: DDTreeBatch, index: torch.Tensor, max_nodes: torch.Tenso
     """The trees of rows ``index`` (long ``[R']``), each cut to its first ``max_nodes[r]``
     nodes (long ``[R']``; best-first order keeps a cut tree a tree). No host synchronisation."""
     num_nodes = torch.minimum(trees.num_nodes.index_select(0, index), max_nodes)
-    slots = torch.arange(trees.width, device=index.device).unsqueeze(0)
+    slots = torch.arange(trees.tree_budget, device=index.device).unsqueeze(0)
     keep = slots < num_nodes.unsqueeze(1)
     return DDTreeBatch(
         token_ids=torch.where(keep, trees.token_ids.index_select(0, index), PAD_TOKEN),
@@ -328,7 +332,7 @@ def summarize(tree: DDTreeBatch, num_accepted: torch.Tensor | None = None) -> li
             has_child[parents[r, :n]] = True
         max_depth = int(node_depths.max()) if n else 0
         info = {
-            "budget": tree.width,
+            "budget": tree.tree_budget,
             "nodes": n,
             "max_depth": max_depth,
             "leaves": int((~has_child[1:]).sum()),

@@ -55,7 +55,7 @@ if HAS_TRITON:
         stride_out,
         depth_limit,
         cap,
-        budget,
+        tree_budget,
         FRONTIER: tl.constexpr,
     ):
         req = tl.program_id(0)
@@ -72,7 +72,7 @@ if HAS_TRITON:
         rank = tl.zeros((FRONTIER,), dtype=tl.int64)
         used = 1
         count = tl.zeros((), dtype=tl.int64)
-        for i in range(budget):
+        for i in range(tree_budget):
             best_score = tl.max(score, axis=0)
             best = tl.argmax(score, axis=0)
             chosen = offs == best
@@ -113,7 +113,7 @@ if HAS_TRITON:
 
 
 def build_trees_triton(
-    draft_logits: torch.Tensor, budget: int, top_k: int | None = None
+    draft_logits: torch.Tensor, tree_budget: int, top_k: int | None = None
 ) -> DDTreeBatch:
     """``build_trees`` with the best-first search in one kernel launch (``R`` programs).
 
@@ -122,18 +122,18 @@ def build_trees_triton(
     PyTorch (two launches) before the kernel.
     """
     device = draft_logits.device
-    candidates = depth_candidates(draft_logits, budget, top_k)
+    candidates = depth_candidates(draft_logits, tree_budget, top_k)
     if candidates is None:
         num_reqs, depth_limit, _ = draft_logits.shape
-        return empty_batch(num_reqs, budget, depth_limit, device)
+        return empty_batch(num_reqs, tree_budget, depth_limit, device)
     top_log_probs, top_tokens = (t.contiguous() for t in candidates)  # [R, L, K], sorted
     num_reqs, depth_limit, cap = top_log_probs.shape
-    token_ids = torch.empty((num_reqs, budget), dtype=torch.long, device=device)
+    token_ids = torch.empty((num_reqs, tree_budget), dtype=torch.long, device=device)
     parents = torch.empty_like(token_ids)
     depths = torch.empty_like(token_ids)
-    scores = torch.empty((num_reqs, budget), dtype=torch.float32, device=device)
+    scores = torch.empty((num_reqs, tree_budget), dtype=torch.float32, device=device)
     num_nodes = torch.empty(num_reqs, dtype=torch.long, device=device)
-    frontier = max(16, triton.next_power_of_2(budget + 1))
+    frontier = max(16, triton.next_power_of_2(tree_budget + 1))
     _build_tree_kernel[(num_reqs,)](
         top_log_probs,
         top_tokens,
@@ -149,7 +149,7 @@ def build_trees_triton(
         token_ids.stride(0),
         depth_limit,
         cap,
-        budget,
+        tree_budget,
         FRONTIER=frontier,
         num_warps=4 if frontier <= 256 else 8,
     )
@@ -163,8 +163,8 @@ def build_trees_triton(
     )
 
 
-def build_draft_trees(draft_logits: torch.Tensor, budget: int, top_k: int | None = None):
+def build_draft_trees(draft_logits: torch.Tensor, tree_budget: int, top_k: int | None = None):
     """``build_trees_triton`` on CUDA, ``build_trees_ref`` elsewhere (same arguments: float
     ``[R, L, V]`` -> a ``DDTreeBatch`` of width ``budget``)."""
     build = build_trees_triton if use_triton(draft_logits.device) else build_trees_ref
-    return build(draft_logits, budget, top_k)
+    return build(draft_logits, tree_budget, top_k)

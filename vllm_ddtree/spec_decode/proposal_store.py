@@ -36,10 +36,10 @@ TREE_FIELDS = ("token_ids", "parents", "depths", "scores", "num_nodes")
 class ProposalStore:
     """Per-batch-row and per-request-state trees ``[rows, budget]`` of the last proposals."""
 
-    def __init__(self, rows: int, budget: int, depth: int, device: torch.device):
-        self.budget = budget
-        self.batch = empty_batch(rows, budget, depth, device)  # written by the drafter
-        self.state = empty_batch(rows, budget, depth, device)
+    def __init__(self, rows: int, tree_budget: int, depth: int, device: torch.device):
+        self.tree_budget = tree_budget
+        self.batch = empty_batch(rows, tree_budget, depth, device)  # written by the drafter
+        self.state = empty_batch(rows, tree_budget, depth, device)
         self._pending_rows: np.ndarray | None = None  # request states of ``batch``'s rows
         self._pending_index: torch.Tensor | None = None  # the same, long [R] on the device
         # The request each state's untaken proposal was made for (host; NO_OWNER: none).
@@ -96,7 +96,7 @@ class ProposalStore:
             pending is not None
             and len(pending) == len(rows)
             and bool(np.array_equal(pending, rows))
-            and bool((num_nodes_np == self.budget).all())
+            and bool((num_nodes_np == self.tree_budget).all())
         )
         if steady:
             self._pending_rows = self._pending_index = None  # consumed
@@ -113,8 +113,8 @@ class RequestTrees:
     """V1 runner: each request's untaken proposal, by request id (the drafter's trees stay on
     the device; a steady step verifies the last proposal's tensors as they are)."""
 
-    def __init__(self, budget: int, depth: int):
-        self.budget, self.depth = budget, depth
+    def __init__(self, tree_budget: int, depth: int):
+        self.tree_budget, self.depth = tree_budget, depth
         self._latest: dict[str, tuple[DDTreeBatch, int]] = {}  # request -> (trees, row)
 
     def proposed(self, req_ids: list[str], trees: DDTreeBatch) -> None:
@@ -144,7 +144,7 @@ class RequestTrees:
                 sources.append(trees)
             source[r] = offsets[id(trees)] + row
         num_nodes = np.where(source >= 0, num_draft, 0)
-        return TakenTrees(sources, source, num_nodes, self.budget, self.depth)
+        return TakenTrees(sources, source, num_nodes, self.tree_budget, self.depth)
 
 
 class TakenTrees:
@@ -157,23 +157,23 @@ class TakenTrees:
         sources: list[DDTreeBatch],
         source: np.ndarray,
         num_nodes: np.ndarray,
-        budget: int,
+        tree_budget: int,
         depth: int,
     ):
         self.sources, self.source, self.num_nodes = sources, source, num_nodes
-        self.budget, self.depth = budget, depth
+        self.tree_budget, self.depth = tree_budget, depth
 
     def trees(self, source: torch.Tensor, num_nodes: torch.Tensor) -> DDTreeBatch:
         """``[R, budget]`` trees (``source``, ``num_nodes``: the same tables on the device)."""
-        num_reqs, budget = len(self.source), self.budget
+        num_reqs, tree_budget = len(self.source), self.tree_budget
         if not self.sources:
-            return empty_batch(num_reqs, budget, self.depth, source.device)
+            return empty_batch(num_reqs, tree_budget, self.depth, source.device)
         if len(self.sources) == 1:
             stacked = self.sources[0]
             steady = (
                 stacked.num_requests == num_reqs
                 and bool((self.source == np.arange(num_reqs)).all())
-                and bool((self.num_nodes == budget).all())
+                and bool((self.num_nodes == tree_budget).all())
             )
             if steady:  # the last proposal's rows, each tree whole: nothing to move or cut
                 return stacked

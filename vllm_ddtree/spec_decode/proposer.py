@@ -60,7 +60,7 @@ class DDTreeProposer(DFlashProposer):
         hybrid_gdn.install(torch.device(device))
         self.state.hybrid = hybrid_gdn.HybridTreeStep(
             max_rows=vllm_config.scheduler_config.max_num_seqs,
-            tokens_per_row=self.ddtree.tree_budget + 1,
+            tree_budget=self.ddtree.tree_budget,
             device=torch.device(device),
         )
 
@@ -89,8 +89,6 @@ class DDTreeProposer(DFlashProposer):
         self._tree_tokens = None
         if step_checks.enabled():
             self._check_query_slots(tokens.shape[0])
-        # Keep vLLM's own view of the draft width equal to the budget (scheduler slots).
-        self.num_speculative_tokens = self.ddtree.tree_budget
         width = min(num_speculative_tokens, tokens.shape[1])
         return tokens[:, :width]
 

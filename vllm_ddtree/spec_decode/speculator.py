@@ -51,10 +51,10 @@ def ddtree_speculator_class():
             drafter_config.speculative_config = drafter_spec
             super().__init__(drafter_config, device)
             self.ddtree = ddtree
-            rows, budget = self.max_num_reqs, ddtree.tree_budget
+            rows, tree_budget = self.max_num_reqs, ddtree.tree_budget
             # The last proposals, per batch row (written inside the drafter's graph) and per
             # request state (vLLM's req_state index), read at each request's next step.
-            self.proposals = ProposalStore(rows, budget, ddtree.depth, device)
+            self.proposals = ProposalStore(rows, tree_budget, ddtree.depth, device)
             self.state = StepState()  # the step's hand-overs (step_state.py)
             self.oracle = None
             if oracle_path():  # a test switch (testing/oracle.py)

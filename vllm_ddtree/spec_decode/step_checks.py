@@ -35,7 +35,9 @@ def check_tree_tokens(input_ids: torch.Tensor, trees: DDTreeBatch, root_row: tor
     ``[R]``: node ``i`` of request ``r`` is row ``root_row[r] + 1 + i``."""
     if not enabled() or trees.num_requests == 0:
         return
-    rows = root_row.long().unsqueeze(1) + 1 + torch.arange(trees.width, device=root_row.device)
+    rows = (
+        root_row.long().unsqueeze(1) + 1 + torch.arange(trees.tree_budget, device=root_row.device)
+    )
     valid = trees.valid_mask()
     fed = input_ids[rows.clamp(max=input_ids.shape[0] - 1)].long()
     wrong = valid & (fed != trees.token_ids)

@@ -244,7 +244,7 @@ def commit_step_kv(runner, state: StepState, step: TreeStep) -> None:
         slot_mapping = step.slot_mapping
     if slot_mapping is None:
         return
-    width = step.trees.width
+    width = step.trees.tree_budget
     accepted, num_accepted = step.accepted, step.num_accepted
     if use_triton(slot_mapping.device):
         # The kernel reads each node's slot at slot_mapping[root_row + node]: no index tensors.

@@ -201,7 +201,7 @@ def _wrap_sample(original):
             )
         num_reqs = input_batch.num_reqs
         first_row = input_batch.cu_num_logits[:num_reqs].long()
-        out_width = step.trees.width + 1
+        out_width = step.trees.tree_budget + 1
         with step_range("ddtree::follow_tree"):
             sampled, num_sampled, accepted, num_accepted = tree_sampler_output(
                 step.trees, chosen.long(), first_row, step.num_draft, out_width
