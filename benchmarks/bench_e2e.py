@@ -37,14 +37,13 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.step_split import (  # noqa: E402
+from benchmarks.common import ROOT, module_command
+from benchmarks.step_split import (
     host_phase_split,
     profiled_step_split,
     split_table,
 )
-from vllm_ddtree.cost_model import tree_engine_prefix  # noqa: E402
+from vllm_ddtree.cost_model import tree_engine_prefix
 
 DATASETS = ("humaneval", "mtbench", "sharegpt")
 COMPILE_NOTES = {
@@ -311,7 +310,8 @@ def run_child(job: dict, work: str, timeout: int) -> dict:
     with open(log_path, "w") as log:
         try:
             subprocess.run(
-                [sys.executable, __file__, "--child", path],
+                [*module_command("bench_e2e"), "--child", path],
+                cwd=ROOT,
                 env={**os.environ, **job.get("env", {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,

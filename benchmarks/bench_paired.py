@@ -30,9 +30,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.bench_e2e import (  # noqa: E402
+from benchmarks.bench_e2e import (
     DATASETS,
     device_id,
     graph_sizes,

@@ -30,14 +30,12 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm_ddtree.ops.kv_commit import PagedKVLayers, commit_accepted_kv_at  # noqa: E402
-from vllm_ddtree.ops.path_rows import move_path_rows  # noqa: E402
-from vllm_ddtree.ops.tree_build import build_draft_trees  # noqa: E402
-from vllm_ddtree.ops.tree_inputs import tree_step_inputs_triton  # noqa: E402
-from vllm_ddtree.ops.tree_walk import walk_and_emit  # noqa: E402
-from vllm_ddtree.spec_decode.proposal_store import ProposalStore  # noqa: E402
+from vllm_ddtree.ops.kv_commit import PagedKVLayers, commit_accepted_kv_at
+from vllm_ddtree.ops.path_rows import move_path_rows
+from vllm_ddtree.ops.tree_build import build_draft_trees
+from vllm_ddtree.ops.tree_inputs import tree_step_inputs_triton
+from vllm_ddtree.ops.tree_walk import walk_and_emit
+from vllm_ddtree.spec_decode.proposal_store import ProposalStore
 
 VOCAB, HIDDEN, LAYERS, KV_HEADS, HEAD, BLOCK, DEPTH, FEATURES = 49152, 576, 30, 3, 64, 16, 15, 4
 

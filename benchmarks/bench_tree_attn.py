@@ -24,33 +24,20 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tree_attn_backend.ops.tree_attention import (  # noqa: E402
+from benchmarks.common import git_commit
+from tree_attn_backend.ops.tree_attention import (
     tree_attention,
     tree_attention_ref,
     unpack_tree_mask,
 )
-from tree_attn_backend.testing import AttentionCase, random_case, relative_error  # noqa: E402
+from tree_attn_backend.testing import AttentionCase, random_case, relative_error
 
 BF16_TOLERANCE = 1e-2  # relative error for bf16/fp16 operands (float32 accumulation)
-
-
-def git_commit() -> str:
-    """The commit measured: $VLLM_DDTREE_COMMIT (hosts without the git metadata), else HEAD."""
-    if os.environ.get("VLLM_DDTREE_COMMIT"):
-        return os.environ["VLLM_DDTREE_COMMIT"]
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.check_output(["git", "-C", root, "rev-parse", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001
-        return os.environ.get("VLLM_DDTREE_COMMIT", "unknown")
 
 
 def median_ms(fn, warmup: int = 10, rep: int = 50) -> float:

@@ -17,13 +17,10 @@ import gc
 import json
 import os
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.prompts import HELD_OUT_HUMANEVAL_FROM, humaneval_prompts, mtbench_prompts  # noqa: E402
-from vllm_ddtree.ops.keyed_gumbel import COUPLED_DRAFTS_ENV  # noqa: E402
+from benchmarks.prompts import HELD_OUT_HUMANEVAL_FROM, humaneval_prompts, mtbench_prompts
+from vllm_ddtree.ops.keyed_gumbel import COUPLED_DRAFTS_ENV
 
 CHAIN = "dflash_chain"
 

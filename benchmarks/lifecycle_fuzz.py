@@ -43,6 +43,8 @@ import sys
 import tempfile
 import traceback
 
+from benchmarks.common import ROOT, module_command
+
 ENGINE_DEFAULTS = dict(
     enforce_eager=True,
     skip_tokenizer_init=True,
@@ -326,8 +328,8 @@ def gpu_main(args) -> int:
             "runs": GPU_RUNS,
         }
         log = open(os.path.join(args.work, f"seed{seed}.log"), "w")
-        command = [sys.executable, __file__, "plan", target, drafter, json.dumps(plan)]
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
+        command = [*module_command("lifecycle_fuzz"), "plan", target, drafter, json.dumps(plan)]
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
         procs[seed] = (proc, log)
     for seed, (proc, log) in procs.items():
         try:

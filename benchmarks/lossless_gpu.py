@@ -39,8 +39,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import ROOT, module_command
 
 MAX_MODEL_LEN = 2048
 
@@ -132,7 +131,10 @@ def run_jobs(
                 json.dump(job, f)
             log = open(os.path.join(work, f"{name}.log"), "w")  # noqa: SIM115 - child's log
             child = subprocess.Popen(
-                [sys.executable, __file__, "--child", job_path], stdout=log, stderr=log
+                [*module_command("lossless_gpu"), "--child", job_path],
+                cwd=ROOT,
+                stdout=log,
+                stderr=log,
             )
             running[name] = (child, job_path, time.time())
         time.sleep(1)
@@ -160,7 +162,7 @@ def run_jobs(
 def safe_logit_gap(target: str, prompt: list[int], prefix: list[int]) -> float | str:
     """The target's float32 top-2 logit gap after ``prompt + prefix`` (transformers), or why it
     could not be computed (e.g. a multimodal checkpoint ``AutoModelForCausalLM`` cannot load)."""
-    from tree_attn_vllm_gpu import logit_gap
+    from benchmarks.tree_attn_vllm_gpu import logit_gap
 
     try:
         return logit_gap(target, prompt, prefix)
@@ -350,8 +352,8 @@ def main() -> int:
         return 0
 
     import torch
-    from bench_tree_attn import git_commit
 
+    from benchmarks.common import git_commit
     from vllm_ddtree.config import HYBRID_ENGINE_ARGS, SCHEDULE_KEY, choose_runner
     from vllm_ddtree.demo import first_divergence
     from vllm_ddtree.testing import HYBRID_TARGETS, TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3

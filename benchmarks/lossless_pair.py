@@ -20,9 +20,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 DATASETS = ("humaneval", "mtbench", "sharegpt")
 
 
@@ -58,10 +55,9 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=4)
     args = parser.parse_args()
 
-    from bench_tree_attn import git_commit
-    from lossless_gpu import run_jobs
-    from tree_attn_vllm_gpu import logit_gap
-
+    from benchmarks.common import git_commit
+    from benchmarks.lossless_gpu import run_jobs
+    from benchmarks.tree_attn_vllm_gpu import logit_gap
     from vllm_ddtree.demo import first_divergence
 
     started = time.time()

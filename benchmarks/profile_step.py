@@ -25,9 +25,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.step_split import LAUNCH_EVENTS, SYNC_EVENTS  # noqa: E402
+from benchmarks.common import ROOT, module_command
+from benchmarks.step_split import LAUNCH_EVENTS, SYNC_EVENTS
 
 # "graphs": full CUDA graphs of decode/verify batches, no torch.compile (engines start fast;
 # vLLM's V1 runner then runs the DFlash drafter eagerly). "default": vLLM's defaults
@@ -289,11 +288,11 @@ def main() -> int:
 
     summary = []
     for method in args.methods.split(","):
-        command = [sys.executable, __file__, "--method", method, "--target", args.target]
+        command = [*module_command("profile_step"), "--method", method, "--target", args.target]
         command += ["--drafter", args.drafter, "--out", args.out, "--tokens", str(args.tokens)]
         command += ["--trace"] if args.trace else []
         command += ["--compile", args.compile, "--tp", str(args.tp)]
-        subprocess.run(command, check=False)
+        subprocess.run(command, cwd=ROOT, check=False)
         path = os.path.join(args.out, f"profile_{method}.json")
         if not os.path.exists(path):
             summary.append({"method": method, "error": "no result (see the log)"})

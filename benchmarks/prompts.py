@@ -18,11 +18,8 @@ import gzip
 import importlib.util
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm_ddtree.demo import HELD_OUT_HUMANEVAL_FROM  # noqa: E402  (the demo's held-out split)
+from vllm_ddtree.demo import HELD_OUT_HUMANEVAL_FROM  # (the demo's held-out split)
 
 SHAREGPT_HELD_OUT_EVERY = 50
 EVAL_PER_SET = 64

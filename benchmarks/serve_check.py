@@ -21,8 +21,6 @@ import sys
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} ; {% endfor %}"
     "{% if add_generation_prompt %}assistant :{% endif %}"
@@ -134,8 +132,7 @@ def main() -> int:
         "--server-args", default="", help="more `vllm serve` arguments, e.g. memory limits"
     )
     args = parser.parse_args()
-    from bench_tree_attn import git_commit
-
+    from benchmarks.common import git_commit
     from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
     spec = TinyQwen3Spec()
@@ -178,5 +175,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

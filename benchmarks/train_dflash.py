@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import ROOT, module_command
 
 LOSS_DECAY = 7.0
 
@@ -407,12 +407,12 @@ def main() -> int:
 
         args.target = prepare_smollm2(args.work, args.gguf)
     if not os.path.exists(args.responses):
-        command = [sys.executable, __file__, "--generate-only", "--target", args.target]
+        command = [*module_command("train_dflash"), "--generate-only", "--target", args.target]
         command += ["--prompts", args.prompts, "--out", args.out, "--work", args.work]
         command += ["--num-prompts", str(args.num_prompts)]
         command += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
         command += ["--max-new-tokens", str(args.max_new_tokens)]
-        subprocess.run(command, check=True)
+        subprocess.run(command, cwd=ROOT, check=True)
     train(args)
     return 0
 

@@ -21,9 +21,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 
 def run_engine(target: str, prompts, max_tokens: int, **kwargs) -> dict:
     import torch
@@ -110,8 +107,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from bench_tree_attn import git_commit
-
+    from benchmarks.common import git_commit
     from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
     spec = TinyQwen3Spec(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)

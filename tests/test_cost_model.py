@@ -22,24 +22,24 @@ from vllm_ddtree.cost_model import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 bench_e2e = load_benchmark("bench_e2e")
-BENCH = os.path.join(ROOT, "benchmarks", "results", "bench_e2e.json")
+# Copies of committed H200 runs (tests/fixtures/runs/README.md says which run each is).
+RUNS = os.path.join(ROOT, "tests", "fixtures", "runs")
+BENCH = os.path.join(RUNS, "v1_bench_e2e.json")
 # The V2 runner's benches: the first two (budgets 8 to 32, batch 1 and 16), the first grid
 # (ea98718: budgets 4 to 256, batch 1 to 64; its batch > 1 rows of budgets up to 64 ran verify
 # batches without a FULL graph) and the grid the packaged V2 profile is fitted to (7de7dbb:
 # budgets 16 to 1024, every verify batch size with its FULL graph).
-BENCH_V2_FIRST = os.path.join(ROOT, "benchmarks", "results", "v2_runner_f8ddc72", "bench_e2e.json")
-BENCH_V2_LATER = os.path.join(ROOT, "benchmarks", "results", "v2_default_e72fe79", "bench_e2e.json")
-BENCH_V2_GRID = os.path.join(ROOT, "benchmarks", "results", "bench_ea98718", "bench_e2e.json")
-BENCH_V2 = os.path.join(ROOT, "benchmarks", "results", "bench_7de7dbb", "bench_e2e.json")
+BENCH_V2_FIRST = os.path.join(RUNS, "v2_first_f8ddc72.json")
+BENCH_V2_LATER = os.path.join(RUNS, "v2_later_e72fe79.json")
+BENCH_V2_GRID = os.path.join(RUNS, "v2_grid_ea98718.json")
+BENCH_V2 = os.path.join(RUNS, "v2_profile_grid_7de7dbb.json")
 # The paired run the packaged V2 profile is fitted to (3a5a7d6: the chain and DDTree budgets 16
 # to 128 by turns, each engine's core in a process of its own, as vllm serve runs it).
-PAIRED_V2 = os.path.join(
-    ROOT, "benchmarks", "results", "h200_3a5a7d6", "calibration", "bench_paired.json"
-)
+PAIRED_V2 = os.path.join(RUNS, "paired_v2_3a5a7d6.json")
 # Tensor parallel 2 (not fitted): DDTree on the V1 runner (6b83ee1) and on V2, its runner there
 # since f59dea1, with drafter-sized graphs (a62595a).
-BENCH_TP2 = os.path.join(ROOT, "benchmarks", "results", "tp2_bench_6b83ee1", "bench_e2e.json")
-BENCH_TP2_V2 = os.path.join(ROOT, "benchmarks", "results", "tp2_bench_a62595a", "bench_e2e.json")
+BENCH_TP2 = os.path.join(RUNS, "tp2_v1_6b83ee1.json")
+BENCH_TP2_V2 = os.path.join(RUNS, "tp2_v2_a62595a.json")
 VLLM_FIELDS = ["method", "model", "num_speculative_tokens"]
 DFLASH = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}, "block_size": 16}
 

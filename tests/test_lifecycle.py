@@ -41,7 +41,7 @@ def run_plan(target: str, drafter: str, plan: dict, timeout: int = 900) -> dict:
     """``benchmarks/lifecycle_fuzz.py plan`` in a subprocess (vLLM engines keep process-wide
     state); its result."""
     args = ("plan", target, drafter, json.dumps(plan))
-    return run_helper(FUZZ.__file__, *args, timeout=timeout)[0]
+    return run_helper("-m benchmarks.lifecycle_fuzz", *args, timeout=timeout)[0]
 
 
 def check_lifecycle(result: dict) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "serve_check.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -26,7 +26,9 @@ def test_serve_answers_like_the_target_alone(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            SCRIPT,
+            "-m",
+            "benchmarks",
+            "serve-check",
             "--out",
             str(tmp_path),
             "--work",
@@ -34,6 +36,7 @@ def test_serve_answers_like_the_target_alone(tmp_path):
             "--port",
             str(free_port()),
         ],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1200,

@@ -5,17 +5,21 @@ import os
 import subprocess
 import sys
 
-HELPER = os.path.join(os.path.dirname(__file__), "helpers", "run_vllm_generate.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELPER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+HELPER = os.path.join(HELPER_DIR, "run_vllm_generate.py")
 TREE_ATTN_ACTIVE = "TREE_ATTN: tree attention backend active"
 
 
 def run_helper(script: str, *args: str, timeout: int = 900) -> tuple[dict, str]:
     """Run a script that prints one ``RESULT {json}`` line: a helper in ``tests/helpers/`` by
-    name, or any script by its path.
+    name, or a module (``-m benchmarks.lifecycle_fuzz``).
 
     Returns (the parsed result, the subprocess's whole log)."""
+    command = script.split() if script.startswith("-m ") else [HELPER_DIR + os.sep + script]
     proc = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(HELPER), script), *args],
+        [sys.executable, *command, *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
