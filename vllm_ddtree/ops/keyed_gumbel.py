@@ -15,7 +15,7 @@ Two sources of ``G``:
 
 * ``keyed_gumbel_noise``: this project's (a splitmix64 hash of seed, key and token, 53-bit
   uniforms, float64 logs), in PyTorch on any device; the V1 runner samples the target's tokens
-  with it (``runner_hooks._target_tokens``) and couples the drafts to it.
+  with it (``spec_decode/v1_hooks._target_tokens``) and couples the drafts to it.
 * ``perturb_like_vllm_v2``: vLLM 0.26.0's V2 sampler's own noise (Triton's Philox keyed by the
   request's seed and the row's position, as ``vllm/v1/worker/gpu/sample/gumbel.py`` draws it),
   applied in place to the drafter's logits inside its CUDA graph; the V2 runner's target tokens

@@ -1,5 +1,5 @@
 """Where DDTree proposals wait for their verify step: ``ProposalStore`` for the V2 runner
-(``runner_v2.py``), ``RequestTrees`` for the V1 runner (``runner_hooks.py``).
+(``v2_hooks.py``), ``RequestTrees`` for the V1 runner (``v1_hooks.py``).
 
 A proposal is good for one step: the request's next scheduled one. Any scheduled step takes it
 (``take``), whether that step verifies it or not, so a request the drafter skipped (vLLM then
