@@ -10,7 +10,7 @@ The drafter defaults to the DFlash drafter this project trained for SmolLM2
 near 1 token per round). Either way the demo checks that DDTree's greedy output equals the
 target's.
 
-    vllm-ddtree-demo [--num-prompts 3] [--max-new-tokens 64] [--budget 64] [--drafter PATH]
+    vllm-ddtree-demo [--num-prompts 3] [--max-new-tokens 64] [--tree-budget 64] [--drafter PATH]
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--tree-budget", "--budget", dest="tree_budget", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument(
         "--drafter",
@@ -154,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         drafter = random_drafter(untrained_drafter_config(target.config), seed=0)
         drafter_name = "untrained DFlash drafter (seeded random weights)"
     engine = DDTreeReference(
-        target, DFlashDraftSource(drafter.eval(), target), budget=args.budget, top_k=args.top_k
+        target,
+        DFlashDraftSource(drafter.eval(), target),
+        tree_budget=args.tree_budget,
+        top_k=args.top_k,
     )
     print(
         f"target: SmolLM2-135M-Instruct (CPU, float32) | drafter: {drafter_name} | "
-        f"budget {args.budget}",
+        f"tree_budget {args.tree_budget}",
         flush=True,
     )
 
