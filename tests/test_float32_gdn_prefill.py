@@ -87,8 +87,8 @@ def test_install_wraps_both_forwards_of_vllms_op_once(monkeypatch):
     originals = {name: getattr(op, name) for name in ("forward_native", "forward_cuda")}
     for name, fn in originals.items():
         monkeypatch.setattr(op, name, fn)  # restored after the test
-    float32_gdn_prefill.install(module)
-    float32_gdn_prefill.install(module)
+    float32_gdn_prefill.install()
+    float32_gdn_prefill.install()
     for name, fn in originals.items():
         assert getattr(op, name).__wrapped__ is fn
 

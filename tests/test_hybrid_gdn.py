@@ -305,8 +305,7 @@ def test_index_checks_cover_vllms_gdn_metadata(monkeypatch):
         def build(self, *args, **kwargs):
             return built
 
-    hybrid_gdn.wrap_metadata_builder(Builder)
-    hybrid_gdn.wrap_metadata_builder(Builder)  # idempotent
+    Builder.build = hybrid_gdn._wrap_metadata_build(Builder.build)  # as the seam installs it
     assert Builder().build() is built  # the switch off: no check
     monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
     assert Builder().build() is built
@@ -515,7 +514,7 @@ def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
 
     seen = []
 
-    def original(  # vLLM 0.26.0's parameters (v1_hooks.EXPECTED_SIGNATURES)
+    def original(  # vLLM 0.26.0's parameters (its row in compat/seams.py)
         self,
         num_tokens,
         num_reqs,

@@ -72,13 +72,13 @@ def test_uniform_flags_are_left_alone():
 
 def test_both_runners_get_the_wrapper():
     from vllm_ddtree import compat, vllm_patches
-    from vllm_ddtree.spec_decode import v2_hooks
+    from vllm_ddtree.compat import seams
 
     vllm_patches.apply()
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.gpu import model_runner
 
-    v2_hooks.install(model_runner)
+    seams.install(seams.V2_RUNNER)
     for runner in (gpu_model_runner.GPUModelRunner, model_runner.GPUModelRunner):
         assert compat.is_applied(runner.get_kv_cache_spec)
 

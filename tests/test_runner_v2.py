@@ -14,15 +14,15 @@ pytest.importorskip("vllm")
 
 
 def test_the_v2_seams_exist_with_the_parameters_the_hooks_use():
-    from vllm_ddtree.spec_decode.v2_hooks import check_v2_signatures
+    from vllm_ddtree.compat import seams
 
-    check_v2_signatures()
+    assert seams.check([seams.V2_RUNNER]) == len(seams.seams_of(seams.V2_RUNNER))
 
 
 def test_install_wraps_the_v2_runner_once(monkeypatch):
     from vllm.v1.worker.gpu import model_runner
 
-    from vllm_ddtree.spec_decode import v2_hooks
+    from vllm_ddtree.compat import seams
 
     runner = model_runner.GPUModelRunner
     for owner, name in (
@@ -31,9 +31,9 @@ def test_install_wraps_the_v2_runner_once(monkeypatch):
         (model_runner, "init_speculator"),
     ):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
-    v2_hooks.install(model_runner)
+    seams.install(seams.V2_RUNNER)
     wrapped = (runner.prepare_attn, runner.sample, model_runner.init_speculator)
-    v2_hooks.install(model_runner)
+    seams.install(seams.V2_RUNNER)
     assert (runner.prepare_attn, runner.sample, model_runner.init_speculator) == wrapped
     assert all(fn.__wrapped__ is not fn for fn in wrapped)
 

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ddtree.compat import wrap_function
+from vllm_ddtree.compat import seams
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
 
 logger = logging.getLogger("vllm.ddtree")
-GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+GDN_MODULE = seams.GDN_MODULE
 NULL_BLOCK = 0  # vLLM's reserved block: writes there are harmless
 # A debugging switch: check every state-block index and path length the tree path reads before
 # it reads them, and raise naming the bad one (host syncs; outside CUDA-graph capture only).
@@ -493,7 +493,7 @@ def conv_window_sources(
     return from_path, node, old_column
 
 
-GDN_METADATA_MODULE = "vllm.v1.attention.backends.gdn_attn"
+GDN_METADATA_MODULE = seams.GDN_METADATA_MODULE
 # The state-index fields of vLLM's GatedDeltaNet metadata (all index the mamba cache's blocks).
 GDN_METADATA_BLOCK_FIELDS = (
     "spec_state_indices_tensor",
@@ -516,22 +516,19 @@ def check_gdn_metadata(metadata, num_blocks: int) -> None:
         check_index_range("vLLM GDN metadata num_accepted_tokens - 1", accepted - 1, spec.shape[-1])
 
 
-def wrap_metadata_builder(builder_cls) -> None:
-    """Check each GatedDeltaNet metadata ``builder_cls.build`` returns (``check_gdn_metadata``
-    against the engine's block count) while ``VLLM_DDTREE_CHECK_INDICES=1``; once per process
-    (``compat.wrap_function``)."""
+def _wrap_metadata_build(original):
+    """``GDNAttentionMetadataBuilder.build`` checking each metadata it returns
+    (``check_gdn_metadata`` against the engine's block count) while
+    ``VLLM_DDTREE_CHECK_INDICES=1`` (the seam ``GDN_CHECKS``)."""
 
-    def make_build(original):
-        def build(self, *args, **kwargs):
-            metadata = original(self, *args, **kwargs)
-            num_blocks = getattr(self.vllm_config.cache_config, "num_gpu_blocks", None)
-            if num_blocks and checking_indices():
-                check_gdn_metadata(metadata, num_blocks)
-            return metadata
+    def build(self, *args, **kwargs):
+        metadata = original(self, *args, **kwargs)
+        num_blocks = getattr(self.vllm_config.cache_config, "num_gpu_blocks", None)
+        if num_blocks and checking_indices():
+            check_gdn_metadata(metadata, num_blocks)
+        return metadata
 
-        return build
-
-    wrap_function(builder_cls, "build", GDN_METADATA_MODULE, make_build)
+    return build
 
 
 def step_of_this_forward() -> HybridTreeStep | None:
@@ -616,7 +613,7 @@ def _recurrence_dispatcher(original):
     return fused_sigmoid_gating_delta_rule_update
 
 
-CPU_GDN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+CPU_GDN_MODULE = seams.GDN_CPU_MODULE
 
 
 def tree_spec_forward_cpu(
@@ -660,37 +657,24 @@ def tree_spec_forward_cpu(
 
 
 def _cpu_spec_dispatcher(original):
-    def _spec_forward(layer, md, x, b, a, conv_buf, ssm_state, *args, **kwargs):
+    def _spec_forward(
+        layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, *args, **kw
+    ):
+        given = (layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state)
         step = step_of_this_forward()
         if step is None:
-            return original(layer, md, x, b, a, conv_buf, ssm_state, *args, **kwargs)
-        return tree_spec_forward_cpu(step, layer, md, x, b, a, conv_buf, ssm_state)
+            return original(*given, *args, **kw)
+        return tree_spec_forward_cpu(step, *given)
 
     return _spec_forward
 
 
-def _install_cpu(module_name: str = CPU_GDN_MODULE) -> None:
-    """vLLM-CPU runs its own GDN code (``forward_cpu``): route its speculative rows too."""
-    import importlib
-
-    module = importlib.import_module(module_name)
-    wrap_function(module, "_spec_forward", module_name, _cpu_spec_dispatcher)
-
-
 def install(device: torch.device) -> None:
     """In a worker: route vLLM's speculative GDN calls to the tree kernels when the forward
-    verifies trees (``step_of_this_forward``); once per process."""
-    import importlib
-
+    verifies trees (``step_of_this_forward``); vLLM-CPU's own GDN code too on a CPU device,
+    and the metadata checks under ``VLLM_DDTREE_CHECK_INDICES=1``. Once per process."""
+    seams.install(seams.GDN)
     if torch.device(device).type == "cpu":
-        _install_cpu()
-    module = importlib.import_module(GDN_MODULE)
-    for name, make in (
-        ("causal_conv1d_update", _conv_dispatcher),
-        ("fused_sigmoid_gating_delta_rule_update", _recurrence_dispatcher),
-    ):
-        wrap_function(module, name, GDN_MODULE, make)
+        seams.install(seams.GDN_CPU)
     if os.environ.get(CHECK_INDICES_ENV) == "1":
-        wrap_metadata_builder(
-            importlib.import_module(GDN_METADATA_MODULE).GDNAttentionMetadataBuilder
-        )
+        seams.install(seams.GDN_CHECKS)

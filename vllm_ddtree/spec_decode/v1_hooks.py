@@ -1,6 +1,6 @@
 """DDTree verification inside vLLM 0.26.0's V1 model runner (``GPUModelRunner``; the CPU
-runner inherits it). Installed by ``vllm_patches.apply``; inert unless the runner's drafter is
-a ``DDTreeProposer`` with DDTree configured.
+runner inherits it). Its wrappers are the seam group ``V1_RUNNER`` (``compat/seams.py``),
+inert unless the runner's drafter is a ``DDTreeProposer`` with DDTree configured.
 
 Per step, for requests that carry a tree (their scheduled draft tokens are the tree's nodes):
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree import compat
-from vllm_ddtree.compat import bind_arguments, wrap_function
+from vllm_ddtree.compat import bind_arguments
 from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_walk import walk_and_emit
@@ -459,48 +459,3 @@ def _wrap_capture_model(original):
         return original(self, *args, **kwargs)
 
     return capture_model
-
-
-EXPECTED_SIGNATURES = {
-    "capture_model": ["self"],
-    "profile_run": ["self"],
-    "_determine_batch_execution_and_padding": [
-        "self",
-        "num_tokens",
-        "num_reqs",
-        "num_scheduled_tokens_np",
-        "max_num_scheduled_tokens",
-        "use_cascade_attn",
-        "allow_microbatching",
-        "force_eager",
-        "force_uniform_decode",
-    ],
-    "_prepare_inputs": ["self", "scheduler_output", "num_scheduled_tokens"],
-    "_sample": ["self", "logits", "spec_decode_metadata"],
-    "_input_fits_in_drafter": ["self", "common_attn_metadata"],
-    "propose_draft_token_ids": [
-        "self",
-        "scheduler_output",
-        "sampled_token_ids",
-        "sampling_metadata",
-        "hidden_states",
-        "sample_hidden_states",
-        "aux_hidden_states",
-    ],
-}
-
-
-def install() -> None:
-    """Wrap the V1 runner methods once per process (fails loudly if vLLM changed them)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    for name, wrap in (
-        ("capture_model", _wrap_capture_model),
-        ("profile_run", _wrap_profile_run),
-        ("_determine_batch_execution_and_padding", _wrap_determine_batch_execution),
-        ("_prepare_inputs", _wrap_prepare_inputs),
-        ("_sample", _wrap_sample),
-        ("_input_fits_in_drafter", _wrap_input_fits_in_drafter),
-        ("propose_draft_token_ids", _wrap_propose),
-    ):
-        wrap_function(GPUModelRunner, name, "GPUModelRunner", wrap, EXPECTED_SIGNATURES[name])

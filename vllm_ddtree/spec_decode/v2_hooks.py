@@ -30,9 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_ddtree import compat
-from vllm_ddtree.compat import get_ddtree_config, wrap_function
-from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
+from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode import step_checks
@@ -229,79 +227,4 @@ def _wrap_sample(original):
     return sample
 
 
-EXPECTED_SIGNATURES = {
-    "GPUModelRunner.prepare_attn": ["self", "input_batch"],
-    "GPUModelRunner.sample": ["self", "hidden_states", "input_batch", "grammar_output"],
-    "init_speculator": ["vllm_config", "device"],
-    "DFlashSpeculator.sample_draft": [
-        "self",
-        "hidden_states",
-        "positions",
-        "idx_mapping",
-        "temperature",
-        "seeds",
-        "draft_step",
-        "draft_logits",
-    ],
-    "DFlashSpeculator.propose": [
-        "self",
-        "input_batch",
-        "attn_metadata",
-        "slot_mappings",
-        "last_hidden_states",
-        "aux_hidden_states",
-        "num_sampled",
-        "num_rejected",
-    ],
-    "Sampler.sample": [
-        "self",
-        "logits",
-        "expanded_idx_mapping",
-        "idx_mapping_np",
-        "pos",
-        "input_ids",
-        "expanded_local_pos",
-    ],
-}
-
-
-def _seams():
-    """vLLM's V2 runner seams this module wraps or reads: ``(owner, name)`` by the
-    ``EXPECTED_SIGNATURES`` key."""
-    from vllm.v1.worker.gpu import model_runner
-    from vllm.v1.worker.gpu.sample.sampler import Sampler
-    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-
-    owners = {
-        "GPUModelRunner": model_runner.GPUModelRunner,
-        "DFlashSpeculator": DFlashSpeculator,
-        "Sampler": Sampler,
-    }
-    seams = {}
-    for qualified in EXPECTED_SIGNATURES:
-        owner_name, _, attr = qualified.rpartition(".")
-        seams[qualified] = (owners.get(owner_name, model_runner), attr)
-    return seams
-
-
-def check_v2_signatures() -> None:
-    """Raise ``VLLMIncompatibleError`` if vLLM's V2 runner no longer has the seams this module
-    wraps or reads (their leading parameters, by name)."""
-    for qualified, (owner, attr) in _seams().items():
-        fn = getattr(owner, attr, None)
-        if fn is None:
-            raise compat.incompatible(f"vLLM's V2 runner has no {qualified}")
-        compat.check_signature(fn, EXPECTED_SIGNATURES[qualified], qualified)
-
-
-def install(module) -> None:
-    """Wrap the V2 runner module's seams once per process (``module``: its model_runner)."""
-    check_v2_signatures()
-    runner = module.GPUModelRunner
-    wrap_function(runner, "prepare_attn", "GPUModelRunner", _wrap_prepare_attn)
-    wrap_function(runner, "sample", "GPUModelRunner", _wrap_sample)
-    wrap_function(runner, "get_kv_cache_spec", "GPUModelRunner", wrap_get_kv_cache_spec)
-    wrap_function(module, "init_speculator", RUNNER_MODULE, _wrap_init_speculator)
-
-
-__all__ = ["check_v2_signatures", "install", "tree_sampler_output"]
+__all__ = ["tree_sampler_output"]

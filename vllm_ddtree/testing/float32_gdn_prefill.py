@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.compat import wrap_function
 from vllm_ddtree.hybrid_gdn import gather_rows, row_token_index, scatter_rows
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
@@ -109,9 +108,9 @@ def _wrap_forward(original):
     return forward
 
 
-def install(module) -> None:
+def install() -> None:
     """Route float32 calls of vLLM's ``ChunkGatedDeltaRule`` (both of its forwards) to the
-    chain (``module``: vLLM's GDN layer module; before any layer is built, idempotent)."""
-    op = module.ChunkGatedDeltaRule
-    for name in ("forward_native", "forward_cuda"):
-        wrap_function(op, name, "ChunkGatedDeltaRule", _wrap_forward)
+    chain (the seam group ``FLOAT32_GDN``; before any layer is built, idempotent)."""
+    from vllm_ddtree.compat import seams
+
+    seams.install(seams.FLOAT32_GDN)

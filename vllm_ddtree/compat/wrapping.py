@@ -1,7 +1,7 @@
-"""The one seam between vllm-ddtree and vLLM's internals.
+"""How a seam of ``seams.SEAMS`` is applied to vLLM.
 
 Every vLLM function, method, property or module attribute the plugin wraps or replaces goes
-through the helpers here, so that all of them share:
+through the helpers here (called by ``seams.install``), so that all of them share:
 
 * one applied-marker (``APPLIED``): a wrapper carries it, and wrapping again is a no-op (the
   plugin is applied once per process, in every process vLLM starts);

