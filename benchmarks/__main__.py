@@ -25,6 +25,7 @@ COMMANDS = {
     "train": ("train_dflash", "train a DFlash drafter for SmolLM2"),
     "pad-heads": ("pad_heads", "zero-pad attention heads so tensor parallelism can split them"),
     "prompts": ("prompts", "write the benchmark prompt sets"),
+    "results-index": ("results_index", "regenerate benchmarks/results/README.md from the runs"),
 }
 
 

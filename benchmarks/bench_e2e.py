@@ -361,7 +361,9 @@ def tree_runner_note(summary: dict, name: str) -> str:
     return " (V2 runner)" if name.startswith("ddtree_") and on_v2 else ""
 
 
-def headline_table(summary: dict, rows_link: str = "benchmarks/results/bench_e2e.md") -> str:
+def headline_table(
+    summary: dict, rows_link: str = "benchmarks/results/2026-11-30_bfbb8da_speed-v1/bench_e2e.md"
+) -> str:
     """Markdown: batch 1, T = 0, per dataset: AR, the DFlash chain (V2 runner) and the fastest
     DDTree budget, with speedups over AR and DDTree over the chain (``rows_link``: the full
     table)."""
@@ -641,7 +643,9 @@ def main() -> int:
         "dense GPU target; v1: ddtree_bN; both)",
     )
     parser.add_argument("--readme", help="rewrite this file's headline block from --readme-from")
-    parser.add_argument("--readme-from", default="benchmarks/results/bench_e2e.json")
+    parser.add_argument(
+        "--readme-from", default="benchmarks/results/2026-11-30_bfbb8da_speed-v1/bench_e2e.json"
+    )
     parser.add_argument(
         "--report-from",
         help="write the markdown table and plots again from this bench_e2e.json (next to it)",

@@ -1,7 +1,7 @@
 """Host and device cost of each DDTree step operation on a GPU, without vLLM.
 
 A small model's DDTree step is host-bound (the profile in
-``benchmarks/results/v2_runner_df6dc25/profile/``): what a step operation costs is mostly the
+``benchmarks/results/2026-11-30_df6dc25_v2/profile/``): what a step operation costs is mostly the
 host time of its launches. For each operation of the V2 tree step this times, on random inputs
 of SmolLM2-135M's shapes (vocabulary 49152, hidden 576, 30 attention layers of 3 KV heads x 64,
 the project's drafter: depth 15, 4 feature layers):

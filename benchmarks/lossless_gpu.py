@@ -299,7 +299,7 @@ def main() -> int:
         help="with --hybrid in float32: the precision of float32 Triton dots in every engine "
         "(TRITON_F32_DEFAULT). vLLM's fused-MoE kernel leaves it to Triton, whose default on "
         "the GPU is TF32: the suspected (not yet shown) cause of the float32 MoE target alone "
-        "parting from itself across batch shapes (benchmarks/results/hybrid_26003c4)",
+        "parting from itself across batch shapes (benchmarks/results/2026-11-30_26003c4_hybrid)",
     )
     parser.add_argument(
         "--runner",

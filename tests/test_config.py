@@ -143,7 +143,8 @@ def test_drafter_config_is_read_from_a_local_checkpoint(tiny_drafter_path):
 
 def test_the_runner_is_v2_for_dense_gpu_targets_unless_the_user_says(monkeypatch):
     """V2 for attention-only targets on one GPU or tensor-parallel GPUs (checked at TP = 2:
-    ``benchmarks/results/tp2_v2_f59dea1``), V1 for hybrids, pipeline parallel and the CPU."""
+    ``benchmarks/results/2026-11-30_f59dea1_tp2-v2``), V1 for hybrids, pipeline parallel and
+    the CPU."""
     from vllm_ddtree.config import choose_runner
 
     monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)

