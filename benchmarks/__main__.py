@@ -21,6 +21,7 @@ COMMANDS = {
     "kernel-engines": ("tree_attn_vllm_gpu", "vLLM engines with TREE_ATTN (GPU)"),
     "step-ops": ("bench_step_ops", "host and device cost of each tree-step operation (GPU)"),
     "profile": ("profile_step", "where a decode step's time goes (GPU)"),
+    "fit-profile": ("fit_cost_profile", 'fit a step-cost profile for "tree_budget": "auto"'),
     "coupled": ("coupled_acceptance", "T > 0 acceptance of coupled and uncoupled trees"),
     "train": ("train_dflash", "train a DFlash drafter for SmolLM2"),
     "pad-heads": ("pad_heads", "zero-pad attention heads so tensor parallelism can split them"),

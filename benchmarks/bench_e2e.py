@@ -24,7 +24,7 @@ run can span several calls of a GPU lease.
 Writes bench_e2e.json, bench_e2e.md and two plots (speedup over AR and acceptance length vs
 budget) into --out.
 
-    python benchmarks/bench_e2e.py --target DIR --drafter DIR --prompts prompts.json --out DIR
+    python -m benchmarks.bench_e2e --target DIR --drafter DIR --prompts prompts.json --out DIR
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import sys
 import time
 
 from benchmarks.common import ROOT, module_command
+from benchmarks.fit_cost_profile import tree_engine_prefix
 from benchmarks.step_split import (
     host_phase_split,
     profiled_step_split,
     split_table,
 )
-from vllm_ddtree.cost_model import tree_engine_prefix
 
 DATASETS = ("humaneval", "mtbench", "sharegpt")
 COMPILE_NOTES = {

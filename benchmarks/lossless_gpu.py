@@ -17,7 +17,7 @@ homogeneity test on the histograms of generated tokens 2..4 (p-values recorded; 
 
 Writes JSON; exits non-zero on any divergence, failed engine or failed sampling test.
 
-    python benchmarks/lossless_gpu.py --out benchmarks/results [--quick] [--tp 2] [--hybrid]
+    python -m benchmarks.lossless_gpu --out benchmarks/results [--quick] [--tp 2] [--hybrid]
 
 ``--hybrid``: the target is a tiny Qwen3-Next (GatedDeltaNet + attention, GDN heads of 128),
 run through the GDN tree path (float32 SSM states, no prefix caching, Triton GDN prefill);

@@ -9,7 +9,7 @@ separates the two causes: DDTree (TREE_ATTN) is compared with the target alone t
 zero is a bf16 tie, a large gap is a bug). With ``--dtype float32`` DDTree and the target alone
 through TREE_ATTN should agree token for token (results ``lossless_pair_float32.json``).
 
-    python benchmarks/lossless_pair.py --target DIR --drafter DIR --prompts prompts.json --out DIR
+    python -m benchmarks.lossless_pair --target DIR --drafter DIR --prompts prompts.json --out DIR
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Works on any single-file HF checkpoint whose attention weights are named
 ``...self_attn.{q,k,v,o}_proj.{weight,bias}`` (Llama / Qwen3 layout, and vLLM's DFlash drafter
 format); ``config.json`` gets the new head counts and an explicit ``head_dim``.
 
-    python benchmarks/pad_heads.py SRC DST --tp 2
+    python -m benchmarks.pad_heads SRC DST --tp 2
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ and writes, per method: wall time per target forward with and without the profil
 context rows), the operators with the most CPU and device time, and the number of host
 synchronisations (device-to-host copies, stream/device synchronise calls).
 
-    python benchmarks/profile_step.py --target DIR --drafter DIR --out DIR \\
+    python -m benchmarks.profile_step --target DIR --drafter DIR --out DIR \\
         [--methods ar,dflash_v1,ddtree_b64] [--tokens 128]
-    python benchmarks/profile_step.py --target synthetic --out DIR   # SmolLM2 shapes, random
-    python benchmarks/profile_step.py --target synthetic-tp --tp 2 --out DIR  # timing only
-    python benchmarks/profile_step.py --target synthetic-hybrid --out DIR \
+    python -m benchmarks.profile_step --target synthetic --out DIR   # SmolLM2 shapes, random
+    python -m benchmarks.profile_step --target synthetic-tp --tp 2 --out DIR  # timing only
+    python -m benchmarks.profile_step --target synthetic-hybrid --out DIR \
         --methods dflash,ddtree_b16,ddtree_b64,ddtree_b256   # GDN verify-step cost (V1 runner)
 
 With ``--tp`` > 1 the model runs in worker processes: wall time per target forward only.

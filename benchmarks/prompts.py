@@ -8,7 +8,7 @@
 Held out for evaluation (never trained on): HumanEval problems 100..163, MT-Bench questions with
 an even index, every 50th ShareGPT conversation (64 of them). Everything else may be trained on.
 
-    python benchmarks/prompts.py --out .bench-data/prompts.json   # needs the three packages
+    python -m benchmarks.prompts --out .bench-data/prompts.json   # needs the three packages
 """
 
 from __future__ import annotations

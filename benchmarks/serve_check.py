@@ -6,7 +6,7 @@ same greedy requests to /v1/completions and /v1/chat/completions, streamed and n
 must be identical; /metrics of the DDTree server must show the spec-decode counters. Writes
 JSON; exits non-zero on any difference.
 
-    python benchmarks/serve_check.py --out benchmarks/results [--port 8711] [--dtype float32]
+    python -m benchmarks.serve_check --out benchmarks/results [--port 8711] [--dtype float32]
 """
 
 from __future__ import annotations

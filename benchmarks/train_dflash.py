@@ -15,7 +15,7 @@ Steps (one command): convert the GGUF to an HF checkpoint, generate responses (v
 subprocess), train for ``--minutes``, save the drafter (bf16 safetensors) and ``training.json``
 (every setting, data sizes, loss curve, held-out per-position accuracy).
 
-    python benchmarks/train_dflash.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m benchmarks.train_dflash --gguf SmolLM2-135M-Instruct.Q4_1.gguf \\
         --prompts prompts.json --out drafters/SmolLM2-135M-Instruct-DFlash --minutes 4
 """
 

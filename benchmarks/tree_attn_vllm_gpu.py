@@ -9,7 +9,7 @@ each other and with the HF reference; other pairs are reported with the first di
 the target's top-2 logit gap there (TRITON_ATTN's float32 dots run in tf32, and bf16 near-ties
 flip between two correct kernels). Writes JSON; exits non-zero when a must-match pair differs.
 
-    python benchmarks/tree_attn_vllm_gpu.py --out benchmarks/results
+    python -m benchmarks.tree_attn_vllm_gpu --out benchmarks/results
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serve
     """``main`` end to end with a stand-in engine per job (no vLLM): ``--skip ar`` starts no
     AR engine, ``--cost-profile`` decides the marked engine, and the summary records the depth
     and the profile's source (what ``cost_model`` fits a profile from)."""
-    from vllm_ddtree.cost_model import fit_profile
+    from benchmarks.fit_cost_profile import fit_profile
 
     profile = flat_profile(tmp_path, "calibration", {16: 2.0, 32: 4.0})
     drafter = tmp_path / "drafter"

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from benchmarks.fit_cost_profile import fit_profile, tree_engine_prefix
 from tests.benchmark_modules import load_benchmark
 from tests.vllm_graphs import vllm_v2_drafter_graphs, vllm_v2_verify_modes
 from vllm_ddtree.config import DDTreeConfigError, split_speculative_config
@@ -15,9 +16,7 @@ from vllm_ddtree.cost_model import (
     CostProfile,
     StepCost,
     choose_budget,
-    fit_profile,
     load_profile,
-    tree_engine_prefix,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -290,7 +289,7 @@ def test_the_fit_reproduces_the_measured_acceptance_and_a_sane_step_cost():
 def test_the_tree_fit_recovers_a_known_step_cost_and_keeps_coefficients_non_negative():
     """Steps made from a known four-term cost are fitted back exactly; steps that fall with
     the batch (a slope no step cost has) give non-negative coefficients, not a negative one."""
-    from vllm_ddtree.cost_model import fit_tree_cost
+    from benchmarks.fit_cost_profile import fit_tree_cost
 
     known = StepCost(base_ms=3.0, per_token_ms=0.002, per_request_ms=0.08, per_node_pair_ms=2e-6)
     points = [

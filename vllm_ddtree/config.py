@@ -373,7 +373,7 @@ def _automatic_budget(
     if profile_path is not None and not os.path.isfile(str(profile_path)):
         raise DDTreeConfigError(
             f"speculative_config['cost_profile'] = {profile_path!r} is not a file (a JSON "
-            "written by python -m vllm_ddtree.cost_model BENCH_JSON --out PATH)"
+            "written by python -m benchmarks fit-profile BENCH_JSON --out PATH)"
         )
     batch = max_num_seqs or 1
     tree_budget, predicted, profile = choose_automatic(
