@@ -23,6 +23,7 @@ COMMANDS = {
     "profile": ("profile_step", "where a decode step's time goes (GPU)"),
     "fit-profile": ("fit_cost_profile", 'fit a step-cost profile for "tree_budget": "auto"'),
     "coupled": ("coupled_acceptance", "T > 0 acceptance of coupled and uncoupled trees"),
+    "scale-model": ("scale_model", "build a random-weight target and drafter at a served shape"),
     "train": ("train_dflash", "train a DFlash drafter for SmolLM2"),
     "pad-heads": ("pad_heads", "zero-pad attention heads so tensor parallelism can split them"),
     "prompts": ("prompts", "write the benchmark prompt sets"),

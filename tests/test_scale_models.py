@@ -1,0 +1,61 @@
+"""Scale models (``vllm_ddtree/testing/scale_models.py``): the full-size specs have the
+parameter counts of the models they stand for, and a shrunk build of the same code path is a
+checkpoint vLLM loads and DDTree decodes exactly like the target alone."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from vllm_ddtree.testing.scale_models import (
+    LOGIT_STD,
+    QWEN3_6_27B,
+    QWEN3_8B,
+    build,
+    parameter_count,
+)
+
+
+def test_the_full_size_specs_count_the_parameters_of_the_models_they_stand_for():
+    assert round(parameter_count(QWEN3_8B) / 1e9, 2) == 8.19  # Qwen3-8B: 8.19B
+    # Qwen3.6-27B's text model (the vision tower is one block here)
+    assert 26.5e9 < parameter_count(QWEN3_6_27B) < 27.5e9
+
+
+@pytest.mark.parametrize("model", [QWEN3_8B, QWEN3_6_27B], ids=["dense", "hybrid"])
+def test_a_shrunk_build_is_a_checkpoint_with_sharp_logits(model, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vllm_ddtree.dflash_drafter import DFlashDrafter
+
+    small = model.shrunk(16)
+    target, drafter = build(small, str(tmp_path))
+    config = AutoConfig.from_pretrained(target)
+    assert config.architectures == [model.architecture]
+    with open(os.path.join(drafter, "config.json")) as f:
+        drafted = json.load(f)
+    assert drafted["dflash_config"]["target_layer_ids"] == list(small.target_layer_ids)
+    assert DFlashDrafter.from_pretrained(drafter).config.block_size == 16
+    if not model.hybrid:
+        lm = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        ids = torch.randint(
+            0, small.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)
+        )
+        with torch.no_grad():
+            logits = lm(ids).logits[0]
+        assert 0.5 * LOGIT_STD < float(logits.std(-1).mean()) < 2 * LOGIT_STD
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_on_the_shrunk_dense_scale_model_matches_the_target_alone(tmp_path):
+    from tests.test_vllm_e2e import PROMPTS, TARGET_ALONE, ddtree_run
+    from tests.vllm_runs import run_engines
+
+    target, drafter = build(QWEN3_8B.shrunk(16), str(tmp_path))
+    runs = [TARGET_ALONE, ddtree_run("ddtree", drafter, 16)]
+    results, _ = run_engines(target, runs, PROMPTS, max_tokens=32)
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    metrics = results["ddtree"]["metrics"]
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    assert 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts > 2.0  # trees walked deep

@@ -1,0 +1,293 @@
+"""Scale models: random-weight targets and DFlash drafters at the shapes users serve.
+
+Nothing at 8B-27B can be downloaded here, so speed is measured on checkpoints built from a
+config: real compute at real shapes, random weights. They are saved once per machine as HF
+checkpoints (safetensors) and loaded through vLLM's ordinary loader, like a real model.
+
+The shapes, from public configs:
+
+* ``QWEN3_8B``: Qwen/Qwen3-8B's ``config.json`` (36 layers, hidden 4096, 32 query / 8 KV heads
+  of 128, MLP 12288, vocabulary 151936, untied), with the shape of z-lab's
+  Qwen3-8B-DFlash-b16 drafter as the issue states it (5 layers at the target's width, block
+  16, features from target layers 1, 9, 17, 25, 33, mask token 151669).
+* ``QWEN3_6_27B``: Qwen3.6-27B, the dense GatedDeltaNet hybrid (vLLM class
+  ``Qwen3_5ForConditionalGeneration``): its model card gives hidden 5120, 64 layers laid out
+  as 16 x (3 GatedDeltaNet + 1 gated attention), GDN heads 48 for V and 16 for QK of dim 128;
+  a public training recipe of the same text model (THUDM/slime
+  ``scripts/models/qwen3.5-27B.sh``) gives 24 query / 4 KV heads of 256, partial rotary 0.25,
+  MLP 17408, vocabulary 248320, untied embeddings. The drafter: a public config of a
+  ``DFlashDraftModel`` for this target (5 layers, hidden 5120, 32 query / 8 KV heads of 128,
+  MLP 17408, features from target layers 1, 16, 31, 46, 61, mask token 248070, RoPE theta
+  1e7). The vision tower is one block: text prompts never run it.
+
+Sharp logits: with the usual initialisation (std 0.02) a random model's next-token
+distribution is nearly flat and bf16 rounding flips greedy near-ties between two correct
+kernels. Every weight here has std 0.02 except the output head, whose std makes the logits'
+spread ``LOGIT_STD`` (the final norm leaves hidden states of RMS 1, so a logit's std is
+``sqrt(hidden) x head std``).
+
+``shrink`` divides widths, depths and the vocabulary (for CPU tests of the same code path);
+``parameter_count`` counts a spec's parameters without allocating them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from vllm_ddtree.dflash_drafter import DFlashDrafterConfig, random_drafter
+
+LOGIT_STD = 8.0
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ScaleModel:
+    """A target's shape and its DFlash drafter's."""
+
+    name: str
+    architecture: str  # the vLLM model class its checkpoint is served with
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    drafter_layers: int
+    drafter_heads: int
+    drafter_kv_heads: int
+    drafter_head_dim: int
+    drafter_intermediate_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    max_position_embeddings: int = 40960
+    hybrid: dict[str, Any] = field(default_factory=dict)  # GDN fields (hybrid targets)
+    partial_rotary_factor: float | None = None
+
+    def shrunk(self, factor: int) -> ScaleModel:
+        """The same architecture with widths, depth and vocabulary divided by ``factor`` (head
+        dims kept; depth and the feature layers kept inside the target)."""
+        if factor == 1:
+            return self
+        layers = max(4, self.num_hidden_layers // factor // 4 * 4)
+        vocab = max(1024, self.vocab_size // factor // 64 * 64)
+        heads = max(2, self.num_attention_heads // factor)
+        kv = max(1, self.num_key_value_heads // factor)
+        heads -= heads % kv
+        hybrid = dict(self.hybrid)
+        if hybrid:
+            hybrid["linear_num_key_heads"] = max(1, hybrid["linear_num_key_heads"] // factor)
+            hybrid["linear_num_value_heads"] = 2 * hybrid["linear_num_key_heads"]
+        return replace(
+            self,
+            name=f"{self.name}/{factor}",
+            hidden_size=heads * self.head_dim,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=max(256, self.intermediate_size // factor),
+            vocab_size=vocab,
+            drafter_layers=1,
+            drafter_heads=heads,
+            drafter_kv_heads=kv,
+            drafter_head_dim=self.head_dim,
+            drafter_intermediate_size=max(256, self.drafter_intermediate_size // factor),
+            target_layer_ids=(1, layers - 2),
+            mask_token_id=vocab - 1,
+            max_position_embeddings=4096,
+            hybrid=hybrid,
+        )
+
+    @property
+    def drafter_hidden_size(self) -> int:
+        return self.hidden_size
+
+
+QWEN3_8B = ScaleModel(
+    name="qwen3-8b",
+    architecture="Qwen3ForCausalLM",
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    rope_theta=1_000_000.0,
+    drafter_layers=5,
+    drafter_heads=32,
+    drafter_kv_heads=8,
+    drafter_head_dim=128,
+    drafter_intermediate_size=12288,
+    target_layer_ids=(1, 9, 17, 25, 33),
+    mask_token_id=151669,
+)
+
+QWEN3_6_27B = ScaleModel(
+    name="qwen3.6-27b",
+    architecture="Qwen3_5ForConditionalGeneration",
+    hidden_size=5120,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    intermediate_size=17408,
+    vocab_size=248320,
+    rope_theta=10_000_000.0,
+    drafter_layers=5,
+    drafter_heads=32,
+    drafter_kv_heads=8,
+    drafter_head_dim=128,
+    drafter_intermediate_size=17408,
+    target_layer_ids=(1, 16, 31, 46, 61),
+    mask_token_id=248070,
+    max_position_embeddings=262144,
+    partial_rotary_factor=0.25,
+    hybrid=dict(
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+    ),
+)
+
+SCALE_MODELS = {model.name: model for model in (QWEN3_8B, QWEN3_6_27B)}
+
+
+def _text_fields(model: ScaleModel) -> dict[str, Any]:
+    fields = dict(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        num_hidden_layers=model.num_hidden_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        intermediate_size=model.intermediate_size,
+        max_position_embeddings=model.max_position_embeddings,
+        initializer_range=INIT_STD,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if model.hybrid:
+        fields.update(model.hybrid)
+        interval = model.hybrid["full_attention_interval"]
+        fields["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(model.num_hidden_layers)
+        ]
+        fields["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": model.rope_theta,
+            "partial_rotary_factor": model.partial_rotary_factor,
+        }
+    else:
+        fields["rope_theta"] = model.rope_theta
+    return fields
+
+
+def target_config(model: ScaleModel):
+    """The transformers config of the target (and the class that builds it)."""
+    if not model.hybrid:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(**_text_fields(model))
+        config.architectures = [model.architecture]
+        return config, Qwen3ForCausalLM
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    config = Qwen3_5Config(
+        text_config=_text_fields(model),
+        vision_config=dict(
+            depth=1,
+            hidden_size=64,
+            num_heads=2,
+            intermediate_size=128,
+            out_hidden_size=model.hidden_size,
+        ),
+        tie_word_embeddings=False,
+    )
+    config.architectures = [model.architecture]
+    return config, Qwen3_5ForConditionalGeneration
+
+
+def drafter_config(model: ScaleModel) -> DFlashDrafterConfig:
+    return DFlashDrafterConfig(
+        hidden_size=model.drafter_hidden_size,
+        num_hidden_layers=model.drafter_layers,
+        num_attention_heads=model.drafter_heads,
+        num_key_value_heads=model.drafter_kv_heads,
+        head_dim=model.drafter_head_dim,
+        intermediate_size=model.drafter_intermediate_size,
+        vocab_size=model.vocab_size,
+        mask_token_id=model.mask_token_id,
+        target_layer_ids=list(model.target_layer_ids),
+        target_hidden_size=model.hidden_size,
+        block_size=model.block_size,
+        num_target_layers=model.num_hidden_layers,
+        rope_theta=model.rope_theta,
+        max_position_embeddings=model.max_position_embeddings,
+    )
+
+
+def parameter_count(model: ScaleModel) -> int:
+    """The target's parameters, counted on the meta device (nothing allocated)."""
+    config, cls = target_config(model)
+    with torch.device("meta"):
+        built = cls(config)
+    return sum(p.numel() for p in built.parameters())
+
+
+def head_std(model: ScaleModel) -> float:
+    """The output head's init std that gives logits of std ``LOGIT_STD``."""
+    return LOGIT_STD / math.sqrt(model.hidden_size)
+
+
+def _output_head(built: torch.nn.Module) -> torch.Tensor:
+    head = built.get_output_embeddings()
+    return head.weight
+
+
+def build_target(model: ScaleModel, path: str, device: str = "cpu", seed: int = 0) -> str:
+    """Save the target under ``path`` (bf16 safetensors; kept when already there)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    config, cls = target_config(model)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        built = cls(config).to(torch.bfloat16)
+    with torch.no_grad():
+        _output_head(built).normal_(0.0, head_std(model))
+    built.generation_config.eos_token_id = None
+    built.generation_config.pad_token_id = None
+    built.save_pretrained(path)
+    with open(os.path.join(path, "scale_model.json"), "w") as f:
+        json.dump({"scale_model": model.name, "seed": seed, "logit_std": LOGIT_STD}, f)
+    return path
+
+
+def build_drafter(model: ScaleModel, path: str, seed: int = 0) -> str:
+    """Save the drafter under ``path`` in vLLM's DFlash checkpoint format."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    random_drafter(drafter_config(model), seed=seed, init_std=INIT_STD).save_pretrained(path)
+    return path
+
+
+def build(model: ScaleModel, root: str, device: str = "cpu", seed: int = 0) -> tuple[str, str]:
+    """The target and the drafter of ``model`` under ``root`` (``target/``, ``drafter/``)."""
+    name = model.name.replace("/", "_")
+    target = build_target(model, os.path.join(root, name, "target"), device, seed)
+    drafter = build_drafter(model, os.path.join(root, name, "drafter"), seed + 1)
+    return target, drafter
