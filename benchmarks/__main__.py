@@ -22,6 +22,7 @@ COMMANDS = {
     "step-ops": ("bench_step_ops", "host and device cost of each tree-step operation (GPU)"),
     "profile": ("profile_step", "where a decode step's time goes (GPU)"),
     "fit-profile": ("fit_cost_profile", 'fit a step-cost profile for "tree_budget": "auto"'),
+    "calibrate": ("calibrate_acceptance", "fit the synthetic acceptance model to the paper"),
     "coupled": ("coupled_acceptance", "T > 0 acceptance of coupled and uncoupled trees"),
     "scale-model": ("scale_model", "build a random-weight target and drafter at a served shape"),
     "train": ("train_dflash", "train a DFlash drafter for SmolLM2"),

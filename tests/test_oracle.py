@@ -75,3 +75,26 @@ def test_a_reused_request_state_is_bound_again(oracle_file):
     device.bind([0], ["a"], lambda s: pytest.fail("bound twice"))
     device.bind([0], ["b"], lambda s: [4, 5])
     assert int(device.sequence_of_state[0]) == 1
+
+
+@pytest.mark.parametrize("p_top,expected_rank", [(1.0, 0), (1e-9, 1)])
+def test_both_oracles_place_the_future_by_a_rank_model(tmp_path, p_top, expected_rank):
+    """With ``rank_model`` the future token sits at the model's rank: first when P(first) is 1,
+    second when it is ~0 and the tail is 0 (rank 1 + 0), in both forms."""
+    sequences = [[1, 2, 3] + list(range(10, 30)), [4, 5] + list(range(30, 45))]
+    model = {"p_top": p_top, "decay": 1.0, "tail": 0.0, "slope": 3.0, "miss_slope": 1.0}
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps({"seed": 0, "sequences": sequences, "rank_model": model}))
+    depth, bonus_positions, prompts = 4, [5, 3], [[1, 2, 3], [4, 5]]
+    vocab = 128  # at least the candidates a rank model ranks
+    host = HostOracle(str(path), vocab).logits(prompts, bonus_positions, depth)
+    device = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    device.bind([2, 0], ["a", "b"], lambda s: {2: prompts[0], 0: prompts[1]}[s])
+    predicted = torch.tensor([p + 1 + d for p in bonus_positions for d in range(depth)])
+    row_states = torch.tensor([s for s in (2, 0) for _ in range(depth)])
+    on_device = device.logits(predicted, row_states, depth).view(2, depth, vocab)
+    for r, sequence in enumerate(sequences):
+        for d in range(depth):
+            truth = sequence[bonus_positions[r] + 1 + d]
+            for out in (host[r, d], on_device[r, d]):
+                assert int(out.argsort(descending=True)[expected_rank]) == truth

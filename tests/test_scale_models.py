@@ -59,3 +59,27 @@ def test_ddtree_on_the_shrunk_dense_scale_model_matches_the_target_alone(tmp_pat
     metrics = results["ddtree"]["metrics"]
     drafts = metrics["vllm:spec_decode_num_drafts"]
     assert 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts > 2.0  # trees walked deep
+
+
+@pytest.mark.vllm_engine
+def test_calibrated_synthetic_acceptance_is_lossless_and_lands_near_its_simulation(tmp_path):
+    """The oracle's ``rank_model`` mode (the scale models' acceptance): DDTree still decodes
+    exactly what the target alone does, and its acceptance is near what the model's
+    simulation predicts for that budget."""
+    from tests.test_vllm_e2e import PROMPTS, TARGET_ALONE, ddtree_run
+    from tests.vllm_runs import run_engines
+    from vllm_ddtree.testing.synthetic_acceptance import RankModel, simulate
+
+    model = RankModel(p_top=0.8, decay=0.97, tail=0.6, slope=3.0, miss_slope=1.0)
+    oracle = {"from": "target", "rank_model": model.to_dict()}
+    target, drafter = build(QWEN3_8B.shrunk(16), str(tmp_path))
+    runs = [TARGET_ALONE, ddtree_run("ranked", drafter, 32, oracle=oracle)]
+    results, _ = run_engines(target, runs, PROMPTS, max_tokens=64)
+    assert results["ranked"]["tokens"] == results["target"]["tokens"]
+    metrics = results["ranked"]["metrics"]
+    measured = (
+        1 + metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_drafts"]
+    )
+    predicted = simulate(model, [32], rounds=1000)["b32"]
+    # Requests end within a block of their last tokens, which cuts the measured lengths.
+    assert 0.6 * predicted < measured < 1.1 * predicted, (measured, predicted)

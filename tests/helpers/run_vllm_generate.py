@@ -102,7 +102,10 @@ if __name__ == "__main__":
             ]
             path = os.path.join(tempfile.mkdtemp(), "oracle.json")
             with open(path, "w") as f:
-                json.dump({"p_top": oracle["p_top"], "seed": 0, "sequences": sequences}, f)
+                spec = {"p_top": oracle.get("p_top", 1.0), "seed": 0, "sequences": sequences}
+                if oracle.get("rank_model"):
+                    spec["rank_model"] = oracle["rank_model"]
+                json.dump(spec, f)
             os.environ["VLLM_DDTREE_TEST_ORACLE"] = path
         else:
             os.environ.pop("VLLM_DDTREE_TEST_ORACLE", None)

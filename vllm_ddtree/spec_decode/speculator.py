@@ -76,7 +76,7 @@ def ddtree_speculator_class():
             depth = self.ddtree.depth
             num_reqs = hidden_states.shape[0] // depth
             if self.oracle is not None:
-                logits = self.oracle.logits(positions + 2, idx_mapping)
+                logits = self.oracle.logits(positions + 2, idx_mapping, depth)
             else:
                 logits = self.model.compute_logits(hidden_states)
             if coupled_drafts_enabled() and logits.is_cuda:  # (V2 runs on CUDA only)

@@ -7,6 +7,11 @@ the drafter's mask position predicting sequence index ``i`` become noise in whic
 ``sequence[i]`` is ranked first with probability ``p_top`` and second otherwise, so the tree
 paths are exercised deeply even with random weights (``benchmarks/lossless_gpu.py``).
 
+With ``"rank_model": {...}`` (the fields of ``synthetic_acceptance.RankModel``) they are
+instead that model's calibrated synthetic logits: ``sequence[i]`` at a rank drawn per depth,
+among ranked candidates whose spread says how sure the drafter is (scale models' speed
+measurements).
+
 Two forms of the same rule:
 - ``HostOracle`` (V1 runner): per step on the host, from the requests' prompts and positions.
 - ``DeviceOracle`` (V2 runner): tensors only, no host synchronisation, so it runs inside the
@@ -20,6 +25,8 @@ import json
 
 import torch
 
+from vllm_ddtree.testing.synthetic_acceptance import RankModel, sample_ranks, synthetic_logits
+
 TRUTH_MARGIN = 8.0  # the ranked-first token's lead over the noise's maximum
 
 
@@ -27,6 +34,8 @@ def _load(path: str) -> dict:
     with open(path) as f:
         spec = json.load(f)
     spec["sequences"] = [list(s) for s in spec["sequences"]]
+    if spec.get("rank_model") is not None:
+        spec["rank_model"] = RankModel(**spec["rank_model"])
     return spec
 
 
@@ -42,12 +51,15 @@ class HostOracle:
         spec = _load(path)
         self.sequences = spec["sequences"]
         self.p_top = float(spec.get("p_top", 1.0))
+        self.rank_model: RankModel | None = spec.get("rank_model")
         self.gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
         self.vocab_size = vocab_size
 
     def logits(self, prompts: list[list[int]], bonus_positions: list[int], depth: int):
         """float32 ``[R, depth, V]``: row ``r``, depth ``d`` predicts sequence index
         ``bonus_positions[r] + 1 + d``."""
+        if self.rank_model is not None:
+            return self._ranked_logits(prompts, bonus_positions, depth)
         out = torch.randn(len(prompts), depth, self.vocab_size, generator=self.gen)
         for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
             index = match_sequence(self.sequences, prompt)
@@ -69,6 +81,24 @@ class HostOracle:
                     row[truth] = top + TRUTH_MARGIN - 1.0
         return out
 
+    def _ranked_logits(self, prompts, bonus_positions, depth: int) -> torch.Tensor:
+        """``rank_model``'s synthetic logits around each request's sequence (noise where a
+        request has none, or past its end)."""
+        rows = len(prompts)
+        truth = torch.zeros(rows, depth, dtype=torch.long)
+        valid = torch.zeros(rows, depth, dtype=torch.bool)
+        for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
+            index = match_sequence(self.sequences, prompt)
+            if index < 0:
+                continue
+            ahead = self.sequences[index][position + 1 : position + 1 + depth]
+            truth[r, : len(ahead)] = torch.tensor(ahead, dtype=torch.long)
+            valid[r, : len(ahead)] = True
+        ranks = sample_ranks(self.rank_model, rows, depth, self.gen)
+        ranked = synthetic_logits(self.rank_model, truth, ranks, self.vocab_size, self.gen)
+        noise = torch.randn(rows, depth, self.vocab_size, generator=self.gen)
+        return torch.where(valid.unsqueeze(-1), ranked, noise)
+
 
 class DeviceOracle:
     """Target-future drafter logits from device tensors only (V2 runner, CUDA-graph safe)."""
@@ -77,6 +107,7 @@ class DeviceOracle:
         spec = _load(path)
         self.sequences = spec["sequences"]
         self.p_top = float(spec.get("p_top", 1.0))
+        self.rank_model: RankModel | None = spec.get("rank_model")
         self.vocab_size = vocab_size
         longest = max((len(s) for s in self.sequences), default=1)
         table = torch.full((max(1, len(self.sequences)), longest), -1, dtype=torch.long)
@@ -95,10 +126,13 @@ class DeviceOracle:
             self.bound[state] = req_id
             self.sequence_of_state[state] = match_sequence(self.sequences, prompt_of(state))
 
-    def logits(self, predicted_positions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    def logits(
+        self, predicted_positions: torch.Tensor, states: torch.Tensor, depth: int = 1
+    ) -> torch.Tensor:
         """float32 ``[n, V]`` for ``n`` mask rows: row ``i`` predicts index
         ``predicted_positions[i]`` (long ``[n]``) of the sequence bound to request state
-        ``states[i]`` (``[n]``, -1 for padding rows: pure noise)."""
+        ``states[i]`` (``[n]``, -1 for padding rows: pure noise); rows come ``depth`` per
+        request, depth 1 first (the depth a ``rank_model`` ranks by)."""
         n = predicted_positions.shape[0]
         device = self.tokens.device
         out = torch.randn(n, self.vocab_size, device=device, dtype=torch.float32)
@@ -108,6 +142,11 @@ class DeviceOracle:
         valid = (states >= 0) & (sequence >= 0) & (predicted_positions < self.tokens.shape[1])
         valid &= truth >= 0
         truth = truth.clamp(min=0)
+        if self.rank_model is not None:
+            blocks = truth.view(-1, depth)
+            ranks = sample_ranks(self.rank_model, blocks.shape[0], depth, device=device)
+            ranked = synthetic_logits(self.rank_model, blocks, ranks, self.vocab_size)
+            return torch.where(valid.unsqueeze(-1), ranked.view(n, -1), out)
         top, argmax = out.max(dim=-1)
         first = torch.rand(n, device=device) < self.p_top
         rival = torch.where(argmax == truth, (truth + 1) % self.vocab_size, argmax)

@@ -1,0 +1,137 @@
+"""Calibrated synthetic acceptance: drafter logits built around the target's own continuation.
+
+A scale model's drafter has random weights, so its proposals would never be accepted. For speed
+measurements its per-depth logits are replaced (after its real forward, behind the test oracle's
+switch) by synthetic ones in which the token the target will produce at that depth has a rank
+drawn from a per-depth model (``RankModel``):
+
+* at depth ``d`` (1-based) the true token is ranked first with probability
+  ``p_top x decay^(d - 1)``;
+* otherwise its rank is ``1 + G`` with ``G`` geometric: ``P(G = g) ~ tail^g`` (capped at the
+  candidates ``CANDIDATES - 1``);
+* the drafter's distribution over its ranked candidates is ``softmax(-slope x rank)`` (the
+  other tokens at -inf) where it ranks the true token first, ``softmax(-miss_slope x rank)``
+  where it does not: a drafter is less sure where it is wrong, and a tree's best-first build
+  spends its nodes where the drafter hesitates.
+
+The chain accepts the true token at a depth only when it is ranked first, so its acceptance
+length is ``1 + sum_k prod_{d <= k} p_top x decay^(d - 1)``; a tree of ``budget`` nodes also
+catches true tokens ranked lower, as far as the budget reaches. ``simulate`` measures both by
+building real trees (``tree.build_trees``) over synthetic logits and walking them
+(``tree.follow_tree``); ``benchmarks/calibrate_acceptance.py`` fits the model's parameters to
+published acceptance lengths. Only which tokens the drafter proposes changes: the engine, the
+verify, the walk and the KV commit are the real ones, and output must still equal the target's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from vllm_ddtree.tree import build_trees, follow_tree
+
+CANDIDATES = 64  # ranked tokens per depth (the rest at -inf)
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """Where the target's token ranks among the drafter's candidates, per depth."""
+
+    p_top: float  # P(ranked first) at depth 1
+    decay: float = 1.0  # per-depth factor of P(ranked first)
+    tail: float = 0.5  # geometric ratio of the rank below the first
+    slope: float = 3.0  # logit drop per rank where the true token is ranked first
+    miss_slope: float = 1.0  # logit drop per rank where it is not
+
+    def first_probability(self, depth: int) -> torch.Tensor:
+        """float ``[depth]``: P(ranked first) at depths 1..depth."""
+        return self.p_top * self.decay ** torch.arange(depth, dtype=torch.float64)
+
+    def chain_acceptance(self, depth: int = 15) -> float:
+        """The DFlash chain's expected acceptance length (accepted drafts + the bonus)."""
+        return 1.0 + float(torch.cumprod(self.first_probability(depth), 0).sum())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sample_ranks(
+    model: RankModel,
+    rows: int,
+    depth: int,
+    gen: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """long ``[rows, depth]``: the true token's rank at each depth (0 = first); device tensors
+    only, so it runs inside a CUDA graph (``gen`` None: the device's generator)."""
+    first = torch.rand(rows, depth, generator=gen, dtype=torch.float32, device=device)
+    first = first < model.first_probability(depth).float().to(device).unsqueeze(0)
+    uniform = torch.rand(rows, depth, generator=gen, dtype=torch.float32, device=device)
+    if model.tail <= 0:
+        below = torch.zeros(rows, depth, dtype=torch.long, device=device)
+    else:
+        below = torch.floor(uniform.clamp_min(1e-12).log() / math.log(model.tail)).long()
+    rank = (1 + below).clamp(max=CANDIDATES - 1)
+    return torch.where(first, torch.zeros_like(rank), rank)
+
+
+def synthetic_logits(
+    model: RankModel,
+    truth: torch.Tensor,
+    ranks: torch.Tensor,
+    vocab_size: int,
+    gen: torch.Generator | None = None,
+) -> torch.Tensor:
+    """float32 ``[R, D, V]``: at row ``r``, depth ``d``, ``CANDIDATES`` distinct tokens ranked
+    by logit ``-slope x rank`` (``-miss_slope x rank`` where the true token is not first), the
+    true token ``truth[r, d]`` at rank ``ranks[r, d]``, every other token at -inf."""
+    rows, depth = truth.shape
+    device = truth.device
+    scores = torch.rand(rows, depth, vocab_size, generator=gen, device=device)
+    scores.scatter_(2, truth.unsqueeze(-1), -1.0)  # the truth is placed by its rank below
+    others = scores.topk(CANDIDATES - 1, dim=-1).indices  # [R, D, C - 1] distinct non-truth
+    slots = torch.arange(CANDIDATES, device=device).view(1, 1, -1).expand(rows, depth, -1)
+    # Candidate slot k holds rank k: the truth at its rank, the others filling the remaining.
+    before = slots < ranks.unsqueeze(-1)
+    other_index = torch.where(before, slots, slots - 1).clamp(min=0, max=CANDIDATES - 2)
+    tokens = torch.where(
+        slots == ranks.unsqueeze(-1),
+        truth.unsqueeze(-1).expand(-1, -1, CANDIDATES),
+        others.gather(2, other_index),
+    )
+    logits = torch.full((rows, depth, vocab_size), float("-inf"), device=device)
+    slope = torch.where(ranks == 0, model.slope, model.miss_slope).unsqueeze(-1)
+    logits.scatter_(2, tokens, (-slope * slots).float())
+    return logits
+
+
+def simulate(
+    model: RankModel,
+    budgets: list[int],
+    rounds: int = 2000,
+    depth: int = 15,
+    vocab_size: int = 256,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Mean acceptance length of the chain (``"chain"``) and of trees of each budget
+    (``"b{budget}"``) over ``rounds`` synthetic drafter blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    truth = torch.randint(0, vocab_size, (rounds, depth), generator=gen)
+    ranks = sample_ranks(model, rounds, depth, gen)
+    logits = synthetic_logits(model, truth, ranks, vocab_size, gen)
+    first_miss = (ranks != 0).long().argmax(dim=1)
+    all_first = (ranks == 0).all(dim=1)
+    chain = torch.where(all_first, torch.full_like(first_miss, depth), first_miss)
+    out = {"chain": 1.0 + float(chain.double().mean())}
+    for tree_budget in budgets:
+        trees = build_trees(logits, tree_budget)
+        # The target's token at every tree index: the truth one depth below that node.
+        node_depth = torch.cat(
+            [torch.zeros(rounds, 1, dtype=torch.long), trees.depths.long()], dim=1
+        ).clamp(max=depth - 1)
+        target = truth.gather(1, node_depth)
+        _, num_accepted, _ = follow_tree(trees, target)
+        out[f"b{tree_budget}"] = 1.0 + float(num_accepted.double().mean())
+    return out
