@@ -34,9 +34,9 @@ class TinyQwen3Spec:
     max_position_embeddings: int = 4096
 
 
-def _config_fields(spec: TinyQwen3Spec) -> dict:
-    """The config fields every tiny target shares: the spec's shapes, untied embeddings, no
-    special tokens."""
+def target_config_fields(spec) -> dict:
+    """The config fields every test target shares: ``spec``'s shapes (a ``TinyQwen3Spec`` or a
+    ``scale_models.ScaleModel``), untied embeddings, no special tokens."""
     return dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -58,7 +58,7 @@ def tiny_qwen3_config(spec: TinyQwen3Spec = TinyQwen3Spec()):
     """The transformers ``Qwen3Config`` of a tiny target (untied, no special tokens)."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(**_config_fields(spec))
+    return Qwen3Config(**target_config_fields(spec))
 
 
 def _save_random(path: str, model_class, config, seed: int) -> str:
@@ -100,7 +100,7 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        **_config_fields(spec),
+        **target_config_fields(spec),
         moe_intermediate_size=spec.intermediate_size // 4,
         shared_expert_intermediate_size=spec.intermediate_size // 4,
         num_experts=4,
@@ -120,7 +120,7 @@ def _qwen3_5_config(config_class, spec: TinyQwen3Spec, **text_extra):
     layout (2 key / 4 value heads of 128, one full-attention layer in 4, untied embeddings)
     plus ``text_extra``, and a one-block vision tower, which text-only prompts never run but
     the checkpoint must hold."""
-    text = _config_fields(spec)
+    text = target_config_fields(spec)
     special = {name: text.pop(name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return config_class(
         text_config=dict(

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from vllm_ddtree.dflash_drafter import DFlashDrafterConfig, random_drafter
+from vllm_ddtree.testing import target_config_fields
 
 LOGIT_STD = 8.0
 INIT_STD = 0.02
@@ -110,6 +111,10 @@ class ScaleModel:
     def drafter_hidden_size(self) -> int:
         return self.hidden_size
 
+    @property
+    def initializer_range(self) -> float:
+        return INIT_STD
+
 
 QWEN3_8B = ScaleModel(
     name="qwen3-8b",
@@ -165,21 +170,9 @@ SCALE_MODELS = {model.name: model for model in (QWEN3_8B, QWEN3_6_27B)}
 
 
 def _text_fields(model: ScaleModel) -> dict[str, Any]:
-    fields = dict(
-        vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size,
-        num_hidden_layers=model.num_hidden_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_key_value_heads,
-        head_dim=model.head_dim,
-        intermediate_size=model.intermediate_size,
-        max_position_embeddings=model.max_position_embeddings,
-        initializer_range=INIT_STD,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    """The text model's config fields: the tiny fixtures' (untied, no special tokens) at the
+    model's shapes, GDN layers and partial rotary for hybrids."""
+    fields = target_config_fields(model)
     if model.hybrid:
         fields.update(model.hybrid)
         interval = model.hybrid["full_attention_interval"]
