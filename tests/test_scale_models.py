@@ -73,13 +73,23 @@ def test_calibrated_synthetic_acceptance_is_lossless_and_lands_near_its_simulati
     model = RankModel(p_top=0.8, decay=0.97, tail=0.6, slope=3.0, miss_slope=1.0)
     oracle = {"from": "target", "rank_model": model.to_dict()}
     target, drafter = build(QWEN3_8B.shrunk(16), str(tmp_path))
-    runs = [TARGET_ALONE, ddtree_run("ranked", drafter, 32, oracle=oracle)]
+    chain = {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
+    runs = [
+        TARGET_ALONE,
+        ddtree_run("ranked", drafter, 32, oracle=oracle),
+        # vLLM's DFlash chain drafts from the same synthetic logits (the oracle's chain mode).
+        {
+            "name": "chain",
+            "kwargs": {"dtype": "float32", "speculative_config": chain},
+            "oracle": oracle,
+        },
+    ]
     results, _ = run_engines(target, runs, PROMPTS, max_tokens=64)
-    assert results["ranked"]["tokens"] == results["target"]["tokens"]
-    metrics = results["ranked"]["metrics"]
-    measured = (
-        1 + metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_drafts"]
-    )
-    predicted = simulate(model, [32], rounds=1000)["b32"]
-    # Requests end within a block of their last tokens, which cuts the measured lengths.
-    assert 0.6 * predicted < measured < 1.1 * predicted, (measured, predicted)
+    predicted = simulate(model, [32], rounds=1000)
+    for run, key in (("ranked", "b32"), ("chain", "chain")):
+        assert results[run]["tokens"] == results["target"]["tokens"], run
+        metrics = results[run]["metrics"]
+        drafts = metrics["vllm:spec_decode_num_drafts"]
+        measured = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
+        # Requests end within a block of their last tokens, which cuts the measured lengths.
+        assert 0.6 * predicted[key] < measured < 1.1 * predicted[key], (run, measured, predicted)

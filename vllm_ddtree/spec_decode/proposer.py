@@ -46,7 +46,7 @@ class DDTreeProposer(DFlashProposer):
             if runner is not None:
                 runner_step_state(runner, self.state)
         self._oracle = None
-        if self.ddtree is not None and oracle_path():  # a test switch (testing/oracle.py)
+        if oracle_path():  # a test switch (testing/oracle.py), for trees and for the chain
             from vllm_ddtree.testing.oracle import HostOracle
 
             self._oracle = HostOracle(oracle_path(), vllm_config.model_config.get_vocab_size())
@@ -104,6 +104,8 @@ class DDTreeProposer(DFlashProposer):
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         """``hidden_states`` ``[R * depth, H]`` of the mask rows -> one tree per request."""
         if self.ddtree is None:
+            if self._oracle is not None:
+                return self._chain_oracle_drafts(hidden_states, sampling_metadata)
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         depth = self.ddtree.depth
         num_reqs = hidden_states.shape[0] // depth
@@ -122,6 +124,19 @@ class DDTreeProposer(DFlashProposer):
         # vLLM reshapes what this returns to [R, depth]; the real drafts are the tree tokens.
         placeholder = torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
         return placeholder, None
+
+    def _chain_oracle_drafts(self, hidden_states, sampling_metadata):
+        """Test switch: vLLM's DFlash chain drafting from the oracle's logits in place of its
+        drafter's, as vLLM drafts from its own (greedy, or sampled with the probabilities its
+        rejection sampler takes), so chain and trees are measured on the same synthetic
+        acceptance (scale models)."""
+        depth = self.num_speculative_tokens
+        num_reqs = hidden_states.shape[0] // depth
+        logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
+        logits = logits.view(num_reqs * depth, -1)
+        if not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
+            return logits.argmax(dim=-1), None
+        return self._sample_from_logits(logits, sampling_metadata)
 
     def _coupled_logits(self, logits, sampling_metadata, num_reqs: int, depth: int):
         """Sampled requests' draft logits ``[R, depth, V]`` plus the target's keyed noise
