@@ -250,3 +250,29 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     trees = speculator.proposals.batch
     assert trees.token_ids[0, :depth].tolist() == sequence[5 : 5 + depth]
     assert trees.parents[0, :depth].tolist() == list(range(depth))
+
+
+def test_the_chain_oracle_speculator_drafts_the_oracles_future(tmp_path):
+    """Test switch (scale models): vLLM's V2 DFlash chain speculator drafting from the oracle's
+    logits; with a rank model that always ranks the future first, its greedy drafts are the
+    bound sequence's next tokens, one per mask row."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_ddtree.spec_decode.speculator import chain_oracle_speculator_class
+    from vllm_ddtree.testing.oracle import DeviceOracle
+
+    depth, vocab = 3, 128
+    sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]
+    model = {"p_top": 1.0, "decay": 1.0, "tail": 0.0, "slope": 3.0, "miss_slope": 1.0}
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps({"seed": 0, "sequences": [sequence], "rank_model": model}))
+    oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    oracle.bind([2], ["a"], lambda s: sequence[:5])
+    speculator = SimpleNamespace(oracle=oracle, num_speculative_steps=depth)
+    bonus = 4
+    keys = torch.tensor([bonus + 1 + d for d in range(depth)]) - 2
+    draft = chain_oracle_speculator_class().sample_draft
+    states = torch.tensor([2, 2, 2], dtype=torch.int32)
+    drafts = draft(speculator, torch.zeros(depth, 8), keys, states, torch.zeros(4), None, 0, None)
+    assert drafts.tolist() == sequence[5 : 5 + depth]

@@ -124,3 +124,56 @@ def ddtree_speculator_class():
             return self.proposals.batch.token_ids[:num_reqs].clamp(min=0)
 
     return DDTreeSpeculator
+
+
+def chain_oracle_speculator_class():
+    """Test switch only (``VLLM_DDTREE_TEST_ORACLE``): vLLM's V2 DFlash chain speculator
+    drafting from the oracle's logits in place of its drafter's, so that the chain and the
+    trees are measured on the same synthetic acceptance (scale models)."""
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.testing.oracle import DeviceOracle
+
+    class ChainOracleSpeculator(DFlashSpeculator):
+        _speculator_name = "DFlash (test oracle)"
+
+        def __init__(self, vllm_config, device: torch.device):
+            super().__init__(vllm_config, device)
+            vocab_size = vllm_config.model_config.get_vocab_size()
+            self.oracle = DeviceOracle(oracle_path(), vocab_size, self.max_num_reqs, device)
+
+        def sample_draft(
+            self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs
+        ):
+            """vLLM's chain sampling (greedy, or its Gumbel draw keyed like the target's) over
+            the oracle's logits for these mask rows; vLLM's arguments bound by name."""
+            bound = bind_arguments(
+                DFlashSpeculator.sample_draft,
+                self,
+                hidden_states,
+                positions,
+                idx_mapping,
+                temperature,
+                seeds,
+                *args,
+                **kwargs,
+            )
+            depth = self.num_speculative_steps
+            logits = self.oracle.logits(positions + 2, idx_mapping, depth)
+            draft_logits = bound.arguments["draft_logits"]
+            if draft_logits is None:
+                return logits.argmax(dim=-1)
+            return gumbel_sample(
+                logits,
+                idx_mapping,
+                temperature,
+                seeds,
+                positions + 1,
+                apply_temperature=True,
+                output_processed_logits=draft_logits,
+                output_processed_logits_col=bound.arguments["draft_step"],
+                use_fp64=self.use_fp64_gumbel,
+            )
+
+    return ChainOracleSpeculator

@@ -32,10 +32,14 @@ import numpy as np
 import torch
 
 from vllm_ddtree.compat import get_ddtree_config
+from vllm_ddtree.config import oracle_path
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode import step_checks
-from vllm_ddtree.spec_decode.speculator import ddtree_speculator_class
+from vllm_ddtree.spec_decode.speculator import (
+    chain_oracle_speculator_class,
+    ddtree_speculator_class,
+)
 from vllm_ddtree.spec_decode.tree_step import (
     StepTableUpload,
     TreeStep,
@@ -78,9 +82,12 @@ def tree_sampler_output(
 
 def _wrap_init_speculator(original):
     def init_speculator(vllm_config, device):
-        if get_ddtree_config(vllm_config.speculative_config) is None:
-            return original(vllm_config, device)
-        return ddtree_speculator_class()(vllm_config, device)
+        spec = vllm_config.speculative_config
+        if get_ddtree_config(spec) is not None:
+            return ddtree_speculator_class()(vllm_config, device)
+        if oracle_path() and getattr(spec, "method", None) == "dflash":  # a test switch
+            return chain_oracle_speculator_class()(vllm_config, device)
+        return original(vllm_config, device)
 
     return init_speculator
 
@@ -134,9 +141,10 @@ def _bind_oracle(runner, oracle, input_batch) -> None:
 def _wrap_prepare_attn(original):
     def prepare_attn(self, input_batch):
         block_tables, slot_mappings = original(self, input_batch)
+        oracle = getattr(getattr(self, "speculator", None), "oracle", None)
+        if oracle is not None:  # a test switch (testing/oracle.py): trees and the chain
+            _bind_oracle(self, oracle, input_batch)
         speculator = _ddtree_speculator(self)
-        if getattr(speculator, "oracle", None) is not None:
-            _bind_oracle(self, speculator.oracle, input_batch)
         if speculator is not None:  # every scheduled step takes its requests' proposals
             num_reqs = input_batch.num_reqs
             has_tree = speculator.proposals.take(
