@@ -115,36 +115,45 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
     return _save_random(path, Qwen3NextForCausalLM, config, seed)
 
 
-def _qwen3_5_config(config_class, spec: TinyQwen3Spec, **text_extra):
-    """A tiny Qwen3.5-family multimodal config: the text model with the Qwen3-Next fixture's GDN
-    layout (2 key / 4 value heads of 128, one full-attention layer in 4, untied embeddings)
-    plus ``text_extra``, and a one-block vision tower, which text-only prompts never run but
-    the checkpoint must hold."""
-    text = target_config_fields(spec)
-    special = {name: text.pop(name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+def hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
+    """Qwen3.5-family ``layer_types``: a full-attention layer every ``interval``, the last of
+    each group, GatedDeltaNet layers between."""
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+
+
+def qwen3_5_config(config_class, text_config: dict):
+    """A Qwen3.5-family multimodal config around ``text_config`` with a one-block vision tower,
+    which text-only prompts never run but the checkpoint must hold; untied embeddings."""
     return config_class(
-        text_config=dict(
-            **text,
-            **special,
-            **text_extra,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            layer_types=[
-                "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                for i in range(spec.num_hidden_layers)
-            ],
-        ),
+        text_config=text_config,
         vision_config=dict(
             depth=1,
             hidden_size=64,
             num_heads=2,
             intermediate_size=128,
-            out_hidden_size=spec.hidden_size,
+            out_hidden_size=text_config["hidden_size"],
         ),
         tie_word_embeddings=False,
     )
+
+
+def _qwen3_5_config(config_class, spec: TinyQwen3Spec, **text_extra):
+    """A tiny Qwen3.5-family config: the text model with the Qwen3-Next fixture's GDN layout
+    (2 key / 4 value heads of 128, one full-attention layer in 4, untied embeddings) plus
+    ``text_extra`` (``qwen3_5_config``)."""
+    text = target_config_fields(spec)
+    text.update(
+        text_extra,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        layer_types=hybrid_layer_types(spec.num_hidden_layers),
+    )
+    return qwen3_5_config(config_class, text)
 
 
 def make_tiny_qwen3_5(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:

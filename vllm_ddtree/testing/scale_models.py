@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from vllm_ddtree.dflash_drafter import DFlashDrafterConfig, random_drafter
-from vllm_ddtree.testing import target_config_fields
+from vllm_ddtree.testing import hybrid_layer_types, qwen3_5_config, target_config_fields
 
 LOGIT_STD = 8.0
 INIT_STD = 0.02
@@ -175,11 +175,9 @@ def _text_fields(model: ScaleModel) -> dict[str, Any]:
     fields = target_config_fields(model)
     if model.hybrid:
         fields.update(model.hybrid)
-        interval = model.hybrid["full_attention_interval"]
-        fields["layer_types"] = [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(model.num_hidden_layers)
-        ]
+        fields["layer_types"] = hybrid_layer_types(
+            model.num_hidden_layers, model.hybrid["full_attention_interval"]
+        )
         fields["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": model.rope_theta,
@@ -200,17 +198,7 @@ def target_config(model: ScaleModel):
         return config, Qwen3ForCausalLM
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    config = Qwen3_5Config(
-        text_config=_text_fields(model),
-        vision_config=dict(
-            depth=1,
-            hidden_size=64,
-            num_heads=2,
-            intermediate_size=128,
-            out_hidden_size=model.hidden_size,
-        ),
-        tie_word_embeddings=False,
-    )
+    config = qwen3_5_config(Qwen3_5Config, _text_fields(model))
     config.architectures = [model.architecture]
     return config, Qwen3_5ForConditionalGeneration
 
