@@ -150,7 +150,6 @@ class HybridTreeStep:
 
     def __init__(self, max_rows: int, tree_budget: int, device: torch.device):
         self.max_rows = max_rows
-        self.tree_budget = tree_budget
         self.tokens_per_row = tree_budget + 1  # a verify row: the root, then the nodes
         self.parents = torch.full(
             (max_rows + 1, self.tokens_per_row), -1, dtype=torch.long, device=device
