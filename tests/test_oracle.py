@@ -98,3 +98,31 @@ def test_both_oracles_place_the_future_by_a_rank_model(tmp_path, p_top, expected
             truth = sequence[bonus_positions[r] + 1 + d]
             for out in (host[r, d], on_device[r, d]):
                 assert int(out.argsort(descending=True)[expected_rank]) == truth
+
+
+def test_each_sequence_follows_its_own_rank_model(tmp_path):
+    """``rank_models`` + ``sequence_models``: in one batch, one request's future is ranked
+    first (its model: P(first) 1) and the other's second (P(first) ~0, tail 0), in both
+    forms; a sequence naming no model is refused."""
+    sequences = [[1, 2, 3] + list(range(10, 30)), [4, 5] + list(range(30, 45))]
+    sure = {"p_top": 1.0, "decay": 1.0, "tail": 0.0, "slope": 3.0, "miss_slope": 1.0}
+    miss = dict(sure, p_top=1e-9)
+    spec = {"seed": 0, "sequences": sequences, "rank_models": {"sure": sure, "miss": miss}}
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps(dict(spec, sequence_models=["sure", "miss"])))
+    depth, bonus_positions, prompts = 4, [5, 3], [[1, 2, 3], [4, 5]]
+    vocab = 128
+    host = HostOracle(str(path), vocab).logits(prompts, bonus_positions, depth)
+    device = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    device.bind([2, 0], ["a", "b"], lambda s: {2: prompts[0], 0: prompts[1]}[s])
+    predicted = torch.tensor([p + 1 + d for p in bonus_positions for d in range(depth)])
+    row_states = torch.tensor([s for s in (2, 0) for _ in range(depth)])
+    on_device = device.logits(predicted, row_states, depth).view(2, depth, vocab)
+    for r, (sequence, expected_rank) in enumerate(zip(sequences, (0, 1), strict=True)):
+        for d in range(depth):
+            truth = sequence[bonus_positions[r] + 1 + d]
+            for out in (host[r, d], on_device[r, d]):
+                assert int(out.argsort(descending=True)[expected_rank]) == truth
+    path.write_text(json.dumps(dict(spec, sequence_models=["sure", "other"])))
+    with pytest.raises(ValueError, match="sequence_models"):
+        HostOracle(str(path), vocab)

@@ -10,7 +10,8 @@ paths are exercised deeply even with random weights (``benchmarks/lossless_gpu.p
 With ``"rank_model": {...}`` (the fields of ``synthetic_acceptance.RankModel``) they are
 instead that model's calibrated synthetic logits: ``sequence[i]`` at a rank drawn per depth,
 among ranked candidates whose spread says how sure the drafter is (scale models' speed
-measurements).
+measurements). ``"rank_models": {name: {...}}`` with ``"sequence_models": [name, ...]`` (one
+per sequence) gives each sequence its own model (prompts of several datasets in one batch).
 
 Two forms of the same rule:
 - ``HostOracle`` (V1 runner): per step on the host, from the requests' prompts and positions.
@@ -25,17 +26,34 @@ import json
 
 import torch
 
-from vllm_ddtree.testing.synthetic_acceptance import RankModel, sample_ranks, synthetic_logits
+from vllm_ddtree.testing.synthetic_acceptance import (
+    RankModel,
+    RankRows,
+    sample_ranks,
+    synthetic_logits,
+)
 
 TRUTH_MARGIN = 8.0  # the ranked-first token's lead over the noise's maximum
 
 
 def _load(path: str) -> dict:
+    """The oracle file, its rank models as ``"models"`` (a list, empty without rank models)
+    and ``"model_of_sequence"`` (each sequence's index into it)."""
     with open(path) as f:
         spec = json.load(f)
     spec["sequences"] = [list(s) for s in spec["sequences"]]
-    if spec.get("rank_model") is not None:
-        spec["rank_model"] = RankModel(**spec["rank_model"])
+    spec["models"], spec["model_of_sequence"] = [], [0] * len(spec["sequences"])
+    if spec.get("rank_models") is not None:
+        names = list(spec["rank_models"])
+        spec["models"] = [RankModel(**spec["rank_models"][name]) for name in names]
+        chosen = spec.get("sequence_models") or []
+        if len(chosen) != len(spec["sequences"]) or set(chosen) - set(names):
+            raise ValueError(
+                f"oracle {path}: sequence_models must name one of {names} per sequence"
+            )
+        spec["model_of_sequence"] = [names.index(name) for name in chosen]
+    elif spec.get("rank_model") is not None:
+        spec["models"] = [RankModel(**spec["rank_model"])]
     return spec
 
 
@@ -51,14 +69,15 @@ class HostOracle:
         spec = _load(path)
         self.sequences = spec["sequences"]
         self.p_top = float(spec.get("p_top", 1.0))
-        self.rank_model: RankModel | None = spec.get("rank_model")
+        self.rank_table = RankRows.table(spec["models"]) if spec["models"] else None
+        self.model_of_sequence = spec["model_of_sequence"]
         self.gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
         self.vocab_size = vocab_size
 
     def logits(self, prompts: list[list[int]], bonus_positions: list[int], depth: int):
         """float32 ``[R, depth, V]``: row ``r``, depth ``d`` predicts sequence index
         ``bonus_positions[r] + 1 + d``."""
-        if self.rank_model is not None:
+        if self.rank_table is not None:
             return self._ranked_logits(prompts, bonus_positions, depth)
         out = torch.randn(len(prompts), depth, self.vocab_size, generator=self.gen)
         for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
@@ -82,20 +101,23 @@ class HostOracle:
         return out
 
     def _ranked_logits(self, prompts, bonus_positions, depth: int) -> torch.Tensor:
-        """``rank_model``'s synthetic logits around each request's sequence (noise where a
-        request has none, or past its end)."""
+        """The rank models' synthetic logits around each request's sequence (its sequence's
+        model; noise where a request has none, or past its end)."""
         rows = len(prompts)
         truth = torch.zeros(rows, depth, dtype=torch.long)
         valid = torch.zeros(rows, depth, dtype=torch.bool)
+        model_index = torch.zeros(rows, dtype=torch.long)
         for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
             index = match_sequence(self.sequences, prompt)
             if index < 0:
                 continue
+            model_index[r] = self.model_of_sequence[index]
             ahead = self.sequences[index][position + 1 : position + 1 + depth]
             truth[r, : len(ahead)] = torch.tensor(ahead, dtype=torch.long)
             valid[r, : len(ahead)] = True
-        ranks = sample_ranks(self.rank_model, rows, depth, self.gen)
-        ranked = synthetic_logits(self.rank_model, truth, ranks, self.vocab_size, self.gen)
+        params = RankRows.of(self.rank_table, model_index)
+        ranks = sample_ranks(params, rows, depth, self.gen)
+        ranked = synthetic_logits(params, truth, ranks, self.vocab_size, self.gen)
         noise = torch.randn(rows, depth, self.vocab_size, generator=self.gen)
         return torch.where(valid.unsqueeze(-1), ranked, noise)
 
@@ -107,7 +129,10 @@ class DeviceOracle:
         spec = _load(path)
         self.sequences = spec["sequences"]
         self.p_top = float(spec.get("p_top", 1.0))
-        self.rank_model: RankModel | None = spec.get("rank_model")
+        self.rank_table = RankRows.table(spec["models"], device) if spec["models"] else None
+        self.model_of_sequence = torch.tensor(
+            spec["model_of_sequence"] or [0], dtype=torch.long, device=device
+        )
         self.vocab_size = vocab_size
         longest = max((len(s) for s in self.sequences), default=1)
         table = torch.full((max(1, len(self.sequences)), longest), -1, dtype=torch.long)
@@ -142,10 +167,12 @@ class DeviceOracle:
         valid = (states >= 0) & (sequence >= 0) & (predicted_positions < self.tokens.shape[1])
         valid &= truth >= 0
         truth = truth.clamp(min=0)
-        if self.rank_model is not None:
+        if self.rank_table is not None:
             blocks = truth.view(-1, depth)
-            ranks = sample_ranks(self.rank_model, blocks.shape[0], depth, device=device)
-            ranked = synthetic_logits(self.rank_model, blocks, ranks, self.vocab_size)
+            model_index = self.model_of_sequence[sequence.clamp(min=0)].view(-1, depth)[:, 0]
+            params = RankRows.of(self.rank_table, model_index)
+            ranks = sample_ranks(params, blocks.shape[0], depth, device=device)
+            ranked = synthetic_logits(params, blocks, ranks, self.vocab_size)
             return torch.where(valid.unsqueeze(-1), ranked.view(n, -1), out)
         top, argmax = out.max(dim=-1)
         first = torch.rand(n, device=device) < self.p_top

@@ -25,7 +25,6 @@ verify, the walk and the KV commit are the real ones, and output must still equa
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -57,35 +56,75 @@ class RankModel:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class RankRows:
+    """``RankModel`` parameters per row (float ``[rows]`` tensors each): rows of one batch may
+    follow different models (prompts of different datasets in one batch)."""
+
+    p_top: torch.Tensor
+    decay: torch.Tensor
+    tail: torch.Tensor
+    slope: torch.Tensor
+    miss_slope: torch.Tensor
+
+    @staticmethod
+    def table(models: list[RankModel], device: torch.device | str = "cpu") -> torch.Tensor:
+        """float64 ``[M, 5]``: the models' parameters, the rows ``of`` gathers from."""
+        fields = [[m.p_top, m.decay, m.tail, m.slope, m.miss_slope] for m in models]
+        return torch.tensor(fields, dtype=torch.float64, device=device)
+
+    @classmethod
+    def of(cls, table: torch.Tensor, index: torch.Tensor) -> RankRows:
+        """Row ``r`` follows model ``index[r]`` of ``table`` (device tensors only)."""
+        return cls(*table[index.long()].unbind(1))
+
+    @classmethod
+    def broadcast(cls, model: RankModel, rows: int, device: torch.device | str) -> RankRows:
+        table = cls.table([model], device)
+        return cls.of(table, torch.zeros(rows, dtype=torch.long, device=device))
+
+    def first_probability(self, depth: int) -> torch.Tensor:
+        """float32 ``[rows, depth]``: P(ranked first) at depths 1..depth."""
+        steps = torch.arange(depth, dtype=torch.float64, device=self.p_top.device)
+        return (self.p_top.unsqueeze(1) * self.decay.unsqueeze(1) ** steps).float()
+
+
+def _rows(model: RankModel | RankRows, rows: int, device) -> RankRows:
+    return model if isinstance(model, RankRows) else RankRows.broadcast(model, rows, device)
+
+
 def sample_ranks(
-    model: RankModel,
+    model: RankModel | RankRows,
     rows: int,
     depth: int,
     gen: torch.Generator | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """long ``[rows, depth]``: the true token's rank at each depth (0 = first); device tensors
-    only, so it runs inside a CUDA graph (``gen`` None: the device's generator)."""
+    """long ``[rows, depth]``: the true token's rank at each depth (0 = first), from one model
+    or per row (``RankRows``); device tensors only, so it runs inside a CUDA graph (``gen``
+    None: the device's generator)."""
+    params = _rows(model, rows, device)
     first = torch.rand(rows, depth, generator=gen, dtype=torch.float32, device=device)
-    first = first < model.first_probability(depth).float().to(device).unsqueeze(0)
+    first = first < params.first_probability(depth)
     uniform = torch.rand(rows, depth, generator=gen, dtype=torch.float32, device=device)
-    if model.tail <= 0:
-        below = torch.zeros(rows, depth, dtype=torch.long, device=device)
-    else:
-        below = torch.floor(uniform.clamp_min(1e-12).log() / math.log(model.tail)).long()
+    # Geometric rank below the first: floor(log u / log tail); a tail of 0 gives 0.
+    log_tail = params.tail.clamp(min=1e-30).log().float().unsqueeze(1)
+    below = torch.floor(uniform.clamp_min(1e-12).log() / log_tail).long()
+    below = torch.where(params.tail.unsqueeze(1) > 0, below, torch.zeros_like(below))
     rank = (1 + below).clamp(max=CANDIDATES - 1)
     return torch.where(first, torch.zeros_like(rank), rank)
 
 
 def synthetic_logits(
-    model: RankModel,
+    model: RankModel | RankRows,
     truth: torch.Tensor,
     ranks: torch.Tensor,
     vocab_size: int,
     gen: torch.Generator | None = None,
 ) -> torch.Tensor:
     """float32 ``[R, D, V]``: at row ``r``, depth ``d``, ``CANDIDATES`` distinct tokens ranked
-    by logit ``-slope x rank`` (``-miss_slope x rank`` where the true token is not first), the
+    by logit ``-slope x rank`` (``-miss_slope x rank`` where the true token is not first; one
+    model or per row, as ``sample_ranks``), the
     true token ``truth[r, d]`` at rank ``ranks[r, d]``, every other token at -inf."""
     rows, depth = truth.shape
     device = truth.device
@@ -102,7 +141,9 @@ def synthetic_logits(
         others.gather(2, other_index),
     )
     logits = torch.full((rows, depth, vocab_size), float("-inf"), device=device)
-    slope = torch.where(ranks == 0, model.slope, model.miss_slope).unsqueeze(-1)
+    params = _rows(model, rows, device)
+    sure, unsure = params.slope.float().unsqueeze(1), params.miss_slope.float().unsqueeze(1)
+    slope = torch.where(ranks == 0, sure, unsure).unsqueeze(-1)
     logits.scatter_(2, tokens, (-slope * slots).float())
     return logits
 
