@@ -145,6 +145,14 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
         request = conn.recv()
         if request is None:
             return
+        if request[0] == "split":  # the step-time split (engine core in this process only)
+            from benchmarks.bench_e2e import metric_values
+            from benchmarks.step_split import profiled_step_split
+
+            _, prompts, temperature, max_tokens = request
+            split = profiled_step_split(llm, prompts, max_tokens, metric_values, temperature)
+            conn.send(split)
+            continue
         prompts, temperature, one_at_a_time, max_tokens = request
         tokens, seconds, before, after = timed_generate(
             llm, prompts, temperature, one_at_a_time, max_tokens
@@ -202,6 +210,13 @@ class Engines:
     def run(self, name: str, prompts, temperature: float, one_at_a_time: bool, max_tokens: int):
         conn = self.workers[name][1]
         conn.send((prompts, temperature, one_at_a_time, max_tokens))
+        return conn.recv()
+
+    def split(self, name: str, prompts, temperature: float, max_tokens: int) -> dict:
+        """``prompts`` submitted together under torch.profiler on engine ``name`` (its core in
+        its worker's process): ``step_split.profiled_step_split``'s result."""
+        conn = self.workers[name][1]
+        conn.send(("split", prompts, temperature, max_tokens))
         return conn.recv()
 
     def close(self) -> None:

@@ -246,8 +246,14 @@ def build_target(model: ScaleModel, path: str, device: str = "cpu", seed: int = 
         return path
     config, cls = target_config(model)
     torch.manual_seed(seed)
-    with torch.device(device):
-        built = cls(config).to(torch.bfloat16)
+    # Built in bf16 directly: a 27B target in float32 would not fit beside its bf16 copy.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            built = cls(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     with torch.no_grad():
         _output_head(built).normal_(0.0, head_std(model))
     built.generation_config.eos_token_id = None

@@ -1,0 +1,421 @@
+"""Paired speed on a scale model: AR, the DFlash chain and DDTree at a served model's shapes.
+
+The target and its DFlash drafter are random weights at real shapes
+(``vllm_ddtree/testing/scale_models.py``, built on this machine by ``scale-model``), so every
+forward costs what it costs on the real model. Acceptance is synthetic and calibrated
+(``vllm_ddtree/testing/synthetic_acceptance.py``): under the test oracle's switch, after the
+drafter's real forward, its per-depth distributions are replaced by ones built around the
+target's own continuation, the true token at a rank drawn from the ``RankModel`` fitted to the
+DDTree paper's Qwen3-8B DFlash numbers (``calibrate``'s ``calibration.json``: one profile per
+dataset and temperature). The chain and DDTree draft from the same oracle; the engine, the
+verify, the walk and the KV commit are the real ones.
+
+1. Prompts are token ids (a scale model has no tokenizer): ``--prompt-len`` seeded random
+   ids per prompt, a pool per dataset (humaneval, math500, mtbench: the paper's three) and
+   per mode: ``greedy`` (T = 0, the dataset's T = 0 profile) and ``sampling`` (the sampling
+   path at ``--sampling-temperature``, the dataset's T = 1 profile; see below).
+2. AR starts alone and decodes every prompt greedily: the references the oracle ranks
+   (batch-1 prompts one at a time, the others together, as the rows will run them).
+3. The chain and DDTree at each of ``--budgets`` start side by side with the oracle file, AR
+   kept; then each row runs every engine by turns (``bench_paired.measure_row``): batch 1 per
+   dataset, larger batches on prompts of the three datasets mixed (each request keeps its
+   dataset's profile).
+4. Per row and engine: median tok/s, acceptance length, the median (min-max) of the
+   per-round ratios to the chain, the requests whose output equals AR's in the same round,
+   and the roofline: the bytes a step must read (the target's weights less the embedding
+   table, the drafter's layers for speculative engines, the KV cache of each request's
+   context) over the copy bandwidth measured on this GPU, as a share of the measured step.
+5. Last, the step-time split (``step_split.profiled_step_split``) of each engine at
+   ``--split-batches``, T = 0.
+
+Why the sampling rows run at a low temperature: vLLM's chain samples with its own rejection
+sampler, whose draws cannot be known ahead, so no reference can hold the chain's T = 1 samples
+(DDTree's keyed noise could); a random target's logits also leave the top two tokens close. At
+a temperature of 0.001 a random target's samples are its greedy tokens save rare near-ties,
+so both engines run the T > 0 path (the sampling kernels, DDTree's keyed noise, vLLM's
+rejection sampler) while the oracle's references stay right, and acceptance comes from the
+T = 1 calibration.
+
+    python -m benchmarks scale-paired --model qwen3-8b --calibration CAL.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.bench_paired import (
+    CHAIN,
+    Engines,
+    engine_jobs,
+    measure_row,
+    row_groups,
+    summarize_row,
+)
+from benchmarks.common import module_command
+
+DATASETS = ("humaneval", "math500", "mtbench")
+# mode -> the calibration profile's suffix
+MODES = {"greedy": "", "sampling": "_t1"}
+
+
+def token_prompts(mode: str, dataset: str, count: int, length: int, vocab: int) -> list:
+    """``count`` prompts of ``length`` token ids, seeded by mode and dataset (ids below the
+    vocabulary's last 1024, where special tokens such as the drafter's mask sit)."""
+    import torch
+
+    seed = 1000 * list(MODES).index(mode) + DATASETS.index(dataset)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 1024, (count, length), generator=gen).tolist()
+
+
+def oracle_spec(pools: dict, references: dict, calibration: dict, seed: int = 0) -> dict:
+    """The oracle file: each prompt + its reference as a sequence, following its dataset's
+    profile (``MODES``' suffix) of ``calibration``."""
+    sequences, chosen = [], []
+    for (mode, dataset), prompts in pools.items():
+        for prompt, reference in zip(prompts, references[(mode, dataset)], strict=True):
+            sequences.append(list(prompt) + list(reference))
+            chosen.append(dataset + MODES[mode])
+    models = {name: profile["model"] for name, profile in calibration["profiles"].items()}
+    missing = sorted(set(chosen) - set(models))
+    if missing:
+        raise ValueError(f"calibration has no profile {missing}; it has {sorted(models)}")
+    return {"seed": seed, "sequences": sequences, "rank_models": models, "sequence_models": chosen}
+
+
+def copy_bandwidth(gigabytes: float = 4.0, repeats: int = 10) -> float:
+    """Bytes per second a device-to-device copy moves (read + write) on this GPU, the best
+    of ``repeats``."""
+    import torch
+
+    n = int(gigabytes * (1 << 30)) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / best
+
+
+def checkpoint_bytes(path: str, leave_out: tuple[str, ...] = ()) -> int:
+    """Bytes of a checkpoint's tensors, less those whose name ends with one of ``leave_out``."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(leave_out):
+                    continue
+                piece = f.get_slice(key)
+                count = 1
+                for dim in piece.get_shape():
+                    count *= dim
+                total += count * 2  # bf16
+    return total
+
+
+def kv_bytes_per_token(model) -> int:
+    """K and V bytes per token of context over the target's attention layers (bf16; a
+    hybrid's GatedDeltaNet layers keep a fixed state, left out)."""
+    layers = model.num_hidden_layers
+    if model.hybrid:
+        layers //= model.hybrid["full_attention_interval"]
+    return layers * 2 * model.num_key_value_heads * model.head_dim * 2
+
+
+def roofline(engine: dict, batch: int, seconds: float, floor_bytes: dict, context: float) -> dict:
+    """Measured ms per step against the bytes a step must read over the copy bandwidth.
+    ``engine``: a summarised engine with its ``steps`` (target forwards over the row's
+    requests); ``floor_bytes``: weights per step and KV bytes per context token."""
+    weights = floor_bytes["target"] + (floor_bytes["drafter"] if engine["speculative"] else 0)
+    step_bytes = weights + batch * context * floor_bytes["kv_per_token"]
+    limit_ms = 1e3 * step_bytes / floor_bytes["bandwidth"]
+    step_ms = 1e3 * seconds / engine["steps"]
+    return {
+        "step_ms": step_ms,
+        "limit_ms": limit_ms,
+        "percent_of_limit": 100 * limit_ms / step_ms,
+        "step_gb": step_bytes / 1e9,
+    }
+
+
+def row_roofline(runs: dict, batch: int, floor_bytes: dict, prompt_len: int) -> dict:
+    """``roofline`` of each engine of a row: its median seconds over its target forwards
+    (drafts / batch for a speculative engine, vLLM counting one draft per request and step;
+    output tokens / batch for AR), the context half the output past the prompt."""
+    out = {}
+    for name, answers in runs.items():
+        tokens = statistics.median(sum(map(len, a["tokens"])) for a in answers)
+        drafts = statistics.median(a["drafts"] for a in answers)
+        speculative = name != "ar"
+        steps = (drafts if speculative else tokens) / batch
+        seconds = statistics.median(a["seconds"] for a in answers)
+        context = prompt_len + tokens / len(answers[0]["tokens"]) / 2
+        engine = {"speculative": speculative, "steps": max(1.0, steps)}
+        out[name] = roofline(engine, batch, seconds, floor_bytes, context)
+    return out
+
+
+def first_difference(tokens: list[int], expected: list[int]) -> int:
+    """The first index where two outputs differ (the shorter's length when one is a prefix)."""
+    pairs = zip(tokens, expected, strict=False)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(tokens), len(expected)))
+
+
+def identical(runs: dict[str, list[dict]], reference: str = "ar") -> dict[str, dict]:
+    """Per engine: requests whose output equals ``reference``'s in the same round, out of all,
+    and the first differing index of each that does not."""
+    out = {}
+    for name, answers in runs.items():
+        same, total, first = 0, 0, []
+        for answer, ar in zip(answers, runs[reference], strict=True):
+            for tokens, expected in zip(answer["tokens"], ar["tokens"], strict=True):
+                total += 1
+                if tokens == expected:
+                    same += 1
+                else:
+                    first.append(first_difference(tokens, expected))
+        out[name] = {"identical": same, "requests": total, "first_differences": first[:8]}
+    return out
+
+
+def on_reference(runs: dict[str, list[dict]], references: dict[tuple, list[int]]) -> dict:
+    """Per engine: the share of output tokens before its first difference from the oracle's
+    reference (where the oracle's ranks stop meaning what they say)."""
+    out = {}
+    for name, answers in runs.items():
+        kept, total = 0, 0
+        for answer in answers:
+            for prompt, tokens in zip(answer["prompts"], answer["tokens"], strict=True):
+                total += len(tokens)
+                kept += first_difference(tokens, references[tuple(prompt)])
+        out[name] = kept / total if total else 1.0
+    return out
+
+
+def write_report(summary: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "scale_paired.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    lines = [
+        f"# Scale model {summary['model']}: AR, DFlash chain and DDTree by turns",
+        "",
+        f"Commit {summary['commit']}, {summary['gpu']}; random weights at the model's shapes, "
+        "acceptance synthetic, calibrated to the DDTree paper's Qwen3-8B DFlash numbers "
+        f"({summary['calibration']}). {summary['repeats']} rounds per row after one untimed "
+        f"run; {summary['max_tokens']} tokens per request, prompts of {summary['prompt_len']} "
+        f"token ids. Copy bandwidth {summary['bandwidth_gb_s']:.0f} GB/s. Engine starts: AR "
+        f"{summary['ar_start_seconds']:.0f} s, the others side by side "
+        f"{summary['spec_start_seconds']:.0f} s. Sampling rows: temperature "
+        f"{summary['sampling_temperature']:g} with the T = 1 profiles (module docstring).",
+        "",
+        "| mode | dataset | batch | engine | tok/s | acceptance | over chain | = AR | "
+        "on ref | step ms | % of roofline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in summary["rows"]:
+        for name, e in row["engines"].items():
+            r = row["over_chain"].get(name)
+            ratio = f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else ""
+            same = row["identical"][name]
+            roof = row["roofline"][name]
+            lines.append(
+                f"| {row['mode']} | {row['dataset']} | {row['batch']} | {name} | "
+                f"{e['tok_per_s']:.0f} | {e['mean_acceptance_length']:.2f} | {ratio} | "
+                f"{same['identical']}/{same['requests']} | {row['on_reference'][name]:.2f} | "
+                f"{roof['step_ms']:.2f} | {roof['percent_of_limit']:.0f} |"
+            )
+    if summary.get("splits"):
+        from benchmarks.step_split import split_table
+
+        lines += [""] + split_table(summary["splits"])
+    with open(os.path.join(out, "scale_paired.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--root", default="/tmp/scale-models")
+    parser.add_argument("--calibration", required=True, help="calibrate's calibration.json")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", default="/tmp/scale-paired")
+    parser.add_argument("--budgets", default="32,64,128,256")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--modes", default="greedy,sampling")
+    parser.add_argument("--sampling-temperature", type=float, default=0.001)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--batch1-prompts", type=int, default=2)
+    parser.add_argument("--split-batches", default="1", help="'' for none")
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--start-timeout", type=int, default=420)
+    parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
+    args = parser.parse_args(argv)
+    started = time.time()
+
+    from vllm_ddtree.testing.scale_models import SCALE_MODELS
+
+    model = SCALE_MODELS[args.model]
+    built = subprocess.run(
+        module_command("scale-model", "--model", args.model, "--root", args.root),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    paths = json.loads(built.stdout.strip().splitlines()[-1])
+    target, drafter = paths["target"], paths["drafter"]
+    build_seconds = time.time() - started
+    with open(args.calibration) as f:
+        calibration = json.load(f)
+
+    floor_bytes = {
+        "bandwidth": copy_bandwidth(),
+        "target": checkpoint_bytes(target, leave_out=("embed_tokens.weight",)),
+        "drafter": checkpoint_bytes(drafter, leave_out=("embed_tokens.weight", "lm_head.weight")),
+        "kv_per_token": kv_bytes_per_token(model),
+    }
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    temperatures = {"greedy": 0.0, "sampling": args.sampling_temperature}
+    pool_size = max(max(batches), args.batch1_prompts)
+    pools = {
+        (mode, dataset): token_prompts(mode, dataset, pool_size, args.prompt_len, model.vocab_size)
+        for mode in modes
+        for dataset in DATASETS
+    }
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    jobs = engine_jobs(drafter, model.block_size - 1, budgets, max(batches))
+    overrides = {
+        "skip_tokenizer_init": True,
+        "max_model_len": args.prompt_len + args.max_tokens + 64,
+        "kv_cache_memory_bytes": int(args.kv_cache_gb * (1 << 30)),
+    }
+
+    def compile_config(job):  # FULL graphs of every decode/verify batch, no torch.compile
+        return {
+            "mode": 0,
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": job["cudagraph_capture_sizes"],
+        }
+
+    for job in jobs:
+        job["kwargs"] = dict(job["kwargs"], compilation_config=compile_config(job))
+    ar_job, spec_jobs = jobs[0], jobs[1:]
+
+    # 1-2. AR alone, then the references the oracle ranks.
+    ar_engines = Engines([ar_job], target, overrides, args.start_timeout, False)
+    ar_start = time.time() - started - build_seconds
+    spec_engines = None
+    try:
+        references = {}
+        for (mode, dataset), prompts in pools.items():
+            first = prompts[: args.batch1_prompts]
+            alone = [
+                ar_engines.run("ar", [p], 0.0, True, args.max_tokens)["tokens"][0] for p in first
+            ]
+            rest = prompts[args.batch1_prompts :]
+            together = (
+                ar_engines.run("ar", rest, 0.0, False, args.max_tokens)["tokens"] if rest else []
+            )
+            references[(mode, dataset)] = alone + together
+        os.makedirs(args.work, exist_ok=True)
+        oracle = os.path.join(args.work, "oracle.json")
+        with open(oracle, "w") as f:
+            json.dump(oracle_spec(pools, references, calibration), f)
+        reference_of = {
+            tuple(p): r
+            for key, prompts in pools.items()
+            for p, r in zip(prompts, references[key], strict=True)
+        }
+        for job in spec_jobs:
+            job["env"] = dict(job["env"], VLLM_DDTREE_TEST_ORACLE=oracle)
+        spec_start = time.time()
+        spec_engines = Engines(spec_jobs, target, overrides, args.start_timeout, False)
+        spec_start = time.time() - spec_start
+        names = [job["name"] for job in jobs]
+
+        def run(name, prompts, temperature, one_at_a_time):
+            engines = ar_engines if name == "ar" else spec_engines
+            answer = engines.run(name, prompts, temperature, one_at_a_time, args.max_tokens)
+            return dict(answer, prompts=prompts)
+
+        summary = {
+            "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+            "model": model.name,
+            "gpu": spec_engines.ready[CHAIN]["gpu"],
+            "engines": {"ar": ar_engines.ready["ar"], **spec_engines.ready},
+            "calibration": os.path.relpath(args.calibration),
+            "calibration_commit": calibration.get("commit"),
+            "repeats": args.repeats,
+            "max_tokens": args.max_tokens,
+            "prompt_len": args.prompt_len,
+            "sampling_temperature": args.sampling_temperature,
+            "bandwidth_gb_s": floor_bytes["bandwidth"] / 1e9,
+            "floor_bytes": floor_bytes,
+            "parameters": paths["parameters"],
+            "build_seconds": build_seconds,
+            "ar_start_seconds": ar_start,
+            "spec_start_seconds": spec_start,
+            "rows": [],
+        }
+        for mode in modes:
+            sets = {dataset: pools[(mode, dataset)] for dataset in DATASETS}
+            for batch in batches:
+                for dataset, prompts in row_groups(sets, batch, args.batch1_prompts).items():
+                    if time.time() - started > args.deadline:
+                        print(f"deadline: skipped {mode} {dataset} batch {batch}", flush=True)
+                        continue
+                    temperature = temperatures[mode]
+                    runs = measure_row(run, names, prompts, temperature, batch, args.repeats)
+                    row = {"mode": mode, "dataset": dataset, "batch": batch}
+                    row["temperature"] = temperature
+                    row.update(summarize_row(runs))
+                    row["identical"] = identical(runs)
+                    row["on_reference"] = on_reference(runs, reference_of)
+                    row["roofline"] = row_roofline(runs, batch, floor_bytes, args.prompt_len)
+                    summary["rows"].append(row)
+                    summary["wall_seconds"] = time.time() - started
+                    write_report(summary, args.out)
+                    print(
+                        json.dumps({"row": [mode, dataset, batch], **row["over_chain"]}), flush=True
+                    )
+        splits = {}
+        for batch in [int(b) for b in args.split_batches.split(",") if b]:
+            if time.time() - started > args.deadline + 30:
+                break
+            prompts = [p for ps in (pools[("greedy", d)] for d in DATASETS) for p in ps][:batch]
+            for name in names:
+                engines = ar_engines if name == "ar" else spec_engines
+                split = engines.split(name, prompts, 0.0, args.max_tokens)
+                splits.setdefault(name, {"step_split": []})["step_split"].append(split)
+        summary["splits"] = splits
+        summary["wall_seconds"] = time.time() - started
+        write_report(summary, args.out)
+    finally:
+        ar_engines.close()
+        if spec_engines is not None:
+            spec_engines.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The scale-model bench's bookkeeping (the run itself needs a GPU: ``scale-paired``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.scale_paired import (
+    DATASETS,
+    identical,
+    kv_bytes_per_token,
+    on_reference,
+    oracle_spec,
+    roofline,
+    row_roofline,
+    token_prompts,
+)
+from vllm_ddtree.testing.scale_models import QWEN3_6_27B, QWEN3_8B
+
+PROFILE = {"p_top": 0.9, "decay": 1.0, "tail": 0.5, "slope": 3.0, "miss_slope": 1.0}
+CALIBRATION = {"profiles": {d + s: {"model": PROFILE} for d in DATASETS for s in ("", "_t1")}}
+
+
+def test_prompts_are_seeded_distinct_per_mode_and_dataset_and_avoid_special_ids():
+    a = token_prompts("greedy", "math500", 3, 16, 151936)
+    assert a == token_prompts("greedy", "math500", 3, 16, 151936)
+    assert a != token_prompts("sampling", "math500", 3, 16, 151936)
+    assert a != token_prompts("greedy", "mtbench", 3, 16, 151936)
+    assert max(max(p) for p in a) < 151936 - 1024 and all(len(p) == 16 for p in a)
+
+
+def test_the_oracle_gives_each_sequence_its_datasets_profile_per_mode():
+    pools = {("greedy", "math500"): [[1, 2]], ("sampling", "mtbench"): [[3, 4], [5, 6]]}
+    references = {("greedy", "math500"): [[7]], ("sampling", "mtbench"): [[8], [9, 9]]}
+    spec = oracle_spec(pools, references, CALIBRATION)
+    assert spec["sequences"] == [[1, 2, 7], [3, 4, 8], [5, 6, 9, 9]]
+    assert spec["sequence_models"] == ["math500", "mtbench_t1", "mtbench_t1"]
+    assert spec["rank_models"]["mtbench_t1"] == PROFILE
+    with pytest.raises(ValueError, match="no profile"):
+        oracle_spec(pools, references, {"profiles": {}})
+
+
+def test_outputs_are_compared_with_ar_round_by_round_and_with_the_reference():
+    runs = {
+        "ar": [{"tokens": [[1, 2, 3]], "prompts": [[0]]}] * 2,
+        "dflash": [
+            {"tokens": [[1, 2, 3]], "prompts": [[0]]},
+            {"tokens": [[1, 5, 3]], "prompts": [[0]]},
+        ],
+    }
+    same = identical(runs)
+    assert same["ar"]["identical"] == 2
+    assert same["dflash"] == {"identical": 1, "requests": 2, "first_differences": [1]}
+    kept = on_reference(runs, {(0,): [1, 2, 9]})
+    assert kept == {"ar": pytest.approx(2 / 3), "dflash": pytest.approx(3 / 6)}
+
+
+def test_the_roofline_counts_weights_kv_and_the_drafter_only_for_speculative_engines():
+    floor = {"bandwidth": 1e12, "target": 16e9, "drafter": 2e9, "kv_per_token": 1e5}
+    ar = roofline({"speculative": False, "steps": 100}, 1, 1.6, floor, context=1000)
+    assert ar["limit_ms"] == pytest.approx(16.1)
+    assert ar["step_ms"] == pytest.approx(16.0)
+    spec = roofline({"speculative": True, "steps": 10}, 2, 0.5, floor, context=1000)
+    assert spec["limit_ms"] == pytest.approx(18.2)
+    assert spec["percent_of_limit"] == pytest.approx(100 * 18.2 / 50)
+    # Steps: drafts / batch for speculative engines, output tokens / batch for AR.
+    answer = {"tokens": [[1] * 8, [1] * 8], "drafts": 6, "seconds": 1.0}
+    rows = row_roofline({"ar": [answer], "ddtree_v2_b64": [answer]}, 2, floor, prompt_len=0)
+    assert rows["ar"]["step_ms"] == pytest.approx(1e3 / 8)
+    assert rows["ddtree_v2_b64"]["step_ms"] == pytest.approx(1e3 / 3)
+
+
+def test_kv_bytes_count_only_attention_layers():
+    assert kv_bytes_per_token(QWEN3_8B) == 36 * 2 * 8 * 128 * 2
+    assert kv_bytes_per_token(QWEN3_6_27B) == 16 * 2 * 4 * 256 * 2
