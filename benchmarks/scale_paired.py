@@ -57,7 +57,7 @@ from benchmarks.bench_paired import (
     row_groups,
     summarize_row,
 )
-from benchmarks.common import module_command
+from benchmarks.common import ROOT, module_command
 
 DATASETS = ("humaneval", "math500", "mtbench")
 # mode -> the calibration profile's suffix
@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = SCALE_MODELS[args.model]
     built = subprocess.run(
-        module_command("scale-model", "--model", args.model, "--root", args.root),
+        [*module_command("scale_model"), "--model", args.model, "--root", args.root],
+        cwd=ROOT,
         check=True,
         capture_output=True,
         text=True,
