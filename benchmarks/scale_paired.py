@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-8b")
     parser.add_argument("--root", default="/tmp/scale-models")
+    parser.add_argument("--init-std", type=float, help="the scale model's init std (0.02)")
     parser.add_argument("--calibration", required=True, help="calibrate's calibration.json")
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", default="/tmp/scale-paired")
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--batch1-prompts", type=int, default=2)
     parser.add_argument("--split-batches", default="1", help="'' for none")
-    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument("--start-timeout", type=int, default=420)
     parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
     args = parser.parse_args(argv)
@@ -275,8 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ddtree.testing.scale_models import SCALE_MODELS
 
     model = SCALE_MODELS[args.model]
+    sharpen = []
+    if args.init_std is not None:
+        model = model.sharpened(args.init_std)
+        sharpen = ["--init-std", str(args.init_std)]
     built = subprocess.run(
-        [*module_command("scale_model"), "--model", args.model, "--root", args.root],
+        [*module_command("scale_model"), "--model", args.model, "--root", args.root, *sharpen],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -307,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = engine_jobs(drafter, model.block_size - 1, budgets, max(batches))
     overrides = {
         "skip_tokenizer_init": True,
+        "max_num_batched_tokens": max(2048, (1 + max(budgets, default=15)) * max(batches)),
         "max_model_len": args.prompt_len + args.max_tokens + 64,
         "kv_cache_memory_bytes": int(args.kv_cache_gb * (1 << 30)),
     }

@@ -72,6 +72,14 @@ class ScaleModel:
     max_position_embeddings: int = 40960
     hybrid: dict[str, Any] = field(default_factory=dict)  # GDN fields (hybrid targets)
     partial_rotary_factor: float | None = None
+    init_std: float = INIT_STD  # every weight's init std but the output head's
+
+    def sharpened(self, init_std: float) -> ScaleModel:
+        """The same shapes with every weight but the output head drawn at ``init_std`` (the
+        tiny hybrid fixtures' 0.5 makes a random model's output robust to bf16 rounding)."""
+        if init_std == self.init_std:
+            return self
+        return replace(self, name=f"{self.name}-init{init_std:g}", init_std=init_std)
 
     def shrunk(self, factor: int) -> ScaleModel:
         """The same architecture with widths, depth and vocabulary divided by ``factor`` (head
@@ -113,7 +121,7 @@ class ScaleModel:
 
     @property
     def initializer_range(self) -> float:
-        return INIT_STD
+        return self.init_std
 
 
 QWEN3_8B = ScaleModel(
@@ -260,7 +268,15 @@ def build_target(model: ScaleModel, path: str, device: str = "cpu", seed: int = 
     built.generation_config.pad_token_id = None
     built.save_pretrained(path)
     with open(os.path.join(path, "scale_model.json"), "w") as f:
-        json.dump({"scale_model": model.name, "seed": seed, "logit_std": LOGIT_STD}, f)
+        json.dump(
+            {
+                "scale_model": model.name,
+                "seed": seed,
+                "logit_std": LOGIT_STD,
+                "init_std": model.init_std,
+            },
+            f,
+        )
     return path
 
 
@@ -268,7 +284,7 @@ def build_drafter(model: ScaleModel, path: str, seed: int = 0) -> str:
     """Save the drafter under ``path`` in vLLM's DFlash checkpoint format."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    random_drafter(drafter_config(model), seed=seed, init_std=INIT_STD).save_pretrained(path)
+    random_drafter(drafter_config(model), seed=seed, init_std=model.init_std).save_pretrained(path)
     return path
 
 
