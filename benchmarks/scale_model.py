@@ -23,11 +23,15 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shrink", type=int, default=1, help="divide the shapes (CPU checks)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--init-std", type=float, help="weights' init std (default 0.02)")
+    parser.add_argument(
+        "--predictable",
+        action="store_true",
+        help="the successor-head build (scale_models.ScaleModel.predictable)",
+    )
     args = parser.parse_args()
     model = SCALE_MODELS[args.model].shrunk(args.shrink)
-    if args.init_std is not None:
-        model = model.sharpened(args.init_std)
+    if args.predictable:
+        model = model.predictable()
     start = time.time()
     target, drafter = build(model, args.root, args.device, args.seed)
     print(

@@ -93,3 +93,32 @@ def test_calibrated_synthetic_acceptance_is_lossless_and_lands_near_its_simulati
         measured = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
         # Requests end within a block of their last tokens, which cuts the measured lengths.
         assert 0.6 * predicted[key] < measured < 1.1 * predicted[key], (run, measured, predicted)
+
+
+def test_the_predictable_build_decodes_a_fixed_successor_chain_with_a_wide_margin(tmp_path):
+    """``ScaleModel.predictable``: at every position the target's top token is the current
+    token's successor (one seeded permutation), far above the runner-up, whatever the context
+    (the scale bench's references must survive bf16 rounding and T = 1 sampling)."""
+    import torch
+
+    from vllm_ddtree.testing.scale_models import QWEN3_8B, build_target
+
+    model = QWEN3_8B.shrunk(16).predictable()
+    path = build_target(model, str(tmp_path / "target"))
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.vocab_size, (2, 24), generator=gen)
+    ids[1, 12:] = ids[0, 12:]  # the same tokens after different contexts
+    with torch.no_grad():
+        logits = target(ids).logits
+    top2 = logits.topk(2, dim=-1)
+    successor = top2.indices[..., 0]
+    margin = top2.values[..., 0] - top2.values[..., 1]
+    assert float(margin.min()) > 40.0
+    assert torch.equal(successor[0, 12:], successor[1, 12:])
+    # One successor per token: the same token is always followed by the same one.
+    pairs = {}
+    for token, after in zip(ids.flatten().tolist(), successor.flatten().tolist(), strict=True):
+        assert pairs.setdefault(token, after) == after

@@ -72,14 +72,21 @@ class ScaleModel:
     max_position_embeddings: int = 40960
     hybrid: dict[str, Any] = field(default_factory=dict)  # GDN fields (hybrid targets)
     partial_rotary_factor: float | None = None
-    init_std: float = INIT_STD  # every weight's init std but the output head's
+    init_std: float = INIT_STD  # every weight's init std but the embedding's and the head's
+    embedding_std: float | None = None  # the input embedding's (None: ``init_std``)
+    successor_head: bool = False  # the output head: a fixed successor per token (below)
 
-    def sharpened(self, init_std: float) -> ScaleModel:
-        """The same shapes with every weight but the output head drawn at ``init_std`` (the
-        tiny hybrid fixtures' 0.5 makes a random model's output robust to bf16 rounding)."""
-        if init_std == self.init_std:
-            return self
-        return replace(self, name=f"{self.name}-init{init_std:g}", init_std=init_std)
+    def predictable(self) -> ScaleModel:
+        """The same shapes, built so that the target's next token is a fixed function of the
+        current one that no rounding can change (``build_target``): layers at init std
+        0.002 against an embedding of std 1, and the successor head."""
+        return replace(
+            self,
+            name=f"{self.name}-successor",
+            init_std=0.002,
+            embedding_std=1.0,
+            successor_head=True,
+        )
 
     def shrunk(self, factor: int) -> ScaleModel:
         """The same architecture with widths, depth and vocabulary divided by ``factor`` (head
@@ -248,6 +255,20 @@ def _output_head(built: torch.nn.Module) -> torch.Tensor:
     return head.weight
 
 
+def _successor_head(built: torch.nn.Module, seed: int) -> None:
+    """Output head row ``successor[t]`` = ``LOGIT_STD x`` the unit direction of token ``t``'s
+    embedding (``successor``: a seeded permutation). Where the final hidden state points along
+    the current token's embedding (small layers against a large embedding), the successor's
+    logit is ``LOGIT_STD x sqrt(hidden)`` and every other token's ``LOGIT_STD x N(0, 1)``: a
+    margin no bf16 rounding flips, even sampled at T = 1."""
+    embedding = built.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(seed + 7)
+    successor = torch.randperm(embedding.shape[0], generator=gen).to(embedding.device)
+    directions = embedding.float() / embedding.float().norm(dim=1, keepdim=True)
+    head = _output_head(built)
+    head[successor] = (LOGIT_STD * directions).to(head.dtype)
+
+
 def build_target(model: ScaleModel, path: str, device: str = "cpu", seed: int = 0) -> str:
     """Save the target under ``path`` (bf16 safetensors; kept when already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -263,7 +284,12 @@ def build_target(model: ScaleModel, path: str, device: str = "cpu", seed: int = 
     finally:
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():
-        _output_head(built).normal_(0.0, head_std(model))
+        if model.embedding_std is not None:
+            built.get_input_embeddings().weight.normal_(0.0, model.embedding_std)
+        if model.successor_head:
+            _successor_head(built, seed)
+        else:
+            _output_head(built).normal_(0.0, head_std(model))
     built.generation_config.eos_token_id = None
     built.generation_config.pad_token_id = None
     built.save_pretrained(path)
@@ -274,6 +300,8 @@ def build_target(model: ScaleModel, path: str, device: str = "cpu", seed: int = 
                 "seed": seed,
                 "logit_std": LOGIT_STD,
                 "init_std": model.init_std,
+                "embedding_std": model.embedding_std,
+                "successor_head": model.successor_head,
             },
             f,
         )
