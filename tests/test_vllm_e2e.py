@@ -276,3 +276,31 @@ def test_ddtree_accepts_as_deeply_as_the_reference_engine_with_the_trained_pair(
     assert reference_rounds <= rounds + len(prompts)
     assert rounds <= reference_rounds + len(prompts), (rounds, reference_rounds)
     assert reference_rounds < len(prompts) * (max_tokens - 1) * 0.6  # the pair accepts deeply
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_drafts_while_the_drafters_own_queries_fit_in_max_model_len(
+    tiny_target_path, tiny_drafter_path
+):
+    """The drafter is skipped only once its own queries would pass ``max_model_len``: the
+    accepted path (at most ``depth`` tokens past the root) and its ``1 + depth`` mask queries,
+    as vLLM counts for the chain. A check counting the whole tree's rows (budget 64) skipped it
+    from ``max_model_len - budget - depth`` on, and each of those steps verified no tree: with a
+    drafter that always ranks the target's token first, the last ~80 tokens came one per step."""
+    prompt, max_model_len = [[1, 2, 3]], 192
+    max_tokens = max_model_len - len(prompt[0])
+    alone = {"name": "target", "kwargs": {"dtype": "float32", "max_model_len": max_model_len}}
+    tree = ddtree_run(
+        "tree",
+        tiny_drafter_path,
+        64,
+        oracle={"from": "target", "p_top": 1.0},
+        max_model_len=max_model_len,
+    )
+    results, _ = run_engines(tiny_target_path, [alone, tree], prompt, max_tokens=max_tokens)
+    assert results["tree"]["tokens"] == results["target"]["tokens"]
+    metrics = results["tree"]["metrics"]
+    steps = metrics["vllm:spec_decode_num_drafts"]
+    tokens_per_step = len(results["tree"]["tokens"][0]) / steps
+    # 16 per step until the drafter's reach meets the limit (2 x depth + 2 from the end).
+    assert tokens_per_step > 8.0, (steps, metrics)

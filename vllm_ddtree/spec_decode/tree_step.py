@@ -41,6 +41,9 @@ class TreeStep:
     slot_mapping: torch.Tensor | None = None  # the step's KV slots, when the runner has them
     accepted: torch.Tensor | None = None  # long [R, L + 1] after the walk, root first
     num_accepted: torch.Tensor | None = None  # long [R]
+    # The longest request's length once its accepted path is committed, at most (host):
+    # where the drafter's mask queries start (V1: vLLM's drafter-length check).
+    max_path_end: int | None = None
 
 
 class StepTableUpload:

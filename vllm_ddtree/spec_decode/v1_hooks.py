@@ -151,7 +151,12 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     ).send(query_start, num_draft, counts, taken.source, taken.num_nodes, num_draft > 0)
     trees = taken.trees(source_d, num_nodes_d)
     step_checks.check_tree_tokens(runner.input_ids.gpu, trees, query_start_d)
-    state.step = TreeStep(trees=trees, root_row=query_start_d, num_draft=num_draft_d)
+    state.step = TreeStep(
+        trees=trees,
+        root_row=query_start_d,
+        num_draft=num_draft_d,
+        max_path_end=max_path_end(runner, num_draft, drafter.ddtree.depth),
+    )
 
     set_tree_step_inputs(
         state,
@@ -169,6 +174,17 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
         if decode_drafts is not None:
             check_gdn_rows_are_tree_rows(decode_drafts.np[:num_reqs], num_draft)
         gdn.publish(trees.parents, trees.num_nodes, num_draft_d)
+
+
+def max_path_end(runner, num_draft: np.ndarray, depth: int) -> int | None:
+    """The longest request's length after this step at most: its scheduled rows less its
+    tree, plus the deepest path its tree can accept (``min(num_draft, depth)``); None where the
+    runner keeps no host sequence lengths."""
+    seq_lens = getattr(runner, "optimistic_seq_lens_cpu", None)
+    if seq_lens is None or len(num_draft) == 0:
+        return None
+    lengths = seq_lens.numpy()[: len(num_draft)].astype(np.int64)
+    return int((lengths - num_draft + np.minimum(num_draft, depth)).max())
 
 
 def check_gdn_rows_are_tree_rows(num_decode_draft_tokens: np.ndarray, num_draft: np.ndarray):
@@ -413,8 +429,10 @@ def _move_path_rows_first(runner, step: TreeStep, aux_hidden_states) -> None:
 
 def _wrap_input_fits_in_drafter(original):
     """vLLM skips the drafter for a step when a request's drafter queries would pass the
-    drafter's length limit, counting ``1 + num_speculative_tokens`` (= the budget) queries; a
-    DDTree drafter runs ``1 + depth``."""
+    drafter's length limit, from the end of the step's rows and counting ``1 +
+    num_speculative_tokens`` (= the budget) queries. A DDTree drafter runs ``1 + depth``
+    queries from the end of the accepted path, which drops the tree's other rows: the longest
+    path this step can commit (``TreeStep.max_path_end``) is where they start."""
 
     def _input_fits_in_drafter(self, common_attn_metadata):
         drafter = _ddtree_proposer(self)
@@ -422,7 +440,11 @@ def _wrap_input_fits_in_drafter(original):
             return original(self, common_attn_metadata)
         queries = 1 + drafter.ddtree.depth
         limit = self.effective_drafter_max_model_len
-        return common_attn_metadata.max_seq_len + queries <= limit
+        step = drafter.state.step
+        end = common_attn_metadata.max_seq_len
+        if step is not None and step.max_path_end is not None:
+            end = step.max_path_end
+        return end + queries <= limit
 
     return _input_fits_in_drafter
 
