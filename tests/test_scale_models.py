@@ -95,15 +95,16 @@ def test_calibrated_synthetic_acceptance_is_lossless_and_lands_near_its_simulati
         assert 0.6 * predicted[key] < measured < 1.1 * predicted[key], (run, measured, predicted)
 
 
-def test_the_predictable_build_decodes_a_fixed_successor_chain_with_a_wide_margin(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3.6-27b"])
+def test_the_predictable_build_decodes_a_fixed_successor_chain_with_a_wide_margin(tmp_path, name):
     """``ScaleModel.predictable``: at every position the target's top token is the current
     token's successor (one seeded permutation), far above the runner-up, whatever the context
     (the scale bench's references must survive bf16 rounding and T = 1 sampling)."""
     import torch
 
-    from vllm_ddtree.testing.scale_models import QWEN3_8B, build_target
+    from vllm_ddtree.testing.scale_models import SCALE_MODELS, build_target
 
-    model = QWEN3_8B.shrunk(16).predictable()
+    model = SCALE_MODELS[name].shrunk(16).predictable()
     path = build_target(model, str(tmp_path / "target"))
     from transformers import AutoModelForCausalLM
 

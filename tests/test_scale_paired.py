@@ -72,3 +72,51 @@ def test_the_roofline_counts_weights_kv_and_the_drafter_only_for_speculative_eng
 def test_kv_bytes_count_only_attention_layers():
     assert kv_bytes_per_token(QWEN3_8B) == 36 * 2 * 8 * 128 * 2
     assert kv_bytes_per_token(QWEN3_6_27B) == 16 * 2 * 4 * 256 * 2
+
+
+def test_phases_keep_the_chain_in_each_and_ar_beside_it():
+    from benchmarks.scale_paired import engine_phases
+
+    names = ["ar", "dflash", "ddtree_v2_b32", "ddtree_v2_b64", "ddtree_v2_b128"]
+    assert engine_phases(names, 0) == [names]
+    assert engine_phases(names, 2) == [
+        ["ar", "dflash"],
+        ["dflash", "ddtree_v2_b32", "ddtree_v2_b64"],
+        ["dflash", "ddtree_v2_b128"],
+    ]
+
+
+def test_the_report_is_written_from_a_committed_run(tmp_path):
+    """The committed scale run (before phases) and its table rebuild as they were measured."""
+    import json
+    import os
+
+    from benchmarks.common import ROOT
+    from benchmarks.scale_paired import write_report
+
+    run = os.path.join(ROOT, "tests", "fixtures", "runs", "scale_8b_ba38bef.json")
+    with open(run) as f:
+        summary = json.load(f)
+    write_report(summary, str(tmp_path))
+    table = (tmp_path / "scale_paired.md").read_text()
+    assert "| 0 | greedy | math500 | 1 | ddtree_v2_b32 |" in table
+    assert "Step-time split" in table
+
+
+def test_the_readme_headline_says_what_was_measured_and_picks_the_fastest_budget():
+    import json
+    import os
+
+    from benchmarks.common import ROOT
+    from benchmarks.scale_paired import headline
+
+    with open(os.path.join(ROOT, "tests", "fixtures", "runs", "scale_8b_ba38bef.json")) as f:
+        summary = json.load(f)
+    table = headline(summary, "benchmarks/results/RUN/scale_paired.md")
+    assert "random weights at qwen3-8b's shapes, acceptance synthetic" in table
+    math500 = next(line for line in table.splitlines() if line.startswith("| math500 | 1 |"))
+    best = max(
+        (name for name in summary["rows"][1]["over_chain"] if name.startswith("ddtree")),
+        key=lambda name: summary["rows"][1]["over_chain"][name]["median"],
+    )
+    assert f"b{best.rsplit('_b', 1)[-1]} |" in math500
