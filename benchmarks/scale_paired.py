@@ -140,12 +140,25 @@ def kv_bytes_per_token(model) -> int:
     return layers * 2 * model.num_key_value_heads * model.head_dim * 2
 
 
+def state_bytes_per_request(model) -> int:
+    """A hybrid's recurrent state per request, read once a step (bf16, vLLM's default): per
+    GatedDeltaNet layer one ``key_dim x value_dim`` matrix per value head; 0 for dense."""
+    if not model.hybrid:
+        return 0
+    h = model.hybrid
+    layers = model.num_hidden_layers - model.num_hidden_layers // h["full_attention_interval"]
+    per_layer = h["linear_num_value_heads"] * h["linear_key_head_dim"] * h["linear_value_head_dim"]
+    return layers * per_layer * 2
+
+
 def roofline(engine: dict, batch: int, seconds: float, floor_bytes: dict, context: float) -> dict:
     """Measured ms per step against the bytes a step must read over the copy bandwidth.
     ``engine``: a summarised engine with its ``steps`` (target forwards over the row's
-    requests); ``floor_bytes``: weights per step and KV bytes per context token."""
+    requests); ``floor_bytes``: weights per step, KV bytes per context token and a hybrid's
+    recurrent state per request."""
     weights = floor_bytes["target"] + (floor_bytes["drafter"] if engine["speculative"] else 0)
-    step_bytes = weights + batch * context * floor_bytes["kv_per_token"]
+    per_request = context * floor_bytes["kv_per_token"] + floor_bytes.get("state", 0)
+    step_bytes = weights + batch * per_request
     limit_ms = 1e3 * step_bytes / floor_bytes["bandwidth"]
     step_ms = 1e3 * seconds / engine["steps"]
     return {
@@ -383,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": checkpoint_bytes(target, leave_out=("embed_tokens.weight",)),
         "drafter": checkpoint_bytes(drafter, leave_out=("embed_tokens.weight", "lm_head.weight")),
         "kv_per_token": kv_bytes_per_token(model),
+        "state": state_bytes_per_request(model),
     }
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",") if m]
@@ -393,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         for dataset in DATASETS
     }
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    jobs = engine_jobs(drafter, model.block_size - 1, budgets, max(batches))
+    # A hybrid target runs on the V1 runner (vLLM's choice, and DDTree's), its GatedDeltaNet
+    # prefill on the Triton kernels (FlashInfer's, Hopper's default, is not on the GPU host).
+    runner = "v1" if model.hybrid else "v2"
+    jobs = engine_jobs(drafter, model.block_size - 1, budgets, max(batches), runner)
     overrides = {
         "skip_tokenizer_init": True,
         "max_num_batched_tokens": max(2048, (1 + max(budgets, default=15)) * max(batches)),
@@ -406,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         + 2 * model.block_size,
         "kv_cache_memory_bytes": int(args.kv_cache_gb * (1 << 30)),
     }
+    if model.hybrid:
+        overrides["additional_config"] = {"gdn_prefill_backend": "triton"}
 
     def compile_config(job):  # FULL graphs of every decode/verify batch, no torch.compile
         return {

@@ -120,3 +120,13 @@ def test_the_readme_headline_says_what_was_measured_and_picks_the_fastest_budget
         key=lambda name: summary["rows"][1]["over_chain"][name]["median"],
     )
     assert f"b{best.rsplit('_b', 1)[-1]} |" in math500
+
+
+def test_a_hybrids_step_reads_its_recurrent_state_once_per_request():
+    from benchmarks.scale_paired import state_bytes_per_request
+
+    assert state_bytes_per_request(QWEN3_8B) == 0
+    # 48 GatedDeltaNet layers of 48 value heads, each a 128 x 128 bf16 matrix.
+    assert state_bytes_per_request(QWEN3_6_27B) == 48 * 48 * 128 * 128 * 2
+    floor = {"bandwidth": 1e12, "target": 0, "drafter": 0, "kv_per_token": 0, "state": 1e9}
+    assert roofline({"speculative": False, "steps": 1}, 2, 1.0, floor, 0)["limit_ms"] == 2.0
