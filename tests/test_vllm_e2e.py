@@ -77,6 +77,11 @@ def test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply(ddtree_resu
     assert mean_acceptance_length > (2.0 if budget == 4 else 3.0), mean_acceptance_length
     assert results[run]["ddtree"]["tree_budget"] == budget
     assert results[run]["ddtree"]["depth"] == 15
+    # One acceptance counter per depth a tree can reach (was one per node: 32 for budget 32).
+    per_depth = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_depth) == min(budget, 15)
+    assert sum(per_depth) == metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert per_depth == sorted(per_depth, reverse=True)  # a path reaching depth d passed d - 1
 
 
 @pytest.mark.vllm_engine

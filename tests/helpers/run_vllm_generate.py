@@ -71,7 +71,9 @@ def generate(
     metrics = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):
-            metrics[metric.name] = getattr(metric, "value", None)
+            # Counters have a value; the per-position counter is a vector of values.
+            values = getattr(metric, "values", None)
+            metrics[metric.name] = values if values is not None else getattr(metric, "value", None)
     config = llm.llm_engine.vllm_config
     ddtree = getattr(config.speculative_config, "ddtree_config", None)
     backend = config.attention_config.backend

@@ -66,6 +66,7 @@ _V2 = "vllm_ddtree.spec_decode.v2_hooks"
 _ENGINE = "vllm_ddtree.vllm_patches"
 _KV = "vllm_ddtree.kv_specs"
 _GDN = "vllm_ddtree.hybrid_gdn"
+_METRICS = "vllm_ddtree.spec_metrics"
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,25 @@ SEAMS: tuple[Seam, ...] = (
         ENGINE,
         f"{_ENGINE}:_wrap_scheduler_init",
         ("self", "vllm_config"),
+    ),
+    Seam(
+        "vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats",
+        ENGINE,
+        f"{_METRICS}:_wrap_make_spec_decoding_stats",
+        (
+            "self",
+            "spec_decoding_stats",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "num_invalid_spec_tokens",
+            "request_id",
+        ),
+    ),
+    Seam(
+        "vllm.v1.spec_decode.metrics:SpecDecodingProm.__init__",
+        ENGINE,
+        f"{_METRICS}:_wrap_spec_decoding_prom_init",
+        ("self", "speculative_config"),
     ),
     Seam(
         "vllm.config:VllmConfig.use_v2_model_runner",

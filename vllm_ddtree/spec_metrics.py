@@ -1,0 +1,92 @@
+"""vLLM's speculative-decoding counters, by tree depth instead of by draft token.
+
+vLLM counts accepted tokens per draft position, one position per speculative token: for a
+DDTree engine that is the tree budget (64 positions for budget 64), though an accepted path is
+at most as deep as a tree can be, ``min(tree_budget, depth)``, so every later position always
+reads 0. Here a DDTree engine's per-position counters have one position per depth a tree can
+reach (``tree_positions``): the scheduler's statistics (engine core), the Prometheus counter
+``vllm:spec_decode_num_accepted_tokens_per_pos`` and the periodic ``SpecDecoding metrics`` log
+line (front end). Position ``i`` counts the steps whose accepted path reached depth ``i + 1``;
+the totals (drafts, draft tokens = tree nodes, accepted tokens) are vLLM's own.
+"""
+
+from __future__ import annotations
+
+from vllm_ddtree.compat import bind_arguments, get_ddtree_config
+
+
+def tree_positions(ddtree) -> int:
+    """The depths a tree of this engine can reach: ``min(tree_budget, depth)``."""
+    return min(ddtree.tree_budget, ddtree.depth)
+
+
+def tree_stats(spec_decoding_stats, depth: int):
+    """A fresh ``SpecDecodingStats`` with ``depth`` positions (or ``spec_decoding_stats``)."""
+    if spec_decoding_stats is not None:
+        return spec_decoding_stats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    return SpecDecodingStats(
+        num_spec_tokens=depth,
+        num_accepted_tokens_per_pos=[0] * depth,
+        num_draft_tokens_per_pos=[0] * depth,
+    )
+
+
+def observe_tree(stats, num_draft_tokens: int, num_accepted_tokens: int, depth: int) -> None:
+    """One verified tree of ``num_draft_tokens`` nodes whose accepted path is
+    ``num_accepted_tokens`` long; the tree reaches at most ``min(nodes, depth)`` depths."""
+    stats.num_drafts += 1
+    stats.num_draft_tokens += num_draft_tokens
+    stats.num_accepted_tokens += num_accepted_tokens
+    for i in range(min(num_accepted_tokens, depth)):
+        stats.num_accepted_tokens_per_pos[i] += 1
+    for i in range(min(num_draft_tokens, depth)):
+        stats.num_draft_tokens_per_pos[i] += 1
+
+
+def _wrap_make_spec_decoding_stats(original):
+    """``Scheduler.make_spec_decoding_stats`` (engine core): a DDTree engine's statistics have
+    one position per tree depth."""
+
+    def make_spec_decoding_stats(self, *args, **kwargs):
+        ddtree = get_ddtree_config(self.vllm_config.speculative_config)
+        if ddtree is None:
+            return original(self, *args, **kwargs)
+        bound = bind_arguments(original, self, *args, **kwargs).arguments
+        num_draft_tokens = bound["num_draft_tokens"]
+        if not self.log_stats or not num_draft_tokens:
+            return None
+        positions = tree_positions(ddtree)
+        stats = tree_stats(bound["spec_decoding_stats"], positions)
+        invalid = bound.get("num_invalid_spec_tokens")
+        if invalid:
+            num_draft_tokens -= invalid.get(bound["request_id"], 0)
+        observe_tree(stats, num_draft_tokens, bound["num_accepted_tokens"], positions)
+        return stats
+
+    return make_spec_decoding_stats
+
+
+class _DepthView:
+    """``speculative_config`` with ``num_speculative_tokens`` read as the tree's depth."""
+
+    def __init__(self, config, depth: int):
+        self._config, self.num_speculative_tokens = config, depth
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def _wrap_spec_decoding_prom_init(original):
+    """``SpecDecodingProm.__init__`` (front end): one per-position counter per tree depth."""
+
+    def __init__(self, *args, **kwargs):
+        bound = bind_arguments(original, self, *args, **kwargs)
+        config = bound.arguments.get("speculative_config")
+        ddtree = get_ddtree_config(config) if config is not None else None
+        if ddtree is not None:
+            bound.arguments["speculative_config"] = _DepthView(config, tree_positions(ddtree))
+        return original(*bound.args, **bound.kwargs)
+
+    return __init__
