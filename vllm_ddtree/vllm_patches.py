@@ -158,7 +158,7 @@ def _wrap_create_speculative_config(original):
             if parsed is not None:
                 ddtree = parsed
                 _choose_attention_backends(self, vllm_dict)
-                _size_graphs_for_the_drafter(self, ddtree)
+                _size_graphs(self, ddtree)
                 self._ddtree_config = ddtree
             if asked_for_ddtree:
                 # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
@@ -348,18 +348,35 @@ def _wrap_get_attn_backend_cls(original):
     return get_attn_backend_cls
 
 
-def _size_graphs_for_the_drafter(engine_args, ddtree: DDTreeConfig) -> None:
-    """Give the DFlash drafter CUDA graphs when the tree is narrower than the drafter is deep.
+# The largest CUDA graph (tokens) the plugin asks for when the user chose none: every verify
+# batch up to this many tokens replays a FULL graph; beyond it graphs cost memory and start-up
+# time (vLLM's own default stops at 512).
+VERIFY_GRAPH_TOKENS = 2048
+
+
+def largest_graph_for(max_num_seqs: int, tree_budget: int, depth: int) -> int:
+    """The largest CUDA graph (tokens) a DDTree engine needs: the verify batch of
+    ``max_num_seqs`` trees (``1 + tree_budget`` tokens each) and the DFlash drafter's batch
+    (``1 + depth`` each), by vLLM's own rule (twice the batch, at most 512), raised to the whole
+    batch (up to ``VERIFY_GRAPH_TOKENS``) rounded up to a size vLLM's rule lists."""
+    width = 1 + max(tree_budget, depth)
+    batch = min(max_num_seqs * width, VERIFY_GRAPH_TOKENS)
+    # vLLM's sizes step by 16 past 256 tokens (by 8 below) and stop at the largest of them.
+    return max(min(2 * max_num_seqs * width, 512), -(-batch // 16) * 16)
+
+
+def _size_graphs(engine_args, ddtree: DDTreeConfig) -> None:
+    """Give every verify batch and the DFlash drafter's batches a FULL CUDA graph.
 
     vLLM sizes its graphs for ``1 + num_speculative_tokens`` (here ``1 + tree_budget``) tokens
-    per request: its largest is ``min(2 * max_num_seqs * (1 + budget), 512)`` tokens. The
-    drafter runs ``1 + depth`` query tokens per request, and vLLM's DFlash graph manager keeps
-    only the graphs of whole drafter batches within that largest size: below a budget of
-    ``depth``, a drafter batch of one request (16 tokens at depth 15) can exceed every graph
-    (budget 4, one request: largest graph 10 tokens) and then runs without one. Unless the
-    user chose the graph sizes, the largest is set by vLLM's own rule for ``1 + max(budget,
-    depth)`` tokens per request (``EngineArgs.max_cudagraph_capture_size``, read when vLLM
-    builds its compilation config)."""
+    per request: its largest is ``min(2 * max_num_seqs * (1 + budget), 512)`` tokens, and its
+    graph managers keep only the FULL graphs of whole batches within it. A verify batch past
+    it runs without a FULL graph (16 requests x 33 tokens = 528: the engine ran at 0.36x the
+    chain), and so does a drafter batch when the tree is narrower than the drafter is deep
+    (budget 4, one request: largest graph 10 tokens, drafter batch 16). Unless the user chose
+    the graph sizes, the largest is set to ``largest_graph_for`` (``EngineArgs.
+    max_cudagraph_capture_size``, read when vLLM builds its compilation config); verify batches
+    that still exceed it are named in one warning at start."""
     compilation = getattr(engine_args, "compilation_config", None)
     chosen = (
         getattr(engine_args, "cudagraph_capture_sizes", None),
@@ -367,10 +384,24 @@ def _size_graphs_for_the_drafter(engine_args, ddtree: DDTreeConfig) -> None:
         getattr(compilation, "cudagraph_capture_sizes", None),
         getattr(compilation, "max_cudagraph_capture_size", None),
     )
-    if any(value is not None for value in chosen) or ddtree.tree_budget >= ddtree.depth:
+    if any(value is not None for value in chosen):
         return
     max_num_seqs = _max_num_seqs(engine_args) or 1
-    engine_args.max_cudagraph_capture_size = min(2 * max_num_seqs * (1 + ddtree.depth), 512)
+    width = 1 + ddtree.tree_budget
+    largest = largest_graph_for(max_num_seqs, ddtree.tree_budget, ddtree.depth)
+    if largest != min(2 * max_num_seqs * width, 512):  # vLLM's own choice otherwise
+        engine_args.max_cudagraph_capture_size = largest
+    covered = largest // width
+    if covered < max_num_seqs:
+        logger.warning(
+            "vllm-ddtree: verify batches of %d to %d requests (%d tokens each) exceed the "
+            "largest CUDA graph (%d tokens) and run without a FULL graph; lower tree_budget "
+            "or max_num_seqs, or set max_cudagraph_capture_size",
+            covered + 1,
+            max_num_seqs,
+            width,
+            largest,
+        )
 
 
 def _max_num_seqs(engine_args) -> int | None:
