@@ -130,3 +130,88 @@ def test_a_hybrids_step_reads_its_recurrent_state_once_per_request():
     assert state_bytes_per_request(QWEN3_6_27B) == 48 * 48 * 128 * 128 * 2
     floor = {"bandwidth": 1e12, "target": 0, "drafter": 0, "kv_per_token": 0, "state": 1e9}
     assert roofline({"speculative": False, "steps": 1}, 2, 1.0, floor, 0)["limit_ms"] == 2.0
+
+
+class _FakeEngines:
+    """Stands in for bench_paired.Engines: AR answers a fixed continuation per prompt, every
+    other engine the same tokens in fewer steps; no GPU, no vLLM."""
+
+    started: list[list[str]] = []
+
+    def __init__(self, jobs, target, overrides, timeout, engine_core_process):
+        self.names = [job["name"] for job in jobs]
+        self.ready = {name: {"gpu": "stand-in", "runner": "V2"} for name in self.names}
+        _FakeEngines.started.append(self.names)
+        self.closed = False
+
+    def run(self, name, prompts, temperature, one_at_a_time, max_tokens):
+        assert not self.closed and name in self.names
+        tokens = [[(p[0] + i) % 97 for i in range(max_tokens)] for p in prompts]
+        drafts = 0 if name == "ar" else len(prompts) * max_tokens // 4
+        return {"tokens": tokens, "seconds": 0.5, "drafts": drafts, "accepted": 3 * drafts}
+
+    def split(self, name, prompts, temperature, max_tokens):
+        return {
+            "batch": len(prompts),
+            "temperature": temperature,
+            "target_forwards": max_tokens,
+            "wall_ms_per_forward": 1.0,
+            "phases_per_forward": {},
+            "rest_host_ms": 1.0,
+        }
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("per_phase", [0, 2])
+def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase):
+    """The bench end to end with the GPU parts stood in (the build, the copy bandwidth, the
+    engines): every phase starts the engines it names beside the chain, every row and split
+    lands in the report, and the oracle file ranks each prompt by its dataset's profile."""
+    import json
+    import subprocess
+    import types
+
+    import benchmarks.scale_paired as bench
+
+    def build(cmd, **kwargs):
+        paths = {"target": str(tmp_path / "t"), "drafter": str(tmp_path / "d"), "parameters": 1}
+        return types.SimpleNamespace(stdout=json.dumps(paths))
+
+    monkeypatch.setattr(subprocess, "run", build)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(bench, "checkpoint_bytes", lambda path, leave_out=(): 16e9)
+    monkeypatch.setattr(bench, "Engines", _FakeEngines)
+    _FakeEngines.started = []
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(CALIBRATION))
+    out = tmp_path / "out"
+    argv = ["--calibration", str(cal), "--out", str(out), "--work", str(tmp_path / "w")]
+    argv += ["--budgets", "32,64,128", "--batches", "1,4", "--repeats", "2", "--max-tokens", "8"]
+    argv += ["--prompt-len", "4", "--per-phase", str(per_phase)]
+    assert bench.main(argv) == 0
+    summary = json.loads((out / "scale_paired.json").read_text())
+    names = ["dflash", "ddtree_v2_b32", "ddtree_v2_b64", "ddtree_v2_b128"]
+    if per_phase:
+        assert _FakeEngines.started == [["ar"], ["dflash"], names[1:3], [names[-1]]]
+        assert [p["engines"] for p in summary["phases"]] == [
+            ["ar", "dflash"],
+            ["dflash", *names[1:3]],
+            ["dflash", names[-1]],
+        ]
+    else:
+        assert _FakeEngines.started == [["ar"], names]
+    rows = summary["rows"]
+    # Per phase: 3 datasets at batch 1 and one mixed row at batch 4, greedy and sampling.
+    assert len(rows) == (3 if per_phase else 1) * 2 * (3 + 1)
+    assert all(
+        r["identical"][n]["identical"] == r["identical"][n]["requests"]
+        for r in rows
+        for n in r["engines"]
+    )
+    assert set(summary["splits"]) == {"ar", *names}
+    oracle = json.loads((tmp_path / "w" / "oracle.json").read_text())
+    assert set(oracle["sequence_models"]) == {d + s for d in DATASETS for s in ("", "_t1")}
+    table = (out / "scale_paired.md").read_text()
+    assert "| ddtree_v2_b128 |" in table and "Step-time split" in table
