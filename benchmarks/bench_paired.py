@@ -307,6 +307,13 @@ def auto_engine(batch: int, runner: str = "v2", profile: str | None = None) -> s
     return engine_name(auto_budget(batch, runner, profile), runner)
 
 
+def ratio_text(ratio: dict | None, missing: str = "") -> str:
+    """A per-round ratio summary as "median (min-max)"; ``missing`` when there is none."""
+    if not ratio:
+        return missing
+    return f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
 def write_report(summary: dict, out: str) -> None:
     """bench_paired.json and bench_paired.md (one line per row and engine)."""
     os.makedirs(out, exist_ok=True)
@@ -345,7 +352,7 @@ def write_report(summary: dict, out: str) -> None:
     for row in summary["rows"]:
         for name, e in row["engines"].items():
             r = row["over_chain"].get(name)
-            ratio = f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else ""
+            ratio = ratio_text(r)
             lines.append(
                 f"| {row['dataset']} | {row['batch']} | {row['temperature']:g} | {name} | "
                 f"{e['tok_per_s']:.0f} | {e['mean_acceptance_length']:.2f} | {ratio} | "
@@ -379,7 +386,7 @@ def paired_table(sources: list[tuple[dict, str]]) -> str:
     ]
 
     def ratio(r: dict | None) -> str:
-        return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else "-"
+        return ratio_text(r, "-")
 
     def cell(engines: dict, name: str) -> str:
         e = engines.get(name)

@@ -54,6 +54,7 @@ from benchmarks.bench_paired import (
     Engines,
     engine_jobs,
     measure_row,
+    ratio_text,
     row_groups,
     summarize_row,
 )
@@ -257,7 +258,7 @@ def write_report(summary: dict, out: str) -> None:
     for row in summary["rows"]:
         for name, e in row["engines"].items():
             r = row["over_chain"].get(name)
-            ratio = f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else ""
+            ratio = ratio_text(r)
             same = row["identical"][name]
             roof = row["roofline"][name]
             lines.append(
@@ -299,7 +300,7 @@ def headline(summary: dict, link: str) -> str:
         return f"{e['tok_per_s']:.0f} ({e['mean_acceptance_length']:.2f})"
 
     def ratio(r: dict | None) -> str:
-        return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else "-"
+        return ratio_text(r, "-")
 
     rows: dict[tuple, list[dict]] = {}
     for row in summary["rows"]:

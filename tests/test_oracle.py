@@ -87,12 +87,7 @@ def test_both_oracles_place_the_future_by_a_rank_model(tmp_path, p_top, expected
     path.write_text(json.dumps({"seed": 0, "sequences": sequences, "rank_model": model}))
     depth, bonus_positions, prompts = 4, [5, 3], [[1, 2, 3], [4, 5]]
     vocab = 128  # at least the candidates a rank model ranks
-    host = HostOracle(str(path), vocab).logits(prompts, bonus_positions, depth)
-    device = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
-    device.bind([2, 0], ["a", "b"], lambda s: {2: prompts[0], 0: prompts[1]}[s])
-    predicted = torch.tensor([p + 1 + d for p in bonus_positions for d in range(depth)])
-    row_states = torch.tensor([s for s in (2, 0) for _ in range(depth)])
-    on_device = device.logits(predicted, row_states, depth).view(2, depth, vocab)
+    host, on_device = _both_oracles(path, vocab, depth, bonus_positions, prompts)
     for r, sequence in enumerate(sequences):
         for d in range(depth):
             truth = sequence[bonus_positions[r] + 1 + d]
@@ -112,12 +107,7 @@ def test_each_sequence_follows_its_own_rank_model(tmp_path):
     path.write_text(json.dumps(dict(spec, sequence_models=["sure", "miss"])))
     depth, bonus_positions, prompts = 4, [5, 3], [[1, 2, 3], [4, 5]]
     vocab = 128
-    host = HostOracle(str(path), vocab).logits(prompts, bonus_positions, depth)
-    device = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
-    device.bind([2, 0], ["a", "b"], lambda s: {2: prompts[0], 0: prompts[1]}[s])
-    predicted = torch.tensor([p + 1 + d for p in bonus_positions for d in range(depth)])
-    row_states = torch.tensor([s for s in (2, 0) for _ in range(depth)])
-    on_device = device.logits(predicted, row_states, depth).view(2, depth, vocab)
+    host, on_device = _both_oracles(path, vocab, depth, bonus_positions, prompts)
     for r, (sequence, expected_rank) in enumerate(zip(sequences, (0, 1), strict=True)):
         for d in range(depth):
             truth = sequence[bonus_positions[r] + 1 + d]
@@ -126,3 +116,14 @@ def test_each_sequence_follows_its_own_rank_model(tmp_path):
     path.write_text(json.dumps(dict(spec, sequence_models=["sure", "other"])))
     with pytest.raises(ValueError, match="sequence_models"):
         HostOracle(str(path), vocab)
+
+
+def _both_oracles(path, vocab: int, depth: int, bonus_positions, prompts) -> tuple:
+    """The two forms' logits for two requests (``prompts``, bound to request states 2 and 0 on
+    the device), each ``[2, depth, vocab]``."""
+    host = HostOracle(str(path), vocab).logits(prompts, bonus_positions, depth)
+    device = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    device.bind([2, 0], ["a", "b"], lambda s: {2: prompts[0], 0: prompts[1]}[s])
+    predicted = torch.tensor([p + 1 + d for p in bonus_positions for d in range(depth)])
+    row_states = torch.tensor([s for s in (2, 0) for _ in range(depth)])
+    return host, device.logits(predicted, row_states, depth).view(2, depth, vocab)
