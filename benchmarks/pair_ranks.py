@@ -11,9 +11,11 @@ The pair decodes held-out chat prompts through the reference engine
 own continuation). Every round, the drafter's per-depth logits are kept; afterwards the
 target's token at each predicted position is ranked in them. From those ranks:
 
-* ``p_top`` and ``decay``: least squares of ``P(ranked first at depth d) = p_top x decay^(d-1)``;
-* ``tail``: the geometric ratio of the rank below the first (mean ``m`` of ``rank - 1`` where
-  not first: ``tail = m / (1 + m)``, ranks past the model's candidates capped);
+* ``p_top`` and ``decay``: least squares of ``p_top x decay^(d-1)`` against the share ranked
+  first at depth ``d`` among rounds ranked first at every shallower depth (what the chain
+  accepts), weighted by those rounds;
+* ``tail``: the geometric ratio of the rank below the first, from the share ranked second
+  where not first (``1 - tail``): the near ranks are the ones a tree catches;
 * ``slope`` / ``miss_slope``: the drafter's mean logit drop from its first to its second
   candidate where it ranks the target's token first / where it does not.
 
@@ -102,7 +104,7 @@ def fit_rank_model(rows: list[dict], depth: int):
     first after first (``first_after_first``) and its counts."""
     import numpy as np
 
-    from vllm_ddtree.testing.synthetic_acceptance import CANDIDATES, RankModel
+    from vllm_ddtree.testing.synthetic_acceptance import RankModel
 
     shares, counts = first_after_first(rows, depth)
     measured, weight = np.array(shares), np.array(counts, dtype=float)
@@ -113,14 +115,14 @@ def fit_rank_model(rows: list[dict], depth: int):
             loss = float(np.sum(weight * (model - measured) ** 2))
             if best is None or loss < best[0]:
                 best = (loss, float(p_top), float(decay))
-    below = [min(r["rank"] - 1, CANDIDATES - 2) for r in rows if r["rank"] > 0]
-    mean_below = sum(below) / len(below) if below else 0.0
+    missed = [r["rank"] for r in rows if r["rank"] > 0]
+    second = sum(rank == 1 for rank in missed) / len(missed) if missed else 1.0
     sure = [r["gap"] for r in rows if r["rank"] == 0]
     unsure = [r["gap"] for r in rows if r["rank"] > 0]
     model = RankModel(
         p_top=best[1],
         decay=best[2],
-        tail=mean_below / (1 + mean_below),
+        tail=min(1.0 - second, 1.0 - 1e-6),
         slope=sum(sure) / len(sure) if sure else 3.0,
         miss_slope=sum(unsure) / len(unsure) if unsure else 1.0,
     )
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts x {args.max_tokens} tokens, ranks from the reference engine at budget "
         f"{args.budget} ({len(rows)} ranked positions).",
         "",
-        "P(the target's token ranked first) by depth: " + ", ".join(f"{p:.3f}" for p in first),
+        "Share ranked first at depth d among rounds ranked first above d, by depth (those "
+        "rounds): " + ", ".join(f"{p:.3f} ({n})" for p, n in zip(first, reached, strict=True)),
         "",
         "Fitted model: " + ", ".join(f"{k} {v:.4g}" for k, v in model.to_dict().items()),
         "",
