@@ -26,11 +26,7 @@ def tree_stats(spec_decoding_stats, depth: int):
         return spec_decoding_stats
     from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-    return SpecDecodingStats(
-        num_spec_tokens=depth,
-        num_accepted_tokens_per_pos=[0] * depth,
-        num_draft_tokens_per_pos=[0] * depth,
-    )
+    return SpecDecodingStats.new(depth)
 
 
 def observe_tree(stats, num_draft_tokens: int, num_accepted_tokens: int, depth: int) -> None:

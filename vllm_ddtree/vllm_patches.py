@@ -354,6 +354,11 @@ def _wrap_get_attn_backend_cls(original):
 VERIFY_GRAPH_TOKENS = 2048
 
 
+def _vllm_largest_graph(max_num_seqs: int, width: int) -> int:
+    """vLLM's own largest CUDA graph (tokens) for ``width`` tokens per request."""
+    return min(2 * max_num_seqs * width, 512)
+
+
 def largest_graph_for(max_num_seqs: int, tree_budget: int, depth: int) -> int:
     """The largest CUDA graph (tokens) a DDTree engine needs: the verify batch of
     ``max_num_seqs`` trees (``1 + tree_budget`` tokens each) and the DFlash drafter's batch
@@ -362,7 +367,7 @@ def largest_graph_for(max_num_seqs: int, tree_budget: int, depth: int) -> int:
     width = 1 + max(tree_budget, depth)
     batch = min(max_num_seqs * width, VERIFY_GRAPH_TOKENS)
     # vLLM's sizes step by 16 past 256 tokens (by 8 below) and stop at the largest of them.
-    return max(min(2 * max_num_seqs * width, 512), -(-batch // 16) * 16)
+    return max(_vllm_largest_graph(max_num_seqs, width), -(-batch // 16) * 16)
 
 
 def _size_graphs(engine_args, ddtree: DDTreeConfig) -> None:
@@ -389,7 +394,7 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig) -> None:
     max_num_seqs = _max_num_seqs(engine_args) or 1
     width = 1 + ddtree.tree_budget
     largest = largest_graph_for(max_num_seqs, ddtree.tree_budget, ddtree.depth)
-    if largest != min(2 * max_num_seqs * width, 512):  # vLLM's own choice otherwise
+    if largest != _vllm_largest_graph(max_num_seqs, width):  # vLLM's own choice otherwise
         engine_args.max_cudagraph_capture_size = largest
     covered = largest // width
     if covered < max_num_seqs:
