@@ -119,6 +119,14 @@ def engine_args(job: dict, target: str, overrides: dict | None = None) -> dict:
     return {k: v for k, v in args.items() if v is not None}
 
 
+# The step-time measurements an engine worker runs on request: kind -> ``step_split``'s function.
+SPLITS = {
+    "step_split": "profiled_step_split",  # torch.profiler: phases, host and device
+    "host_phases": "host_phase_split",  # the phases' own timers, unprofiled
+    "host_profile": "host_profile",  # cProfile: Python functions and waits
+}
+
+
 def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True) -> None:
     """Child process: one ``LLM`` built from ``args`` (its engine core in a process of its own
     when ``engine_core_process``, vLLM's default and how ``vllm serve`` runs it, else in this
@@ -145,13 +153,13 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
         request = conn.recv()
         if request is None:
             return
-        if request[0] == "split":  # the step-time split (engine core in this process only)
+        if request[0] in SPLITS:  # where the step's time goes (engine core in this process)
+            from benchmarks import step_split
             from benchmarks.bench_e2e import metric_values
-            from benchmarks.step_split import profiled_step_split
 
-            _, prompts, temperature, max_tokens = request
-            split = profiled_step_split(llm, prompts, max_tokens, metric_values, temperature)
-            conn.send(split)
+            kind, prompts, temperature, max_tokens = request
+            measure = getattr(step_split, SPLITS[kind])
+            conn.send(measure(llm, prompts, max_tokens, metric_values, temperature))
             continue
         prompts, temperature, one_at_a_time, max_tokens = request
         tokens, seconds, before, after = timed_generate(
@@ -212,11 +220,13 @@ class Engines:
         conn.send((prompts, temperature, one_at_a_time, max_tokens))
         return conn.recv()
 
-    def split(self, name: str, prompts, temperature: float, max_tokens: int) -> dict:
-        """``prompts`` submitted together under torch.profiler on engine ``name`` (its core in
-        its worker's process): ``step_split.profiled_step_split``'s result."""
+    def split(
+        self, name: str, prompts, temperature: float, max_tokens: int, kind: str = "step_split"
+    ) -> dict:
+        """``prompts`` submitted together on engine ``name`` (its core in its worker's
+        process), measured by ``kind`` (``SPLITS``: torch.profiler's step split by default)."""
         conn = self.workers[name][1]
-        conn.send(("split", prompts, temperature, max_tokens))
+        conn.send((kind, prompts, temperature, max_tokens))
         return conn.recv()
 
     def close(self) -> None:

@@ -25,8 +25,9 @@ verify, the walk and the KV commit are the real ones.
    and the roofline: the bytes a step must read (the target's weights less the embedding
    table, the drafter's layers for speculative engines, the KV cache of each request's
    context) over the copy bandwidth measured on this GPU, as a share of the measured step.
-5. First, the step-time split (``step_split.profiled_step_split``) of each engine at
-   ``--split-batches``, T = 0.
+5. First, where each engine's step time goes at ``--split-batches``, T = 0 (``step_split``):
+   the phases under torch.profiler (host and device), their own timers unprofiled, and a
+   cProfile of the host's Python (own and cumulative time per function).
 
 Why the target is the predictable build (``ScaleModel.predictable``): a deep random model is
 chaotic, its outputs following bf16 rounding, so no reference holds: measured on the plain
@@ -269,9 +270,9 @@ def write_report(summary: dict, out: str) -> None:
                 f"{roof['step_ms']:.2f} | {roof['percent_of_limit']:.0f} |"
             )
     if summary.get("splits"):
-        from benchmarks.step_split import split_table
+        from benchmarks.step_split import host_profile_table, split_table
 
-        lines += [""] + split_table(summary["splits"])
+        lines += [""] + split_table(summary["splits"]) + host_profile_table(summary["splits"])
     with open(os.path.join(out, "scale_paired.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -517,6 +518,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# What the split of each engine measures (``bench_paired.SPLITS``): the phases under
+# torch.profiler, their own timers without it, and a cProfile of the host's Python.
+SPLIT_KINDS = ("step_split", "host_phases", "host_profile")
+
+
 def engine_phases(names: list[str], per_phase: int) -> list[list[str]]:
     """The engines side by side in each phase, the chain in every one (the ratios' anchor):
     all at once when ``per_phase`` is 0; else AR with the chain, then the DDTree budgets
@@ -537,11 +543,11 @@ def run_phase(summary, phase, names, live, run, pools, reference_of, floor_bytes
     for batch in [int(b) for b in args.split_batches.split(",") if b]:
         prompts = [p for ps in (pools[("greedy", d)] for d in DATASETS) for p in ps][:batch]
         for name in names:
-            done = summary["splits"].get(name, {"step_split": []})["step_split"]
-            if any(s["batch"] == batch for s in done):
-                continue
-            split = live[name].split(name, prompts, 0.0, args.max_tokens)
-            summary["splits"].setdefault(name, {"step_split": []})["step_split"].append(split)
+            for kind in SPLIT_KINDS:
+                done = summary["splits"].setdefault(name, {}).setdefault(kind, [])
+                if any(s["batch"] == batch for s in done):
+                    continue
+                done.append(live[name].split(name, prompts, 0.0, args.max_tokens, kind))
     write_report(summary, args.out)
     for mode in [m for m in args.modes.split(",") if m]:
         sets = {dataset: pools[(mode, dataset)] for dataset in DATASETS}

@@ -166,6 +166,95 @@ def host_phase_split(
     return {"batch": len(prompts), "temperature": temperature, **split}
 
 
+def host_profile(
+    llm,
+    prompts: list[list[int]],
+    max_tokens: int,
+    counters,
+    temperature: float = 0.0,
+    top: int = 20,
+) -> dict:
+    """The same requests as ``profiled_step_split`` under cProfile (``llm`` must run in this
+    process): per target forward, the ``top`` Python functions by own time and by cumulative
+    time (ms, calls). Own time spent blocked (a wait for the device, a lock) shows in the C
+    function that blocked: this finds the host work and the waits the device's idle time
+    comes from. cProfile slows Python calls: compare functions, not its wall with ms/step."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        seconds, forwards = _generate(llm, prompts, max_tokens, temperature, counters)
+    finally:
+        profile.disable()
+    functions = [
+        {
+            "function": _function_name(where),
+            "calls": calls / forwards,
+            "self_ms": 1000.0 * own / forwards,
+            "cumulative_ms": 1000.0 * cumulative / forwards,
+        }
+        for where, (_, calls, own, cumulative, _) in pstats.Stats(profile).stats.items()
+    ]
+    return {
+        "batch": len(prompts),
+        "temperature": temperature,
+        "target_forwards": forwards,
+        "wall_ms_per_forward": 1000.0 * seconds / forwards,
+        "top_self": sorted(functions, key=lambda f: -f["self_ms"])[:top],
+        "top_cumulative": sorted(functions, key=lambda f: -f["cumulative_ms"])[:top],
+    }
+
+
+def _function_name(where: tuple[str, int, str]) -> str:
+    """cProfile's ``(file, line, function)`` as ``package/module.py:line(function)``, the
+    file from its package root on (``site-packages/`` or this repository's)."""
+    path, line, function = where
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    else:
+        for package in ("vllm_ddtree/", "tree_attn_backend/", "benchmarks/"):
+            if package in path:
+                path = package + path.split(package, 1)[1]
+                break
+    return f"{path}:{line}({function})" if line else function
+
+
+def host_profile_table(engines: dict[str, dict], top: int = 12) -> list[str]:
+    """Markdown lines: per engine with a ``host_profile``, its ``top`` functions by own time
+    and by cumulative time per target forward."""
+    lines = []
+    for name, entry in engines.items():
+        for profile in entry.get("host_profile") or []:
+            if not lines:
+                lines += [
+                    "",
+                    "## Host profile (cProfile, one run per engine)",
+                    "",
+                    "Per target forward: the Python functions with the most own time (waits "
+                    "for the device show in the function that blocked) and the most cumulative "
+                    "time. cProfile slows Python calls: compare functions, not walls.",
+                ]
+            lines += [
+                "",
+                f"{name}, batch {profile['batch']}, T = {profile['temperature']:g}, wall "
+                f"{profile['wall_ms_per_forward']:.2f} ms per forward:",
+                "",
+                "| own ms | function | cumulative ms | function |",
+                "| --- | --- | --- | --- |",
+            ]
+            pairs = zip(profile["top_self"][:top], profile["top_cumulative"][:top], strict=False)
+            for own, total in pairs:
+                lines.append(
+                    f"| {own['self_ms']:.3f} | `{own['function']}` | "
+                    f"{total['cumulative_ms']:.3f} | `{total['function']}` |"
+                )
+    return lines
+
+
 def _generate(
     llm, prompts: list[list[int]], max_tokens: int, temperature: float, counters
 ) -> tuple[float, int]:

@@ -150,15 +150,17 @@ class _FakeEngines:
         drafts = 0 if name == "ar" else len(prompts) * max_tokens // 4
         return {"tokens": tokens, "seconds": 0.5, "drafts": drafts, "accepted": 3 * drafts}
 
-    def split(self, name, prompts, temperature, max_tokens):
-        return {
+    def split(self, name, prompts, temperature, max_tokens, kind):
+        measured = {
             "batch": len(prompts),
             "temperature": temperature,
             "target_forwards": max_tokens,
             "wall_ms_per_forward": 1.0,
-            "phases_per_forward": {},
-            "rest_host_ms": 1.0,
         }
+        if kind == "host_profile":
+            top = [{"function": "x.py:1(f)", "calls": 1, "self_ms": 1, "cumulative_ms": 1}]
+            return dict(measured, top_self=top, top_cumulative=top)
+        return dict(measured, phases_per_forward={}, rest_host_ms=1.0)
 
     def close(self):
         self.closed = True
@@ -211,7 +213,13 @@ def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase)
         for n in r["engines"]
     )
     assert set(summary["splits"]) == {"ar", *names}
+    assert all(
+        [s["batch"] for s in summary["splits"][name][kind]] == [1]
+        for name in summary["splits"]
+        for kind in ("step_split", "host_phases", "host_profile")
+    )
     oracle = json.loads((tmp_path / "w" / "oracle.json").read_text())
     assert set(oracle["sequence_models"]) == {d + s for d in DATASETS for s in ("", "_t1")}
     table = (out / "scale_paired.md").read_text()
     assert "| ddtree_v2_b128 |" in table and "Step-time split" in table
+    assert "Host time per step" in table and "Host profile (cProfile" in table

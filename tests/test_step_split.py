@@ -184,3 +184,48 @@ def test_target_forwards_are_vllms_engine_steps():
     llm = SimpleNamespace(get_metrics=lambda: [counter, histogram, histogram])
     assert step_split_module.engine_steps(llm) == 14
     assert step_split_module.engine_steps(SimpleNamespace(get_metrics=lambda: [counter])) == 0
+
+
+class _StandInLLM:
+    """``LLM.generate`` stood in: each call runs ``steps`` engine steps, each of which sleeps
+    in ``_wait_for_device`` (a blocking call, as a host synchronisation is)."""
+
+    def __init__(self, steps: int):
+        self.steps, self.done = steps, 0
+
+    @staticmethod
+    def _wait_for_device():
+        import time
+
+        time.sleep(0.002)
+
+    def generate(self, requests, params, use_tqdm=False):
+        for _ in range(self.steps):
+            self._wait_for_device()
+        self.done += self.steps
+        token_ids = [1] * params[0].max_tokens
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids)]) for _ in requests]
+
+    def get_metrics(self):
+        return [SimpleNamespace(name=step_split_module.ENGINE_STEPS, count=self.done)]
+
+
+def test_the_host_profile_finds_where_a_step_blocks_per_forward():
+    """cProfile's view of the host: the blocking function leads the own-time ranking with one
+    call and ~2 ms per forward; the table names it."""
+    from vllm import SamplingParams  # noqa: F401  (imported by the engine already)
+
+    llm = _StandInLLM(steps=10)
+    profile = step_split_module.host_profile(llm, [[1, 2]], 4, lambda _: {}, 0.0)
+    assert profile["target_forwards"] == 10
+    blocking = next(
+        f for f in profile["top_cumulative"] if f["function"].endswith("(_wait_for_device)")
+    )
+    assert blocking["calls"] == pytest.approx(1.0)
+    assert 1.5 <= blocking["cumulative_ms"] <= 20
+    assert "sleep" in profile["top_self"][0]["function"]
+    assert profile["top_self"][0]["self_ms"] >= 1.5
+    table = "\n".join(
+        step_split_module.host_profile_table({"ddtree_v2_b32": {"host_profile": [profile]}})
+    )
+    assert "ddtree_v2_b32, batch 1, T = 0" in table and "(_wait_for_device)" in table

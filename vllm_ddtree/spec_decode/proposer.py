@@ -109,10 +109,9 @@ class DDTreeProposer(DFlashProposer):
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         depth = self.ddtree.depth
         num_reqs = hidden_states.shape[0] // depth
-        if self._oracle is not None:
+        logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
+        if self._oracle is not None:  # its logits replace the drafter's, after their cost
             logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
-        else:
-            logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
         if not sampling_metadata.all_greedy and self.runner is not None:
             logits = self._coupled_logits(logits, sampling_metadata, num_reqs, depth)
         with step_range("ddtree::build_trees"):
@@ -132,6 +131,7 @@ class DDTreeProposer(DFlashProposer):
         acceptance (scale models)."""
         depth = self.num_speculative_tokens
         num_reqs = hidden_states.shape[0] // depth
+        self.model.compute_logits(hidden_states)  # the drafter's logits: their cost
         logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
         logits = logits.view(num_reqs * depth, -1)
         if not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:

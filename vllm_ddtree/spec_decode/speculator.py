@@ -75,10 +75,9 @@ def ddtree_speculator_class():
             (``ops/keyed_gumbel.py``)."""
             depth = self.ddtree.depth
             num_reqs = hidden_states.shape[0] // depth
-            if self.oracle is not None:
+            logits = self.model.compute_logits(hidden_states)
+            if self.oracle is not None:  # its logits replace the drafter's, after their cost
                 logits = self.oracle.logits(positions + 2, idx_mapping, depth)
-            else:
-                logits = self.model.compute_logits(hidden_states)
             if coupled_drafts_enabled() and logits.is_cuda:  # (V2 runs on CUDA only)
                 logits = logits.float().contiguous()
                 # The target row choosing the predicted token sits one position before it.
@@ -160,6 +159,7 @@ def chain_oracle_speculator_class():
                 **kwargs,
             )
             depth = self.num_speculative_steps
+            self.model.compute_logits(hidden_states)  # the drafter's logits: their cost
             logits = self.oracle.logits(positions + 2, idx_mapping, depth)
             draft_logits = bound.arguments["draft_logits"]
             if draft_logits is None:
