@@ -166,6 +166,9 @@ def host_phase_split(
     return {"batch": len(prompts), "temperature": temperature, **split}
 
 
+KEPT_FUNCTION_MS = 0.01  # host_profile keeps every function of this cumulative ms per forward
+
+
 def host_profile(
     llm,
     prompts: list[list[int]],
@@ -204,6 +207,11 @@ def host_profile(
         "wall_ms_per_forward": 1000.0 * seconds / forwards,
         "top_self": sorted(functions, key=lambda f: -f["self_ms"])[:top],
         "top_cumulative": sorted(functions, key=lambda f: -f["cumulative_ms"])[:top],
+        # Every function worth a look (the tables show the top; this finds the rest).
+        "functions": sorted(
+            (f for f in functions if f["cumulative_ms"] >= KEPT_FUNCTION_MS),
+            key=lambda f: -f["cumulative_ms"],
+        ),
     }
 
 

@@ -269,6 +269,9 @@ def _successor_head(built: torch.nn.Module, seed: int) -> None:
     head[successor] = (LOGIT_STD * directions).to(head.dtype)
 
 
+SHARD_SIZE = "4GB"  # safetensors shard size of the saved checkpoints
+
+
 def build_target(model: ScaleModel, path: str, device: str = "cpu", seed: int = 0) -> str:
     """Save the target under ``path`` (bf16 safetensors; kept when already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -292,7 +295,9 @@ def build_target(model: ScaleModel, path: str, device: str = "cpu", seed: int = 
             _output_head(built).normal_(0.0, head_std(model))
     built.generation_config.eos_token_id = None
     built.generation_config.pad_token_id = None
-    built.save_pretrained(path)
+    # Shards of a few GB: a 27B target saved into memory-backed storage (/dev/shm) leaves room
+    # for one shard's serialised copy beside the model, not for a 50 GB one.
+    built.save_pretrained(path, max_shard_size=SHARD_SIZE)
     with open(os.path.join(path, "scale_model.json"), "w") as f:
         json.dump(
             {
