@@ -60,6 +60,7 @@ from benchmarks.bench_paired import (
     summarize_row,
 )
 from benchmarks.common import ROOT, module_command
+from vllm_ddtree.config import HYBRID_ENGINE_ARGS
 
 DATASETS = ("humaneval", "math500", "mtbench")
 # mode -> the calibration profile's suffix
@@ -413,20 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     # prefill on the Triton kernels (FlashInfer's, Hopper's default, is not on the GPU host).
     runner = "v1" if model.hybrid else "v2"
     jobs = engine_jobs(drafter, model.block_size - 1, budgets, max(batches), runner)
-    overrides = {
-        "skip_tokenizer_init": True,
-        "max_num_batched_tokens": max(2048, (1 + max(budgets, default=15)) * max(batches)),
-        # Room past the output for two trees: with async scheduling vLLM counts the step in
-        # flight as computed and cuts the next tree at max_model_len (a cut tree leaves the
-        # uniform-decode CUDA graph).
-        "max_model_len": args.prompt_len
-        + args.max_tokens
-        + 2 * (1 + max(budgets, default=15))
-        + 2 * model.block_size,
-        "kv_cache_memory_bytes": int(args.kv_cache_gb * (1 << 30)),
-    }
-    if model.hybrid:
-        overrides["additional_config"] = {"gdn_prefill_backend": "triton"}
+    overrides = engine_overrides(model, args, budgets, batches)
 
     def compile_config(job):  # FULL graphs of every decode/verify batch, no torch.compile
         return {
@@ -521,6 +509,31 @@ def main(argv: list[str] | None = None) -> int:
 # What the split of each engine measures (``bench_paired.SPLITS``): the phases under
 # torch.profiler, their own timers without it, and a cProfile of the host's Python.
 SPLIT_KINDS = ("step_split", "host_phases", "host_profile")
+
+
+def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dict:
+    """``LLM(...)`` arguments every engine of the run shares (``bench_paired.engine_args``)."""
+    overrides = {
+        "skip_tokenizer_init": True,
+        "max_num_batched_tokens": max(2048, (1 + max(budgets, default=15)) * max(batches)),
+        # Room past the output for two trees: with async scheduling vLLM counts the step in
+        # flight as computed and cuts the next tree at max_model_len (a cut tree leaves the
+        # uniform-decode CUDA graph).
+        "max_model_len": args.prompt_len
+        + args.max_tokens
+        + 2 * (1 + max(budgets, default=15))
+        + 2 * model.block_size,
+        "kv_cache_memory_bytes": int(args.kv_cache_gb * (1 << 30)),
+    }
+    if model.hybrid:
+        # What DDTree serves a GatedDeltaNet hybrid with (float32 node states, no prefix
+        # caching), for every engine alike; text prompts only (vLLM then builds no image
+        # processor for the Qwen3.5/3.6 class); Triton's GDN prefill (FlashInfer's, Hopper's
+        # default, is not on the GPU host).
+        overrides.update(HYBRID_ENGINE_ARGS)
+        overrides["language_model_only"] = True
+        overrides["additional_config"] = {"gdn_prefill_backend": "triton"}
+    return overrides
 
 
 def engine_phases(names: list[str], per_phase: int) -> list[list[str]]:

@@ -223,3 +223,21 @@ def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase)
     table = (out / "scale_paired.md").read_text()
     assert "| ddtree_v2_b128 |" in table and "Step-time split" in table
     assert "Host time per step" in table and "Host profile (cProfile" in table
+
+
+def test_a_hybrid_target_is_served_text_only_with_ddtrees_hybrid_settings_by_every_engine():
+    """The 27B hybrid's class is Qwen3.5/3.6's multimodal one: without language_model_only vLLM
+    asks for an image processor the scale model has none of (the first 27B run stopped there)."""
+    from types import SimpleNamespace
+
+    from benchmarks.scale_paired import engine_overrides
+    from vllm_ddtree.config import HYBRID_ENGINE_ARGS
+
+    args = SimpleNamespace(prompt_len=128, max_tokens=128, kv_cache_gb=1.0)
+    hybrid = engine_overrides(QWEN3_6_27B, args, [32, 64], [1, 4])
+    assert hybrid["language_model_only"] is True
+    assert hybrid["additional_config"] == {"gdn_prefill_backend": "triton"}
+    assert all(hybrid[key] == value for key, value in HYBRID_ENGINE_ARGS.items())
+    dense = engine_overrides(QWEN3_8B, args, [32, 64], [1, 4])
+    assert "language_model_only" not in dense and "additional_config" not in dense
+    assert dense["max_model_len"] == 128 + 128 + 2 * 65 + 2 * QWEN3_8B.block_size
