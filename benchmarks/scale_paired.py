@@ -143,15 +143,27 @@ def kv_bytes_per_token(model) -> int:
     return layers * 2 * model.num_key_value_heads * model.head_dim * 2
 
 
-def state_bytes_per_request(model) -> int:
-    """A hybrid's recurrent state per request, read once a step (bf16, vLLM's default): per
-    GatedDeltaNet layer one ``key_dim x value_dim`` matrix per value head; 0 for dense."""
+SSM_STATE_BYTES = 4  # the engines' SSM states are float32 (HYBRID_ENGINE_ARGS)
+
+
+def state_bytes_per_request(model, ssm_bytes: int = SSM_STATE_BYTES) -> int:
+    """A hybrid's recurrent state per request, read once a step (``ssm_bytes`` per element):
+    per GatedDeltaNet layer one ``key_dim x value_dim`` matrix per value head; 0 for dense."""
     if not model.hybrid:
         return 0
     h = model.hybrid
     layers = model.num_hidden_layers - model.num_hidden_layers // h["full_attention_interval"]
     per_layer = h["linear_num_value_heads"] * h["linear_key_head_dim"] * h["linear_value_head_dim"]
-    return layers * per_layer * 2
+    return layers * per_layer * ssm_bytes
+
+
+def kv_cache_bytes(model, job: dict, batch: int, base_gb: float) -> int:
+    """The KV cache an engine of the run gets: ``base_gb``, plus for a hybrid the state blocks
+    vLLM keeps per request, one per verified token (``hybrid_state.slot_layout_bytes``: the
+    chain's 1 + 15, a tree's 1 + budget), for ``batch`` requests with 10% to spare. The first
+    Qwen3.6-27B run gave every engine 1 GiB and the chain's start asked for 2.72."""
+    states = int(1.1 * job["width"] * batch * state_bytes_per_request(model))
+    return int(base_gb * (1 << 30)) + (states if job["width"] > 1 else 0)
 
 
 def roofline(engine: dict, batch: int, seconds: float, floor_bytes: dict, context: float) -> dict:
@@ -424,7 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     for job in jobs:
-        job["kwargs"] = dict(job["kwargs"], compilation_config=compile_config(job))
+        job["kwargs"] = dict(
+            job["kwargs"],
+            compilation_config=compile_config(job),
+            kv_cache_memory_bytes=kv_cache_bytes(model, job, max(batches), args.kv_cache_gb),
+        )
     ar_job, spec_jobs = jobs[0], jobs[1:]
 
     # 1-2. AR alone, then the references the oracle ranks.
@@ -523,7 +539,6 @@ def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dic
         + args.max_tokens
         + 2 * (1 + max(budgets, default=15))
         + 2 * model.block_size,
-        "kv_cache_memory_bytes": int(args.kv_cache_gb * (1 << 30)),
     }
     if model.hybrid:
         # What DDTree serves a GatedDeltaNet hybrid with (float32 node states, no prefix

@@ -126,8 +126,10 @@ def test_a_hybrids_step_reads_its_recurrent_state_once_per_request():
     from benchmarks.scale_paired import state_bytes_per_request
 
     assert state_bytes_per_request(QWEN3_8B) == 0
-    # 48 GatedDeltaNet layers of 48 value heads, each a 128 x 128 bf16 matrix.
-    assert state_bytes_per_request(QWEN3_6_27B) == 48 * 48 * 128 * 128 * 2
+    # 48 GatedDeltaNet layers of 48 value heads, each a 128 x 128 matrix, float32 (the
+    # engines' SSM state dtype).
+    assert state_bytes_per_request(QWEN3_6_27B) == 48 * 48 * 128 * 128 * 4
+    assert state_bytes_per_request(QWEN3_6_27B, ssm_bytes=2) == 48 * 48 * 128 * 128 * 2
     floor = {"bandwidth": 1e12, "target": 0, "drafter": 0, "kv_per_token": 0, "state": 1e9}
     assert roofline({"speculative": False, "steps": 1}, 2, 1.0, floor, 0)["limit_ms"] == 2.0
 
@@ -241,3 +243,20 @@ def test_a_hybrid_target_is_served_text_only_with_ddtrees_hybrid_settings_by_eve
     dense = engine_overrides(QWEN3_8B, args, [32, 64], [1, 4])
     assert "language_model_only" not in dense and "additional_config" not in dense
     assert dense["max_model_len"] == 128 + 128 + 2 * 65 + 2 * QWEN3_8B.block_size
+
+
+def test_a_hybrid_engines_kv_cache_holds_a_state_block_per_verified_token():
+    """vLLM keeps 1 + k state blocks per hybrid request (k: drafts per step): the first 27B
+    run gave the chain 1 GiB where its start asked for 2.72 GiB."""
+    from benchmarks.bench_paired import engine_jobs
+    from benchmarks.scale_paired import kv_cache_bytes, state_bytes_per_request
+
+    jobs = {job["name"]: job for job in engine_jobs("d", 15, [32], 1, "v1")}
+    gib = 1 << 30
+    assert kv_cache_bytes(QWEN3_6_27B, jobs["ar"], 1, 1.0) == gib
+    chain = kv_cache_bytes(QWEN3_6_27B, jobs["dflash"], 1, 1.0)
+    assert chain >= 2.72 * gib
+    assert chain >= gib + 16 * state_bytes_per_request(QWEN3_6_27B)
+    tree = kv_cache_bytes(QWEN3_6_27B, jobs["ddtree_b32"], 4, 1.0)
+    assert tree >= gib + 4 * 33 * state_bytes_per_request(QWEN3_6_27B)
+    assert kv_cache_bytes(QWEN3_8B, jobs["dflash"], 16, 1.0) == gib  # dense: the base
