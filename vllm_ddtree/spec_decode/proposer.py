@@ -111,7 +111,7 @@ class DDTreeProposer(DFlashProposer):
         num_reqs = hidden_states.shape[0] // depth
         logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
         if self._oracle is not None:  # its logits replace the drafter's, after their cost
-            logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
+            logits = self._oracle_logits(num_reqs, depth, hidden_states.device)
         if not sampling_metadata.all_greedy and self.runner is not None:
             logits = self._coupled_logits(logits, sampling_metadata, num_reqs, depth)
         with step_range("ddtree::build_trees"):
@@ -132,7 +132,7 @@ class DDTreeProposer(DFlashProposer):
         depth = self.num_speculative_tokens
         num_reqs = hidden_states.shape[0] // depth
         self.model.compute_logits(hidden_states)  # the drafter's logits: their cost
-        logits = self._oracle_logits(num_reqs, depth).to(hidden_states.device)
+        logits = self._oracle_logits(num_reqs, depth, hidden_states.device)
         logits = logits.view(num_reqs * depth, -1)
         if not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
             return logits.argmax(dim=-1), None
@@ -150,13 +150,13 @@ class DDTreeProposer(DFlashProposer):
         temperature = sampling_metadata.temperature[:num_reqs]
         return couple_draft_logits(logits, temperature, seeds, keys)
 
-    def _oracle_logits(self, num_reqs: int, depth: int) -> torch.Tensor:
+    def _oracle_logits(self, num_reqs: int, depth: int, device) -> torch.Tensor:
         runner = self.runner
         prompts = []
         for req_id in runner.input_batch.req_ids[:num_reqs]:
             prompts.append(list(runner.requests[req_id].prompt_token_ids or []))
         bonus_positions = self._bonus_positions(num_reqs, depth).tolist()
-        return self._oracle.logits(prompts, bonus_positions, depth)
+        return self._oracle.logits(prompts, bonus_positions, depth, device)
 
     def _bonus_positions(self, num_reqs: int, depth: int) -> torch.Tensor:
         """``[R]``: each request's bonus token position (its drafter query is the bonus row

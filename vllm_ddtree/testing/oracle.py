@@ -71,14 +71,25 @@ class HostOracle:
         self.p_top = float(spec.get("p_top", 1.0))
         self.rank_table = RankRows.table(spec["models"]) if spec["models"] else None
         self.model_of_sequence = spec["model_of_sequence"]
-        self.gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
+        self.seed = int(spec.get("seed", 0))
+        self.gen = torch.Generator().manual_seed(self.seed)
+        self.device_gens: dict[str, torch.Generator] = {}  # the ranked logits' draws, by device
         self.vocab_size = vocab_size
 
-    def logits(self, prompts: list[list[int]], bonus_positions: list[int], depth: int):
-        """float32 ``[R, depth, V]``: row ``r``, depth ``d`` predicts sequence index
-        ``bonus_positions[r] + 1 + d``."""
+    def logits(
+        self,
+        prompts: list[list[int]],
+        bonus_positions: list[int],
+        depth: int,
+        device: torch.device | str = "cpu",
+    ):
+        """float32 ``[R, depth, V]`` on ``device``: row ``r``, depth ``d`` predicts sequence
+        index ``bonus_positions[r] + 1 + d``."""
         if self.rank_table is not None:
-            return self._ranked_logits(prompts, bonus_positions, depth)
+            return self._ranked_logits(prompts, bonus_positions, depth, torch.device(device))
+        return self._p_top_logits(prompts, bonus_positions, depth).to(device)
+
+    def _p_top_logits(self, prompts, bonus_positions, depth: int) -> torch.Tensor:
         out = torch.randn(len(prompts), depth, self.vocab_size, generator=self.gen)
         for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
             index = match_sequence(self.sequences, prompt)
@@ -100,9 +111,11 @@ class HostOracle:
                     row[truth] = top + TRUTH_MARGIN - 1.0
         return out
 
-    def _ranked_logits(self, prompts, bonus_positions, depth: int) -> torch.Tensor:
+    def _ranked_logits(self, prompts, bonus_positions, depth: int, device) -> torch.Tensor:
         """The rank models' synthetic logits around each request's sequence (its sequence's
-        model; noise where a request has none, or past its end)."""
+        model; noise where a request has none, or past its end): truths and ranks drawn on the
+        host, the ``[R, depth, V]`` logits made on ``device`` (not copied there: a request's
+        are 9 MB at a 152K vocabulary)."""
         rows = len(prompts)
         truth = torch.zeros(rows, depth, dtype=torch.long)
         valid = torch.zeros(rows, depth, dtype=torch.bool)
@@ -117,9 +130,22 @@ class HostOracle:
             valid[r, : len(ahead)] = True
         params = RankRows.of(self.rank_table, model_index)
         ranks = sample_ranks(params, rows, depth, self.gen)
-        ranked = synthetic_logits(params, truth, ranks, self.vocab_size, self.gen)
-        noise = torch.randn(rows, depth, self.vocab_size, generator=self.gen)
-        return torch.where(valid.unsqueeze(-1), ranked, noise)
+        gen = self._generator(device)
+        params = RankRows.of(self.rank_table.to(device), model_index.to(device))
+        ranked = synthetic_logits(params, truth.to(device), ranks.to(device), self.vocab_size, gen)
+        if bool(valid.all()):  # (host tensors: no device synchronisation)
+            return ranked
+        noise = torch.randn(rows, depth, self.vocab_size, generator=gen, device=device)
+        return torch.where(valid.to(device).unsqueeze(-1), ranked, noise)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The seeded generator of the logits' draws on ``device`` (the CPU's is ``gen``)."""
+        if device.type == "cpu":
+            return self.gen
+        key = str(device)
+        if key not in self.device_gens:
+            self.device_gens[key] = torch.Generator(device).manual_seed(self.seed)
+        return self.device_gens[key]
 
 
 class DeviceOracle:

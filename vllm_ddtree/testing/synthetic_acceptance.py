@@ -128,9 +128,14 @@ def synthetic_logits(
     true token ``truth[r, d]`` at rank ``ranks[r, d]``, every other token at -inf."""
     rows, depth = truth.shape
     device = truth.device
-    scores = torch.rand(rows, depth, vocab_size, generator=gen, device=device)
-    scores.scatter_(2, truth.unsqueeze(-1), -1.0)  # the truth is placed by its rank below
-    others = scores.topk(CANDIDATES - 1, dim=-1).indices  # [R, D, C - 1] distinct non-truth
+    # The other candidates: CANDIDATES - 1 consecutive token ids a random shift past the truth
+    # (offsets 1 .. V - 1 from it, so distinct and never the truth), without a draw and a top-k
+    # over the whole vocabulary per mask row (which cost more than the drafter's output head).
+    shift = torch.randint(
+        0, vocab_size - CANDIDATES + 1, (rows, depth, 1), generator=gen, device=device
+    )
+    steps = torch.arange(1, CANDIDATES, device=device)
+    others = (truth.unsqueeze(-1) + shift + steps) % vocab_size  # [R, D, C - 1]
     slots = torch.arange(CANDIDATES, device=device).view(1, 1, -1).expand(rows, depth, -1)
     # Candidate slot k holds rank k: the truth at its rank, the others filling the remaining.
     before = slots < ranks.unsqueeze(-1)
