@@ -57,6 +57,7 @@ FLOAT32_GDN = "float32_gdn"
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+DFLASH_MODEL_MODULE = "vllm.model_executor.models.qwen3_dflash"
 GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 GDN_CPU_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 GDN_METADATA_MODULE = "vllm.v1.attention.backends.gdn_attn"
@@ -218,6 +219,13 @@ SEAMS: tuple[Seam, ...] = (
         f"{_KV}:wrap_zero_block_ids",
         ("self", "block_ids"),
         optional=True,
+    ),
+    # vLLM-CPU's DFlash drafter: each layer's own K-norm on its context keys (any method).
+    Seam(
+        f"{DFLASH_MODEL_MODULE}:DFlashQwen3Model._normalize_context_k",
+        CPU_RUNNER,
+        "vllm_ddtree.compat.cpu_dflash:wrap_normalize_context_k",
+        ("self", "all_k"),
     ),
     # The V2 model runner and what DDTree's speculator builds on.
     _runner(
