@@ -233,10 +233,12 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     path.write_text(json.dumps({"p_top": 1.0, "sequences": [sequence]}))
     oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
     oracle.bind([2], ["a"], lambda s: sequence[:5])
+    heads = []  # the drafter's output head still runs under the oracle (its cost)
     speculator = SimpleNamespace(
         ddtree=SimpleNamespace(depth=depth, tree_budget=budget, tree_top_k=budget),
         oracle=oracle,
         proposals=ProposalStore(4, budget, depth, torch.device("cpu")),
+        model=SimpleNamespace(compute_logits=lambda h: heads.append(h.shape) or h),
     )
     bonus = 4  # the bonus token's position; mask d predicts position bonus + 1 + d
     keys = torch.tensor([bonus + 1 + d for d in range(depth)]) - 2
@@ -247,6 +249,7 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     states = torch.tensor([2, 2, 2], dtype=torch.int32)
     placeholder = draft(speculator, hidden, keys, states, greedy, seeds)
     assert placeholder.shape == (depth,)
+    assert heads == [hidden.shape]
     trees = speculator.proposals.batch
     assert trees.token_ids[0, :depth].tolist() == sequence[5 : 5 + depth]
     assert trees.parents[0, :depth].tolist() == list(range(depth))
@@ -269,10 +272,16 @@ def test_the_chain_oracle_speculator_drafts_the_oracles_future(tmp_path):
     path.write_text(json.dumps({"seed": 0, "sequences": [sequence], "rank_model": model}))
     oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
     oracle.bind([2], ["a"], lambda s: sequence[:5])
-    speculator = SimpleNamespace(oracle=oracle, num_speculative_steps=depth)
+    heads = []  # the drafter's output head still runs under the oracle (its cost)
+    speculator = SimpleNamespace(
+        oracle=oracle,
+        num_speculative_steps=depth,
+        model=SimpleNamespace(compute_logits=lambda h: heads.append(h.shape) or h),
+    )
     bonus = 4
     keys = torch.tensor([bonus + 1 + d for d in range(depth)]) - 2
     draft = chain_oracle_speculator_class().sample_draft
     states = torch.tensor([2, 2, 2], dtype=torch.int32)
     drafts = draft(speculator, torch.zeros(depth, 8), keys, states, torch.zeros(4), None, 0, None)
     assert drafts.tolist() == sequence[5 : 5 + depth]
+    assert heads == [(depth, 8)]
