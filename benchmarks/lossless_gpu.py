@@ -493,7 +493,6 @@ def main() -> int:
         # vLLM's chain, no tree and no oracle: do its steps (prefills beside 16-token verifies,
         # the same graphs) pass where DDTree's do not?
         chain = {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
-        chain["attention_backend"] = "TRITON_ATTN"  # the drafter's (non-causal) backend
         jobs["sampling_dflash"] = {
             **base,
             "kwargs": {

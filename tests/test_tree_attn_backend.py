@@ -83,14 +83,30 @@ def engine_config(target, spec, **kwargs):
     ).create_engine_config()
 
 
-def test_ddtree_selects_tree_attn_for_the_target_and_a_causal_free_backend_for_the_drafter(
+def test_ddtree_selects_tree_attn_for_the_target_and_leaves_the_drafters_backend_as_the_chains(
     tiny_target_path, tiny_drafter_path
 ):
+    """The drafter runs on the backend vLLM selects for the DFlash chain's drafter (the same
+    kernels, so the chain and the trees draft at the same cost); a named one is kept."""
     config = engine_config(
         tiny_target_path, {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
     )
+    chain = engine_config(
+        tiny_target_path,
+        {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 15},
+    )
     assert config.attention_config.backend is AttentionBackendEnum.CUSTOM
-    assert config.speculative_config.attention_backend is AttentionBackendEnum.CPU_ATTN
+    assert config.speculative_config.attention_backend == chain.speculative_config.attention_backend
+    named = engine_config(
+        tiny_target_path,
+        {
+            "method": "ddtree",
+            "model": tiny_drafter_path,
+            "tree_budget": 8,
+            "attention_backend": "CPU_ATTN",
+        },
+    )
+    assert named.speculative_config.attention_backend is AttentionBackendEnum.CPU_ATTN
 
 
 def test_ddtree_refuses_a_target_backend_without_tree_attention(

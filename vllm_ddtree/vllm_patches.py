@@ -83,12 +83,12 @@ def _as_backend(value):
     return AttentionConfig.validate_backend_before(value) if isinstance(value, str) else value
 
 
-def _choose_attention_backends(engine_args, speculative: dict) -> None:
-    """DDTree verifies with TREE_ATTN: select it for the target when none was chosen, refuse a
-    backend that cannot do tree attention, and keep the (non-causal) DFlash drafter on the
-    platform's usual backend unless the user named one for it."""
-    from vllm.platforms import current_platform
-
+def _choose_target_attention_backend(engine_args) -> None:
+    """DDTree verifies with TREE_ATTN: select it for the target when none was chosen, and
+    refuse a backend that cannot do tree attention. The (non-causal) DFlash drafter's backend
+    stays vLLM's choice, as for the DFlash chain: vLLM selects one for the drafter
+    independently of the target's unless ``speculative_config['attention_backend']`` names one
+    (on an H200 in bf16: FLASH_ATTN, whose KV writes are one C++ launch per layer)."""
     config_backend = getattr(engine_args.attention_config, "backend", None)
     chosen = _as_backend(engine_args.attention_backend) or _as_backend(config_backend)
     if chosen is None:
@@ -99,11 +99,6 @@ def _choose_attention_backends(engine_args, speculative: dict) -> None:
             f"target's attention backend {chosen.name} cannot do tree attention. Use "
             "--attention-backend TREE_ATTN or leave it unset (speculative_config"
             "['attention_backend'] chooses the drafter's backend)."
-        )
-    if speculative.get("attention_backend") is None:
-        # TRITON_ATTN: non-causal, every dtype (FLASH_ATTN refuses float32).
-        speculative["attention_backend"] = (
-            "CPU_ATTN" if current_platform.is_cpu() else "TRITON_ATTN"
         )
 
 
@@ -157,7 +152,7 @@ def _wrap_create_speculative_config(original):
             )
             if parsed is not None:
                 ddtree = parsed
-                _choose_attention_backends(self, vllm_dict)
+                _choose_target_attention_backend(self)
                 _size_graphs(self, ddtree)
                 self._ddtree_config = ddtree
             if asked_for_ddtree:
