@@ -95,7 +95,7 @@ def test_kernel_empty_trees_walk_nowhere():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=5 * len(CASES) + 3 + len(BUILD_CASES))
+    run_under_interpreter(__file__, "kernel_", expected=7 * len(CASES) + 3 + len(BUILD_CASES))
 
 
 def step_layout(seed):
@@ -245,11 +245,13 @@ def test_kernel_walk_and_emit_matches_reference(case, sampled_dtype):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("hidden_widths", [(40, 40, 40), (40, 24, 40, 40, 40, 40)])
+@pytest.mark.parametrize(
+    "hidden_widths", [(40, 40, 40), (40,) * 5, (40, 24, 40, 40, 40, 40), (40,) * 9]
+)
 def test_kernel_path_rows_match_reference(case, hidden_widths):
-    """One launch for the ids, the positions and up to four hidden tensors of a width (a
-    DFlash drafter's feature layers: four for this project's drafter); more tensors, or
-    tensors of other widths, in further launches."""
+    """One launch for the ids, the positions and up to eight hidden tensors of a width (a
+    DFlash drafter's feature layers: five for z-lab's, four for this project's drafter);
+    more tensors, or tensors of other widths, in further launches."""
     needs_kernel()
     from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
     from vllm_ddtree.tree import follow_tree

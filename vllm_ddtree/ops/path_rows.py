@@ -83,6 +83,10 @@ if HAS_TRITON:
         h1_ptr,
         h2_ptr,
         h3_ptr,
+        h4_ptr,
+        h5_ptr,
+        h6_ptr,
+        h7_ptr,
         ids_ptr,
         positions_ptr,
         root_ptr,
@@ -93,6 +97,10 @@ if HAS_TRITON:
         stride_h1,
         stride_h2,
         stride_h3,
+        stride_h4,
+        stride_h5,
+        stride_h6,
+        stride_h7,
         stride_accepted,
         width,
         NUM_HIDDEN: tl.constexpr,
@@ -128,12 +136,20 @@ if HAS_TRITON:
                     _move_row(h2_ptr, stride_h2, src, dst, cols, in_row)
                 if NUM_HIDDEN > 3:
                     _move_row(h3_ptr, stride_h3, src, dst, cols, in_row)
+                if NUM_HIDDEN > 4:
+                    _move_row(h4_ptr, stride_h4, src, dst, cols, in_row)
+                if NUM_HIDDEN > 5:
+                    _move_row(h5_ptr, stride_h5, src, dst, cols, in_row)
+                if NUM_HIDDEN > 6:
+                    _move_row(h6_ptr, stride_h6, src, dst, cols, in_row)
+                if NUM_HIDDEN > 7:
+                    _move_row(h7_ptr, stride_h7, src, dst, cols, in_row)
                 if WITH_IDS:
                     if column_block == 0:
                         tl.store(ids_ptr + dst, tl.load(ids_ptr + src))
 
 
-HIDDEN_PER_LAUNCH = 4  # the kernel's hidden-state pointer arguments
+HIDDEN_PER_LAUNCH = 8  # the kernel's hidden-state pointer arguments (a z-lab drafter reads 5)
 
 
 def move_path_rows_triton(
@@ -147,8 +163,8 @@ def move_path_rows_triton(
     max_nodes: int,
 ) -> None:
     """``move_path_rows_ref`` in one launch (``R x column blocks`` programs) for the token
-    ids, the positions and up to four hidden tensors of one row width (a DFlash drafter's
-    feature layers), one more per four further tensors; no index tensors and no host
+    ids, the positions and up to eight hidden tensors of one row width (a DFlash drafter's
+    feature layers), one more per eight further tensors; no index tensors and no host
     synchronisation. Rows must have a contiguous last dim."""
     num_reqs, path_len = accepted.shape
     if num_reqs == 0:
