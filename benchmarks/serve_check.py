@@ -2,9 +2,11 @@
 
 Builds a tiny random Qwen3 target with a word-level tokenizer and a chat template, a random
 DFlash drafter, then starts the OpenAI server twice (target alone, then DDTree) and sends the
-same greedy requests to /v1/completions and /v1/chat/completions, streamed and not. The texts
-must be identical; /metrics of the DDTree server must show the spec-decode counters. Writes
-JSON; exits non-zero on any difference.
+same greedy requests to /v1/completions and /v1/chat/completions, streamed and not, and a
+completion with its own DDTree options (``vllm_xargs``: ``tree_budget`` 4, ``ddtree_stats``).
+The texts must be identical; /metrics of the DDTree server must show the spec-decode counters,
+its log one statistics line per request that asked, and an out-of-range ``tree_budget`` must
+get a 400. Writes JSON; exits non-zero otherwise.
 
     python -m benchmarks.serve_check --out benchmarks/results [--port 8711] [--dtype float32]
 """
@@ -19,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 CHAT_TEMPLATE = (
@@ -77,7 +80,22 @@ def ask_all(port: int, model: str, prompts: list[str]) -> dict:
             port, "/v1/chat/completions", {**common, "messages": messages, "stream": True}
         )
         answers[f"chat_stream_{i}"] = streamed_text(raw, chat=True)
+        # A request's own DDTree options (vllm_xargs): ignored without DDTree.
+        xargs = {"tree_budget": 4, "ddtree_stats": True}
+        own = json.loads(
+            request(port, "/v1/completions", {**common, "prompt": prompt, "vllm_xargs": xargs})
+        )
+        answers[f"completion_own_budget_{i}"] = own["choices"][0]["text"]
     return answers
+
+
+def status_of(port: int, route: str, body: dict) -> int:
+    """The HTTP status of a request expected to be refused."""
+    try:
+        request(port, route, body)
+        return 200
+    except urllib.error.HTTPError as error:
+        return error.code
 
 
 def serve(model: str, port: int, extra: list[str], log_path: str):
@@ -146,32 +164,43 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     results = {}
     metrics_text = ""
+    refused = None  # the DDTree server's status for an out-of-range tree_budget
     for name, extra in (("target", common), ("ddtree", [*common, "--speculative-config", ddtree])):
         proc = serve(target, args.port, extra, os.path.join(args.out, f"serve_{name}.log"))
         try:
             results[name] = ask_all(args.port, target, prompts)
             if name == "ddtree":
                 metrics_text = request(args.port, "/metrics").decode()
+                bad = {"model": target, "prompt": prompts[0], "max_tokens": 4}
+                refused = status_of(
+                    args.port, "/v1/completions", {**bad, "vllm_xargs": {"tree_budget": 99}}
+                )
         finally:
             stop(proc)
     differences = [k for k in results["target"] if results["target"][k] != results["ddtree"][k]]
     spec_lines = [line for line in metrics_text.splitlines() if line.startswith("vllm:spec_decode")]
     # The model runner the DDTree server chose (its start-up log line).
     with open(os.path.join(args.out, "serve_ddtree.log"), errors="replace") as f:
-        runner = re.search(r"method 'ddtree' .* on the (V\d) model runner", f.read())
+        server_log = f.read()
+    runner = re.search(r"method 'ddtree' .* on the (V\d) model runner", server_log)
+    # One line per request that asked for its tree statistics (ddtree_stats).
+    stats_lines = re.findall(r"vllm-ddtree: request \S+: \d+ verify steps.*", server_log)
     summary = {
         "commit": git_commit(),
         "identical": not differences,
         "differences": differences,
         "answers_checked": len(results["target"]),
         "ddtree_runner": runner.group(1) if runner else None,
+        "out_of_range_tree_budget_status": refused,
+        "request_stats_lines": stats_lines,
         "metrics": spec_lines[:20],
         "example": {k: results["ddtree"][k] for k in ("completion_0", "chat_stream_0")},
     }
     with open(os.path.join(args.out, "serve_check.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k != "metrics"}))
-    return 0 if (not differences and spec_lines) else 1
+    passed = not differences and spec_lines and refused == 400 and len(stats_lines) == len(prompts)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

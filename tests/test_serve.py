@@ -45,7 +45,10 @@ def test_serve_answers_like_the_target_alone(tmp_path):
     )
     summary = json.loads((tmp_path / "serve_check.json").read_text())
     assert proc.returncode == 0, (summary, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert summary["identical"] and summary["answers_checked"] == 12
+    assert summary["identical"] and summary["answers_checked"] == 15
+    # A request's own tree_budget: out of range, a 400; asked-for statistics, one log line each.
+    assert summary["out_of_range_tree_budget_status"] == 400
+    assert len(summary["request_stats_lines"]) == 3, summary["request_stats_lines"]
     drafts = [m for m in summary["metrics"] if m.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
 

@@ -137,6 +137,35 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
     verify(SamplingParams(repetition_penalty=1.2, logprobs=2), chain)
 
 
+def test_a_requests_own_tree_budget_is_checked_when_vllm_validates_it(
+    tiny_target_path, tiny_drafter_path
+):
+    """``extra_args`` (the OpenAI server's ``vllm_xargs``) ``tree_budget``: an int up to the
+    engine's budget or 'auto' passes vLLM's request validation; anything else is refused there
+    (the server's 400), naming the key and the allowed values. The chain is unaffected."""
+    from vllm import SamplingParams
+
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    config = engine_config(tiny_target_path, spec)
+
+    def verify(extra, cfg=config):
+        SamplingParams(extra_args=extra).verify(
+            cfg.model_config, cfg.speculative_config, None, None
+        )
+
+    for extra in ({"tree_budget": 1}, {"tree_budget": 8}, {"tree_budget": "auto"}, {}):
+        verify(extra)
+    with pytest.raises(DDTreeConfigError, match=r"tree_budget.*1\.\.8"):
+        verify({"tree_budget": 9})
+    with pytest.raises(DDTreeConfigError, match="ddtree_stats"):
+        verify({"ddtree_stats": "yes"})
+    chain = engine_config(
+        tiny_target_path,
+        {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},
+    )
+    verify({"tree_budget": 9}, chain)
+
+
 def test_serve_cli_arguments_accept_ddtree(tiny_target_path, tiny_drafter_path):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import make_arg_parser

@@ -309,3 +309,37 @@ def test_ddtree_drafts_while_the_drafters_own_queries_fit_in_max_model_len(
     tokens_per_step = len(results["tree"]["tokens"][0]) / steps
     # 16 per step until the drafter's reach meets the limit (2 x depth + 2 from the end).
     assert tokens_per_step > 8.0, (steps, metrics)
+
+
+@pytest.mark.vllm_engine
+def test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_logged(
+    tiny_target_path, tiny_drafter_path
+):
+    """Requests in one batch ask for their own budgets (``extra_args``, the OpenAI server's
+    ``vllm_xargs``): 1 node, 3 nodes, the engine's 8 and, without stats, 'auto'. Every output
+    equals the target alone; each request that asked for its statistics logs them when it
+    finishes, and none verified more nodes in a step than it asked for."""
+    import re
+
+    run = ddtree_run("own_budgets", tiny_drafter_path, 8)
+    run["prompt_params"] = [
+        {"extra_args": {"tree_budget": 1, "ddtree_stats": True}},
+        {"extra_args": {"tree_budget": 3, "ddtree_stats": True}},
+        {"extra_args": {"ddtree_stats": True}},
+        {"extra_args": {"tree_budget": "auto"}},
+    ]
+    results, log = run_engines(tiny_target_path, [TARGET_ALONE, run], PROMPTS, max_tokens=48)
+    assert results["own_budgets"]["tokens"] == results["target"]["tokens"]
+    pattern = re.compile(
+        r"vllm-ddtree: request \S+: (\d+) verify steps, (\d+) tree nodes verified "
+        r"\(at most (\d+) in a step\), (\d+) draft tokens accepted, acceptance length ([\d.]+)"
+    )
+    found = [tuple(map(float, m.groups())) for m in pattern.finditer(log)]
+    assert len(found) == 3, log[-3000:]
+    assert sorted(int(most) for _, _, most, _, _ in found) == [1, 3, 8]
+    for steps, nodes, most, accepted, length in found:
+        assert steps > 0 and nodes <= most * steps and accepted <= nodes
+        assert length == pytest.approx(1 + accepted / steps, abs=0.01)
+    metrics = results["own_budgets"]["metrics"]
+    # The engine's counters saw the cut trees: fewer nodes than 8 a verify step on average.
+    assert metrics["vllm:spec_decode_num_draft_tokens"] < 8 * metrics["vllm:spec_decode_num_drafts"]

@@ -7,12 +7,14 @@ reads 0. Here a DDTree engine's per-position counters have one position per dept
 reach (``tree_positions``): the scheduler's statistics (engine core), the Prometheus counter
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` and the periodic ``SpecDecoding metrics`` log
 line (front end). Position ``i`` counts the steps whose accepted path reached depth ``i + 1``;
-the totals (drafts, draft tokens = tree nodes, accepted tokens) are vLLM's own.
+the totals (drafts, draft tokens = tree nodes, accepted tokens) are vLLM's own. Each request's
+own verified trees are counted too (``request_options.RequestStatsBook``).
 """
 
 from __future__ import annotations
 
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
+from vllm_ddtree.request_options import stats_book
 
 
 def tree_positions(ddtree) -> int:
@@ -51,13 +53,16 @@ def _wrap_make_spec_decoding_stats(original):
             return original(self, *args, **kwargs)
         bound = bind_arguments(original, self, *args, **kwargs).arguments
         num_draft_tokens = bound["num_draft_tokens"]
+        invalid = bound.get("num_invalid_spec_tokens")
+        if invalid:
+            num_draft_tokens -= invalid.get(bound["request_id"], 0)
+        book = stats_book(self)
+        if book is not None:  # the request's own statistics (request_options.py)
+            book.observe(bound["request_id"], num_draft_tokens, bound["num_accepted_tokens"])
         if not self.log_stats or not num_draft_tokens:
             return None
         positions = tree_positions(ddtree)
         stats = tree_stats(bound["spec_decoding_stats"], positions)
-        invalid = bound.get("num_invalid_spec_tokens")
-        if invalid:
-            num_draft_tokens -= invalid.get(bound["request_id"], 0)
         observe_tree(stats, num_draft_tokens, bound["num_accepted_tokens"], positions)
         return stats
 

@@ -60,6 +60,7 @@ from vllm_ddtree.config import (
     gives_batch_size_schedule,
     split_speculative_config,
 )
+from vllm_ddtree.request_options import check_request_options, install_stats_book
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -280,13 +281,15 @@ def _wrap_drafting_slots(original):
 
 def _wrap_scheduler_init(original):
     """The scheduler reserves KV slots for everything the DDTree drafter writes
-    (``DDTreeConfig.kv_lookahead``)."""
+    (``DDTreeConfig.kv_lookahead``) and keeps each request's tree statistics
+    (``request_options.RequestStatsBook``)."""
 
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
         ddtree = get_ddtree_config(vllm_config.speculative_config)
         if ddtree is not None:
             self.num_lookahead_tokens = max(self.num_lookahead_tokens, ddtree.kv_lookahead)
+            install_stats_book(self, vllm_config)
 
     return __init__
 
@@ -322,12 +325,15 @@ def _wrap_chat_template_kwargs(original):
 
 
 def _wrap_validate_spec_decode(original):
-    """Requests asking for what the tree sampler cannot apply are refused naming the fields."""
+    """Requests asking for what the tree sampler cannot apply, or for DDTree options outside
+    their allowed values (``request_options``), are refused naming the fields."""
 
     def _validate_spec_decode(self, speculative_config, *args, **kwargs):
         original(self, speculative_config, *args, **kwargs)
-        if get_ddtree_config(speculative_config) is not None:
+        ddtree = get_ddtree_config(speculative_config)
+        if ddtree is not None:
             check_sampling_params(self)
+            check_request_options(self, ddtree.tree_budget)
 
     return _validate_spec_decode
 

@@ -11,8 +11,9 @@ RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` ar
 continuations an earlier run produced (see ``vllm_ddtree.spec_decode.proposer``), and
 ``"sampling": {"temperature": T, "repeats": K, ...}``: the first prompt K times, seeds 0..K-1
 (other keys, e.g. ``top_k``/``top_p``, go to ``SamplingParams``), and ``"params": {...}``: extra
-``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``), and ``"env": {...}``:
-environment variables set for that run only.
+``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``), ``"prompt_params":
+[{...}, ...]``: more of them per prompt (e.g. ``extra_args``), and ``"env": {...}``: environment
+variables set for that run only.
 Prints one line
 ``RESULT {name: {"tokens": [...], "metrics": {...}, "ddtree": {...}, "backend": ...}}``.
 """
@@ -30,6 +31,7 @@ def generate(
     max_tokens: int,
     sampling=None,
     params=None,
+    prompt_params=None,
 ) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -60,13 +62,17 @@ def generate(
         ]
         prompts = [prompts[0]] * sampling["repeats"]
     else:
-        sampling_params = SamplingParams(
-            temperature=0.0,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            detokenize=False,
-            **(params or {}),
-        )
+        per_prompt = prompt_params or [{}] * len(prompts)
+        sampling_params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                detokenize=False,
+                **{**(params or {}), **own},
+            )
+            for own in per_prompt
+        ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params)
     metrics = {}
     for metric in llm.get_metrics():
@@ -121,6 +127,7 @@ if __name__ == "__main__":
             int(max_tokens),
             run.get("sampling"),
             run.get("params"),
+            run.get("prompt_params"),
         )
         for key, value in saved_env.items():
             if value is None:

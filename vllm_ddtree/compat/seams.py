@@ -68,6 +68,7 @@ _ENGINE = "vllm_ddtree.vllm_patches"
 _KV = "vllm_ddtree.kv_specs"
 _GDN = "vllm_ddtree.hybrid_gdn"
 _METRICS = "vllm_ddtree.spec_metrics"
+_REQUESTS = "vllm_ddtree.request_options"
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,18 @@ SEAMS: tuple[Seam, ...] = (
         ENGINE,
         f"{_ENGINE}:_wrap_scheduler_init",
         ("self", "vllm_config"),
+    ),
+    Seam(
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        ENGINE,
+        f"{_REQUESTS}:_wrap_schedule",
+        ("self",),
+    ),
+    Seam(
+        "vllm.v1.core.sched.scheduler:Scheduler._free_request",
+        ENGINE,
+        f"{_REQUESTS}:_wrap_free_request",
+        ("self", "request"),
     ),
     Seam(
         "vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats",

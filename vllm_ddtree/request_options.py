@@ -1,0 +1,171 @@
+"""What one request may ask of DDTree, and what the engine core keeps about each request's trees.
+
+A request asks through ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``):
+
+* ``"tree_budget"``: at most this many tree nodes verified per step for this request, an int in
+  1..the engine's ``tree_budget``, or ``"auto"`` (the engine's choice, the default). The
+  scheduler schedules that many of the request's draft nodes (``cap_request_budgets``), and the
+  model runner cuts the request's tree to the nodes scheduled, as it does for vLLM's
+  per-batch-size schedule: the first ``b`` nodes of a best-first tree are the best-first tree
+  of budget ``b``, so the request's steps verify the tree an engine of budget ``b`` would.
+* ``"ddtree_stats"``: ``true`` logs the request's tree statistics when it finishes, at INFO
+  (otherwise at DEBUG): verify steps, tree nodes verified (in all and at most in one step),
+  accepted draft tokens and the acceptance length (``RequestTreeStats``).
+
+Both are checked when vLLM validates the request (``check_request_options``): a bad value is
+refused before the request reaches the engine, naming the key and the values allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_ddtree.compat import get_ddtree_config
+from vllm_ddtree.config import AUTO_BUDGET, DDTreeConfigError
+
+logger = logging.getLogger("vllm.ddtree")
+
+REQUEST_BUDGET_KEY = "tree_budget"
+REQUEST_STATS_KEY = "ddtree_stats"
+# The scheduler's per-request statistics (``RequestStatsBook``), set by its __init__ wrapper.
+STATS_ATTR = "_ddtree_request_stats"
+
+
+def _extra_args(params: Any) -> dict:
+    return getattr(params, "extra_args", None) or {}
+
+
+def request_tree_budget(params: Any, engine_budget: int) -> int | None:
+    """The nodes per step ``params`` asks for when fewer than ``engine_budget`` (None: the
+    engine's budget). Raises ``DDTreeConfigError`` for a value outside the allowed ones."""
+    value = _extra_args(params).get(REQUEST_BUDGET_KEY)
+    if value is None or value == AUTO_BUDGET:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= engine_budget:
+        raise DDTreeConfigError(
+            f"extra_args['{REQUEST_BUDGET_KEY}'] (vllm_xargs) = {value!r}: allowed are an int "
+            f"in 1..{engine_budget} (this engine's tree_budget) or '{AUTO_BUDGET}'"
+        )
+    return value if value < engine_budget else None
+
+
+def wants_tree_stats(params: Any) -> bool:
+    """Whether ``params`` asks for its tree statistics in the log (False unset). The OpenAI
+    server's ``vllm_xargs`` has no booleans: its JSON ``true`` arrives as 1, so 1 / 0 and
+    "true" / "false" are read as the booleans."""
+    value = _extra_args(params).get(REQUEST_STATS_KEY, False)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if type(value) in (bool, int) and value in (0, 1):
+        return bool(value)
+    raise DDTreeConfigError(
+        f"extra_args['{REQUEST_STATS_KEY}'] (vllm_xargs) = {value!r}: allowed are true or false"
+    )
+
+
+def check_request_options(params: Any, engine_budget: int) -> None:
+    """Raise ``DDTreeConfigError`` when a request's DDTree options are not allowed values."""
+    request_tree_budget(params, engine_budget)
+    wants_tree_stats(params)
+
+
+def cap_request_budgets(requests) -> None:
+    """Before the scheduler plans a step: each running request that asked for fewer tree nodes
+    than it has draft tokens keeps only its first ones (the shared placeholder list of async
+    scheduling is replaced, not changed). Values were checked when the request came in."""
+    for request in requests:
+        cap = _extra_args(request.sampling_params).get(REQUEST_BUDGET_KEY)
+        if type(cap) is int and len(request.spec_token_ids) > cap:
+            request.spec_token_ids = request.spec_token_ids[:cap]
+
+
+@dataclass
+class RequestTreeStats:
+    """One request's verified trees so far."""
+
+    verify_steps: int = 0  # steps that verified at least one tree node
+    nodes: int = 0  # tree nodes verified, in all
+    max_nodes: int = 0  # tree nodes verified in one step, at most
+    accepted: int = 0  # draft tokens accepted, in all
+
+    def observe(self, num_nodes: int, num_accepted: int) -> None:
+        if num_nodes <= 0:
+            return
+        self.verify_steps += 1
+        self.nodes += num_nodes
+        self.max_nodes = max(self.max_nodes, num_nodes)
+        self.accepted += num_accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens a verify step emitted on average (accepted drafts + the bonus token), as
+        vLLM's mean acceptance length counts them."""
+        return 1.0 + self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+    def describe(self) -> str:
+        return (
+            f"{self.verify_steps} verify steps, {self.nodes} tree nodes verified (at most "
+            f"{self.max_nodes} in a step), {self.accepted} draft tokens accepted, acceptance "
+            f"length {self.acceptance_length:.2f}"
+        )
+
+
+class RequestStatsBook:
+    """The scheduler's ``RequestTreeStats`` by request id, from a request's first verify step
+    until it is freed."""
+
+    def __init__(self):
+        self._by_request: dict[str, RequestTreeStats] = {}
+
+    def observe(self, request_id: str, num_nodes: int, num_accepted: int) -> None:
+        stats = self._by_request.get(request_id)
+        if stats is None:
+            stats = self._by_request[request_id] = RequestTreeStats()
+        stats.observe(num_nodes, num_accepted)
+
+    def finish(self, request_id: str) -> RequestTreeStats | None:
+        return self._by_request.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+
+def stats_book(scheduler) -> RequestStatsBook | None:
+    return getattr(scheduler, STATS_ATTR, None)
+
+
+def _wrap_schedule(original):
+    """``Scheduler.schedule``: requests' own tree budgets cap their draft tokens first."""
+
+    def schedule(self, *args, **kwargs):
+        if stats_book(self) is not None:  # a DDTree engine's scheduler
+            cap_request_budgets(self.running)
+        return original(self, *args, **kwargs)
+
+    return schedule
+
+
+def _wrap_free_request(original):
+    """``Scheduler._free_request``: a finished request's tree statistics go to the log."""
+
+    def _free_request(self, request, *args, **kwargs):
+        book = stats_book(self)
+        stats = book.finish(request.request_id) if book is not None else None
+        if stats is not None:
+            try:
+                asked = wants_tree_stats(request.sampling_params)
+            except DDTreeConfigError:  # a request that skipped vLLM's validation: not asked
+                asked = False
+            level = logging.INFO if asked else logging.DEBUG
+            logger.log(level, "vllm-ddtree: request %s: %s", request.request_id, stats.describe())
+        return original(self, request, *args, **kwargs)
+
+    return _free_request
+
+
+def install_stats_book(scheduler, vllm_config) -> None:
+    """A DDTree engine's scheduler keeps a ``RequestStatsBook`` (its ``__init__`` wrapper)."""
+    if get_ddtree_config(vllm_config.speculative_config) is not None:
+        setattr(scheduler, STATS_ATTR, RequestStatsBook())
