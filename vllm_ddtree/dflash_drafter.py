@@ -144,6 +144,14 @@ class DFlashDrafterConfig:
         )
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` over its last dim divided by its root mean square (in float32), back in ``x``'s
+    dtype: Qwen3's RMSNorm before its weight."""
+    normalized = x.float()
+    normalized = normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + eps)
+    return normalized.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -151,10 +159,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * rms_normalize(x, self.eps)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

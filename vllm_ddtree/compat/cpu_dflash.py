@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.dflash_drafter import rms_normalize
+
 
 def normalize_per_layer(keys: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise ``keys`` ``[layers, tokens, heads, head_dim]`` over ``head_dim`` and scale
     layer ``i`` by ``weights[i]`` (``[layers, head_dim]``), as the drafter's K-norm does."""
-    x = keys.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (weights[:, None, None, :] * x.to(keys.dtype)).to(keys.dtype)
+    return (weights[:, None, None, :] * rms_normalize(keys, eps)).to(keys.dtype)
 
 
 def wrap_normalize_context_k(original):
