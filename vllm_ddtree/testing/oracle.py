@@ -73,7 +73,8 @@ class HostOracle:
         self.model_of_sequence = spec["model_of_sequence"]
         self.seed = int(spec.get("seed", 0))
         self.gen = torch.Generator().manual_seed(self.seed)
-        self.device_gens: dict[str, torch.Generator] = {}  # the ranked logits' draws, by device
+        # By device: the ranked logits' generator and the rank table there (made once).
+        self.on_device: dict[str, tuple[torch.Generator, torch.Tensor | None]] = {}
         self.vocab_size = vocab_size
 
     def logits(
@@ -128,24 +129,25 @@ class HostOracle:
             ahead = self.sequences[index][position + 1 : position + 1 + depth]
             truth[r, : len(ahead)] = torch.tensor(ahead, dtype=torch.long)
             valid[r, : len(ahead)] = True
-        params = RankRows.of(self.rank_table, model_index)
-        ranks = sample_ranks(params, rows, depth, self.gen)
-        gen = self._generator(device)
-        params = RankRows.of(self.rank_table.to(device), model_index.to(device))
+        ranks = sample_ranks(RankRows.of(self.rank_table, model_index), rows, depth, self.gen)
+        gen, rank_table = self._on(device)
+        params = RankRows.of(rank_table, model_index.to(device))
         ranked = synthetic_logits(params, truth.to(device), ranks.to(device), self.vocab_size, gen)
         if bool(valid.all()):  # (host tensors: no device synchronisation)
             return ranked
         noise = torch.randn(rows, depth, self.vocab_size, generator=gen, device=device)
         return torch.where(valid.to(device).unsqueeze(-1), ranked, noise)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """The seeded generator of the logits' draws on ``device`` (the CPU's is ``gen``)."""
+    def _on(self, device: torch.device) -> tuple[torch.Generator, torch.Tensor | None]:
+        """The seeded generator of the logits' draws on ``device`` (the CPU's is ``gen``) and
+        the rank table there, made on first use."""
         if device.type == "cpu":
-            return self.gen
+            return self.gen, self.rank_table
         key = str(device)
-        if key not in self.device_gens:
-            self.device_gens[key] = torch.Generator(device).manual_seed(self.seed)
-        return self.device_gens[key]
+        if key not in self.on_device:
+            table = self.rank_table.to(device) if self.rank_table is not None else None
+            self.on_device[key] = (torch.Generator(device).manual_seed(self.seed), table)
+        return self.on_device[key]
 
 
 class DeviceOracle:
