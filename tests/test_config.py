@@ -177,3 +177,24 @@ def test_a_schedule_of_speculative_tokens_is_seen_in_either_spelling():
     assert gives_batch_size_schedule({"num-speculative-tokens-per-batch-size": schedule})
     assert not gives_batch_size_schedule({"num_speculative_tokens_per_batch_size": None})
     assert not gives_batch_size_schedule({"method": "ddtree", "tree_budget": 32})
+
+
+def test_logprobs_and_penalties_are_refused_where_the_tree_step_cannot_apply_them():
+    """Served on the V1 runner (logprobs in vLLM's raw modes); the V2 runner and the processed
+    modes are refused naming what to use."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.config import unsupported_sampling_params
+
+    asks = SimpleNamespace(logprobs=3)
+    assert unsupported_sampling_params(asks, "v1", "raw_logprobs") == []
+    assert unsupported_sampling_params(asks, "v1", "raw_logits") == []
+    assert "VLLM_DDTREE_RUNNER=v1" in unsupported_sampling_params(asks, "v2")[0]
+    assert "processed_logprobs" in unsupported_sampling_params(asks, "v1", "processed_logprobs")[0]
+    assert unsupported_sampling_params(SimpleNamespace(logprobs=None), "v2") == []
+    penalised = SimpleNamespace(logprobs=None, repetition_penalty=1.2, presence_penalty=0.5)
+    assert unsupported_sampling_params(penalised, "v1") == []
+    assert unsupported_sampling_params(penalised, "v2") == [
+        "presence_penalty",
+        "repetition_penalty",
+    ]

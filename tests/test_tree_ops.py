@@ -307,3 +307,26 @@ def test_drafter_context_rows_are_the_path_then_fresh_positions():
     assert input_ids.tolist()[:6] == [100, 101, 102, 103, 105, 106]
     assert hidden[0][:, 0].tolist()[:6] == [0, 1, 2, 3, 5, 6]
     assert positions.tolist() == [10, 11, 12, 40, 41, 42, 43, 44]
+
+
+def test_tree_row_outputs_count_the_outputs_and_each_nodes_own_path():
+    from vllm_ddtree.spec_decode.tree_penalties import tree_row_outputs
+
+    # Request 0: nodes 1 (under the root), 2 (under 1), 3 (under the root); request 1: no
+    # drafts; request 2: drafts vLLM padded in without a tree (parents -1).
+    rows = tree_row_outputs(
+        outputs=[[5, 6], [7], [8]],
+        token_ids=[[10, 11, 12], [0, 0, 0], [-1, -1, -1]],
+        parents=[[0, 1, 0], [0, 0, 0], [-1, -1, -1]],
+        num_draft=[3, 0, 2],
+    )
+    assert rows == [
+        [5, 6],
+        [5, 6, 10],
+        [5, 6, 10, 11],
+        [5, 6, 12],
+        [7],
+        [8],
+        [8, -1],
+        [8, -1],
+    ]

@@ -343,3 +343,92 @@ def test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_logged(
     metrics = results["own_budgets"]["metrics"]
     # The engine's counters saw the cut trees: fewer nodes than 8 a verify step on average.
     assert metrics["vllm:spec_decode_num_draft_tokens"] < 8 * metrics["vllm:spec_decode_num_drafts"]
+
+
+def assert_same_logprobs(got, want, tolerance=1e-4):
+    """Per prompt and token: the same token ids with the same ranks, logprobs within
+    ``tolerance`` (float32; the tree's verify batch differs from the target alone's)."""
+    assert got is not None and want is not None
+    for got_prompt, want_prompt in zip(got, want, strict=True):
+        assert len(got_prompt) == len(want_prompt)
+        for got_token, want_token in zip(got_prompt, want_prompt, strict=True):
+            assert [(t, r) for t, _, r in got_token] == [(t, r) for t, _, r in want_token]
+            for (_, a, _), (_, b, _) in zip(got_token, want_token, strict=True):
+                assert a == pytest.approx(b, abs=tolerance)
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_logprobs_are_the_target_alones(tiny_target_path, tiny_drafter_path):
+    """``logprobs`` (the top 3 and the emitted token, with ranks) and prompt logprobs on trees
+    of budget 8 with deep
+    acceptance: each emitted token's logprobs come from the logits row of its node on the
+    accepted path (the bonus from the last node's). Greedy; then with ``min_tokens`` and the
+    target's own second token as a stop token: the tokens avoid it, and the logprobs stay the
+    raw ones (the stop token's too), as the target alone reports them."""
+    asked = {"logprobs": 3, "prompt_logprobs": 0}
+    target = {**TARGET_ALONE, "params": asked}
+    tree = {**ddtree_run("ddtree", tiny_drafter_path, 8), "params": asked}
+    results, _ = run_engines(tiny_target_path, [target, tree], PROMPTS, max_tokens=24)
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    assert_same_logprobs(results["ddtree"]["logprobs"], results["target"]["logprobs"])
+    for got, want in zip(
+        results["ddtree"]["prompt_logprobs"], results["target"]["prompt_logprobs"], strict=True
+    ):
+        assert got == pytest.approx(want, abs=1e-4)
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+    stop = results["target"]["tokens"][0][1]
+    banned = {"logprobs": 3, "min_tokens": 12, "stop_token_ids": [stop]}
+    target = {**TARGET_ALONE, "params": banned}
+    tree = {**ddtree_run("ddtree", tiny_drafter_path, 8), "params": banned}
+    results, _ = run_engines(tiny_target_path, [target, tree], PROMPTS[:1], max_tokens=24)
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    assert stop not in results["target"]["tokens"][0][:12]
+    top_at_second = results["target"]["logprobs"][0][1]
+    assert any(t == stop and rank == 1 for t, _, rank in top_at_second), top_at_second
+    assert_same_logprobs(results["ddtree"]["logprobs"], results["target"]["logprobs"])
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_sampled_tokens_logprobs_are_the_targets_raw_ones(
+    tiny_target_path, tiny_drafter_path
+):
+    """At T = 0.8 (keyed samples, trees of budget 8): each emitted token's reported logprob is
+    the target's raw log-probability of it after the tokens before it, as the target alone
+    scores the same sequence (its prompt logprobs)."""
+    sampling = {"temperature": 0.8, "repeats": 4, "logprobs": 0}
+    greedy = {"name": "greedy", "kwargs": {"dtype": "float32"}}
+    tree = ddtree_run("ddtree", tiny_drafter_path, 8, oracle={"from": "greedy", "p_top": 0.8})
+    tree["sampling"] = sampling
+    prompt = PROMPTS[1]
+    results, _ = run_engines(tiny_target_path, [greedy, tree], [prompt], max_tokens=20)
+    sequences = [prompt + tokens for tokens in results["ddtree"]["tokens"]]
+    scored = {**TARGET_ALONE, "params": {"prompt_logprobs": 0}}
+    scores, _ = run_engines(tiny_target_path, [scored], sequences, max_tokens=1)
+    for tokens, reported, prompt_logprobs in zip(
+        results["ddtree"]["tokens"],
+        results["ddtree"]["logprobs"],
+        scores["target"]["prompt_logprobs"],
+        strict=True,
+    ):
+        own = [
+            next(lp for t, lp, _ in position if t == token)
+            for token, position in zip(tokens, reported, strict=True)
+        ]
+        assert own == pytest.approx(prompt_logprobs[len(prompt) - 1 :], abs=1e-4)
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_penalties_count_each_nodes_own_path(tiny_target_path, tiny_drafter_path):
+    """Presence, frequency and repetition penalties on trees of budget 16 with deep
+    acceptance: each node's row counts the request's outputs and its own path's tokens, so the
+    greedy output is the target alone's with the same penalties (which change it)."""
+    penalties = {"repetition_penalty": 1.6, "presence_penalty": 0.6, "frequency_penalty": 0.5}
+    plain = {"name": "plain", "kwargs": {"dtype": "float32"}}
+    target = {**TARGET_ALONE, "params": penalties}
+    tree = {**ddtree_run("ddtree", tiny_drafter_path, 16), "params": penalties}
+    results, _ = run_engines(tiny_target_path, [plain, target, tree], PROMPTS, max_tokens=32)
+    assert results["target"]["tokens"] != results["plain"]["tokens"]  # the penalties bite
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -322,19 +322,33 @@ def check_engine_is_supported(
         )
 
 
-def unsupported_sampling_params(params: Any) -> list[str]:
+# vLLM's logprobs modes the tree step reports (spec_decode/tree_logprobs.py).
+TREE_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
+
+
+def unsupported_sampling_params(
+    params: Any, runner: str = "v1", logprobs_mode: str = "raw_logprobs"
+) -> list[str]:
     """The request's ``SamplingParams`` fields the tree sampler cannot apply yet (their names;
-    empty when the request is fine). Checked when vLLM validates a request, so such a request
-    gets an error of its own and never reaches the engine."""
+    empty when the request is fine), on ``runner`` ("v1" or "v2") with the engine's
+    ``logprobs_mode``. Checked when vLLM validates a request, so such a request gets an error
+    of its own and never reaches the engine."""
     names = []
-    if getattr(params, "presence_penalty", 0.0):
-        names.append("presence_penalty")
-    if getattr(params, "frequency_penalty", 0.0):
-        names.append("frequency_penalty")
-    if getattr(params, "repetition_penalty", 1.0) not in (None, 1.0):
-        names.append("repetition_penalty")
-    if getattr(params, "logprobs", None) is not None:
-        names.append("logprobs")
+    if runner != "v1":  # penalties on tree rows: the V1 runner's (spec_decode/tree_penalties.py)
+        if getattr(params, "presence_penalty", 0.0):
+            names.append("presence_penalty")
+        if getattr(params, "frequency_penalty", 0.0):
+            names.append("frequency_penalty")
+        if getattr(params, "repetition_penalty", 1.0) not in (None, 1.0):
+            names.append("repetition_penalty")
+    logprobs = getattr(params, "logprobs", None)
+    if logprobs is not None:
+        if runner != "v1":
+            names.append("logprobs (served on the V1 model runner: VLLM_DDTREE_RUNNER=v1)")
+        elif logprobs_mode not in TREE_LOGPROBS_MODES:
+            names.append(f"logprobs with logprobs_mode {logprobs_mode!r}")
+        elif logprobs < 0:
+            names.append("logprobs=-1 (the whole vocabulary)")
     for name in ("allowed_token_ids", "bad_words"):
         if getattr(params, name, None):
             names.append(name)
@@ -346,14 +360,19 @@ def unsupported_sampling_params(params: Any) -> list[str]:
     return names
 
 
-def check_sampling_params(params: Any) -> None:
-    """Raise ``DDTreeConfigError`` naming every field of ``params`` that DDTree cannot honour."""
-    names = unsupported_sampling_params(params)
+def check_sampling_params(
+    params: Any, runner: str = "v1", logprobs_mode: str = "raw_logprobs"
+) -> None:
+    """Raise ``DDTreeConfigError`` naming every field of ``params`` that DDTree cannot honour
+    (``unsupported_sampling_params``)."""
+    names = unsupported_sampling_params(params, runner, logprobs_mode)
     if names:
         raise DDTreeConfigError(
             f"speculative method 'ddtree' does not support {', '.join(names)} yet (supported: "
-            "temperature, top_k, top_p, min_tokens, stop, max_tokens, seed); send this request "
-            "to a server without DDTree or leave these unset"
+            "temperature, top_k, top_p, min_tokens, stop, max_tokens, seed, and on the V1 model "
+            "runner penalties and logprobs with logprobs_mode "
+            f"{' or '.join(TREE_LOGPROBS_MODES)}); send this "
+            "request to a server without DDTree or leave these unset"
         )
 
 

@@ -15,7 +15,8 @@ continuations an earlier run produced (see ``vllm_ddtree.spec_decode.proposer``)
 [{...}, ...]``: more of them per prompt (e.g. ``extra_args``), and ``"env": {...}``: environment
 variables set for that run only.
 Prints one line
-``RESULT {name: {"tokens": [...], "metrics": {...}, "ddtree": {...}, "backend": ...}}``.
+``RESULT {name: {"tokens": [...], "logprobs": [...], "metrics": {...}, "ddtree": {...},
+"backend": ...}}``.
 """
 
 import gc
@@ -85,6 +86,28 @@ def generate(
     backend = config.attention_config.backend
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        # Per prompt, per generated token: [[token id, logprob, rank], ...] (when asked for).
+        "logprobs": [
+            [
+                sorted([t, lp.logprob, lp.rank] for t, lp in position.items())
+                for position in o.outputs[0].logprobs
+            ]
+            if o.outputs[0].logprobs is not None
+            else None
+            for o in outputs
+        ],
+        # Per prompt, per prompt token after the first: its logprob (when asked for).
+        "prompt_logprobs": [
+            [
+                position[token].logprob
+                for token, position in zip(
+                    o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True
+                )
+            ]
+            if o.prompt_logprobs is not None
+            else None
+            for o in outputs
+        ],
         "metrics": metrics,
         "ddtree": ddtree.to_dict() if ddtree else None,
         "backend": backend.name if backend is not None else None,

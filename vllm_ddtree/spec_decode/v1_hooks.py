@@ -36,6 +36,8 @@ from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.proposer import DDTreeProposer
 from vllm_ddtree.spec_decode.request_seeds import batch_seeds
 from vllm_ddtree.spec_decode.step_state import HANDLE, StepState, runner_step_state
+from vllm_ddtree.spec_decode.tree_logprobs import raw_logprobs, tree_step_logprobs
+from vllm_ddtree.spec_decode.tree_penalties import penalize_tree_rows
 from vllm_ddtree.spec_decode.tree_step import (
     StepTableUpload,
     TreeStep,
@@ -209,14 +211,10 @@ def check_gdn_rows_are_tree_rows(num_decode_draft_tokens: np.ndarray, num_draft:
 def _refuse_unsupported(sampling_metadata) -> None:
     """Sampling features the tree path does not apply yet fail loudly instead of silently."""
     unsupported = []
-    if not sampling_metadata.no_penalties:
-        unsupported.append("presence/frequency/repetition penalties")
     if sampling_metadata.allowed_token_ids_mask is not None:
         unsupported.append("allowed_token_ids")
     if sampling_metadata.bad_words_token_ids:
         unsupported.append("bad_words")
-    if sampling_metadata.max_num_logprobs is not None:
-        unsupported.append("logprobs")
     holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         unsupported.append("thinking_token_budget")
@@ -268,7 +266,8 @@ def _ban_stop_tokens_before_min_tokens(
     """``min_tokens`` on trees (vLLM's ``MinTokensLogitsProcessor``, which assumes chains):
     at tree index ``i`` of request ``r`` the request has ``len(outputs) + depth(i)`` tokens, so
     its stop tokens get ``-inf`` there while that is below ``min_tokens``. In place on
-    ``logits`` ``[rows, V]``; costs nothing unless a request in the batch has ``min_tokens``."""
+    ``logits`` ``[rows, V]``; costs nothing unless a request in the batch has ``min_tokens``.
+    Returns what puts the banned logits back (for raw logprobs), or None when nothing was."""
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
     entries = []
@@ -278,7 +277,7 @@ def _ban_stop_tokens_before_min_tokens(
                 left = min_tokens - len(outputs)
                 entries += [(req, token, left) for token in sorted(stop_ids) if left > 0]
     if not entries:
-        return
+        return None
     device = logits.device
     req, token, left = (
         torch.tensor(c, dtype=torch.long, device=device) for c in zip(*entries, strict=True)
@@ -293,7 +292,13 @@ def _ban_stop_tokens_before_min_tokens(
     rows = first_row[req].unsqueeze(1) + index  # [P, N + 1]
     banned = depth[req].gather(1, index) < left.unsqueeze(1)
     columns = token.unsqueeze(1).expand_as(rows)
-    logits[rows, columns] = torch.where(banned, float("-inf"), logits[rows, columns])
+    original = logits[rows, columns]
+    logits[rows, columns] = torch.where(banned, float("-inf"), original)
+
+    def undo() -> None:
+        logits[rows, columns] = original
+
+    return undo
 
 
 def _keyed_rows(runner, num_reqs: int):
@@ -323,8 +328,18 @@ def _sample_without_trees(runner, original, logits):
     from vllm.v1.outputs import SamplerOutput
 
     runner.input_batch.update_async_output_token_ids()
+    max_num_logprobs = sampling_metadata.max_num_logprobs
+    raw = None  # before the processors, as vLLM's sampler reports "raw" logprobs
+    if max_num_logprobs is not None:
+        raw = raw_logprobs(logits, runner.sampler.logprobs_mode)
     for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
         logits = processor.apply(logits)
+    if not sampling_metadata.no_penalties:  # as vLLM's sampler: after the processors
+        from vllm.v1.sample.sampler import Sampler
+
+        logits = Sampler.apply_penalties(
+            logits.to(torch.float32), sampling_metadata, sampling_metadata.output_token_ids
+        )
     num_reqs, device = logits.shape[0], logits.device
 
     def request_of_row() -> torch.Tensor:
@@ -334,7 +349,10 @@ def _sample_without_trees(runner, original, logits):
         keyed_rows = _keyed_rows(runner, num_reqs)
         chosen = _target_tokens(logits, sampling_metadata, request_of_row, keyed_rows)
     sampled = chosen.to(torch.int32).view(num_reqs, 1)
-    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+    logprobs_tensors = None
+    if raw is not None:
+        logprobs_tensors = runner.sampler.gather_logprobs(raw, max_num_logprobs, chosen.long())
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
 
 def _wrap_sample(original):
@@ -368,12 +386,24 @@ def _wrap_sample(original):
         gdn = state.hybrid
         if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
             gdn.watch("in the target's forward after its last GDN layer, or its logits")
+        max_num_logprobs = sampling_metadata.max_num_logprobs
         with step_range("ddtree::target_tokens"):
-            _ban_stop_tokens_before_min_tokens(
+            unban = _ban_stop_tokens_before_min_tokens(
                 logits, sampling_metadata, trees, first_row, step.num_draft
             )
             keyed_rows = _keyed_rows(self, num_reqs)
-            chosen = _target_tokens(logits, sampling_metadata, request_of_row, keyed_rows)
+            penalized = logits
+            if not sampling_metadata.no_penalties:  # on a copy: logprobs stay raw
+                penalized = penalize_tree_rows(
+                    logits.to(torch.float32, copy=True),
+                    sampling_metadata,
+                    trees,
+                    [int(n) for n in spec_decode_metadata.num_draft_tokens],
+                    request_of_row(),
+                )
+            chosen = _target_tokens(penalized, sampling_metadata, request_of_row, keyed_rows)
+            if unban is not None and max_num_logprobs is not None:
+                unban()  # raw logprobs: the target's logits as they came
         if gdn is not None:
             gdn.watch("in choosing the target's tokens")
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
@@ -391,7 +421,12 @@ def _wrap_sample(original):
             if gdn is not None:
                 gdn.watch("in the KV commit")
                 gdn.commit(accepted, num_accepted, step.num_draft)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+        logprobs_tensors = None
+        if max_num_logprobs is not None:
+            logprobs_tensors = tree_step_logprobs(
+                self.sampler, logits, first_row, accepted, num_accepted, sampled, max_num_logprobs
+            )
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
     return _sample
 
