@@ -310,7 +310,7 @@ def test_drafter_context_rows_are_the_path_then_fresh_positions():
 
 
 def test_tree_row_outputs_count_the_outputs_and_each_nodes_own_path():
-    from vllm_ddtree.spec_decode.tree_penalties import tree_row_outputs
+    from vllm_ddtree.spec_decode.tree_logits_processors import tree_row_outputs
 
     # Request 0: nodes 1 (under the root), 2 (under 1), 3 (under the root); request 1: no
     # drafts; request 2: drafts vLLM padded in without a tree (parents -1).

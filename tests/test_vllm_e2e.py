@@ -432,3 +432,39 @@ def test_ddtree_penalties_count_each_nodes_own_path(tiny_target_path, tiny_draft
     assert results["target"]["tokens"] != results["plain"]["tokens"]  # the penalties bite
     assert results["ddtree"]["tokens"] == results["target"]["tokens"]
     assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_allowed_token_ids_and_bad_words_are_the_target_alones(
+    tiny_target_path, tiny_drafter_path, tmp_path
+):
+    """``allowed_token_ids`` (every row masked by its request's set) and ``bad_words`` (a
+    node's row bans a word's last token when its own path ends with the word's prefix) on trees
+    of budget 16: greedy outputs equal the target alone's with the same options, which change
+    it. Bad words are strings, so the target gets a word-level tokenizer."""
+    import shutil
+
+    from benchmarks.serve_check import make_tokenizer
+
+    target_dir = str(tmp_path / "target")
+    shutil.copytree(tiny_target_path, target_dir)
+    make_tokenizer(target_dir, 1024)
+    with_tokenizer = {"skip_tokenizer_init": False}
+    plain = {"name": "plain", "kwargs": {"dtype": "float32", **with_tokenizer}}
+    allowed = {"allowed_token_ids": list(range(1, 1000, 3))}
+    target = {"name": "target", "kwargs": {"dtype": "float32", **with_tokenizer}}
+    tree = ddtree_run("ddtree", tiny_drafter_path, 16, **with_tokenizer)
+    runs = [plain, {**target, "params": allowed}, {**tree, "params": allowed}]
+    results, _ = run_engines(target_dir, runs, PROMPTS, max_tokens=32)
+    assert results["target"]["tokens"] != results["plain"]["tokens"]
+    assert all(t % 3 == 1 for tokens in results["target"]["tokens"] for t in tokens)
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+
+    first = results["plain"]["tokens"][0]
+    # A three-token word the target says, and a one-token word it says later.
+    words = {"bad_words": [f"w{first[3]} w{first[4]} w{first[5]}", f"w{first[9]}"]}
+    runs = [plain, {**target, "params": words}, {**tree, "params": words}]
+    results, _ = run_engines(target_dir, runs, PROMPTS, max_tokens=32)
+    assert results["target"]["tokens"] != results["plain"]["tokens"]
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0

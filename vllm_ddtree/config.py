@@ -334,7 +334,7 @@ def unsupported_sampling_params(
     ``logprobs_mode``. Checked when vLLM validates a request, so such a request gets an error
     of its own and never reaches the engine."""
     names = []
-    if runner != "v1":  # penalties on tree rows: the V1 runner's (spec_decode/tree_penalties.py)
+    if runner != "v1":  # penalties on tree rows: the V1 runner's (tree_logits_processors.py)
         if getattr(params, "presence_penalty", 0.0):
             names.append("presence_penalty")
         if getattr(params, "frequency_penalty", 0.0):
@@ -349,9 +349,10 @@ def unsupported_sampling_params(
             names.append(f"logprobs with logprobs_mode {logprobs_mode!r}")
         elif logprobs < 0:
             names.append("logprobs=-1 (the whole vocabulary)")
-    for name in ("allowed_token_ids", "bad_words"):
-        if getattr(params, name, None):
-            names.append(name)
+    if runner != "v1":  # allowed token ids and bad words on tree rows: the V1 runner's
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(params, name, None):
+                names.append(name)
     if getattr(params, "thinking_token_budget", None) is not None:
         names.append("thinking_token_budget")
     # vLLM's grammar checks drafts as one chain: tree nodes would be masked by the wrong prefix.
@@ -370,7 +371,7 @@ def check_sampling_params(
         raise DDTreeConfigError(
             f"speculative method 'ddtree' does not support {', '.join(names)} yet (supported: "
             "temperature, top_k, top_p, min_tokens, stop, max_tokens, seed, and on the V1 model "
-            "runner penalties and logprobs with logprobs_mode "
+            "runner penalties, allowed_token_ids, bad_words and logprobs with logprobs_mode "
             f"{' or '.join(TREE_LOGPROBS_MODES)}); send this "
             "request to a server without DDTree or leave these unset"
         )

@@ -36,8 +36,11 @@ from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.proposer import DDTreeProposer
 from vllm_ddtree.spec_decode.request_seeds import batch_seeds
 from vllm_ddtree.spec_decode.step_state import HANDLE, StepState, runner_step_state
+from vllm_ddtree.spec_decode.tree_logits_processors import (
+    apply_tree_processors,
+    needs_tree_processors,
+)
 from vllm_ddtree.spec_decode.tree_logprobs import raw_logprobs, tree_step_logprobs
-from vllm_ddtree.spec_decode.tree_penalties import penalize_tree_rows
 from vllm_ddtree.spec_decode.tree_step import (
     StepTableUpload,
     TreeStep,
@@ -211,10 +214,6 @@ def check_gdn_rows_are_tree_rows(num_decode_draft_tokens: np.ndarray, num_draft:
 def _refuse_unsupported(sampling_metadata) -> None:
     """Sampling features the tree path does not apply yet fail loudly instead of silently."""
     unsupported = []
-    if sampling_metadata.allowed_token_ids_mask is not None:
-        unsupported.append("allowed_token_ids")
-    if sampling_metadata.bad_words_token_ids:
-        unsupported.append("bad_words")
     holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         unsupported.append("thinking_token_budget")
@@ -332,14 +331,10 @@ def _sample_without_trees(runner, original, logits):
     raw = None  # before the processors, as vLLM's sampler reports "raw" logprobs
     if max_num_logprobs is not None:
         raw = raw_logprobs(logits, runner.sampler.logprobs_mode)
-    for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
-        logits = processor.apply(logits)
-    if not sampling_metadata.no_penalties:  # as vLLM's sampler: after the processors
-        from vllm.v1.sample.sampler import Sampler
-
-        logits = Sampler.apply_penalties(
-            logits.to(torch.float32), sampling_metadata, sampling_metadata.output_token_ids
-        )
+    # vLLM's own: allowed token ids, bad words, min_tokens and the other processors, penalties.
+    logits = runner.sampler.apply_logits_processors(
+        logits.to(torch.float32), sampling_metadata, predict_bonus_token=False
+    )
     num_reqs, device = logits.shape[0], logits.device
 
     def request_of_row() -> torch.Tensor:
@@ -392,16 +387,16 @@ def _wrap_sample(original):
                 logits, sampling_metadata, trees, first_row, step.num_draft
             )
             keyed_rows = _keyed_rows(self, num_reqs)
-            penalized = logits
-            if not sampling_metadata.no_penalties:  # on a copy: logprobs stay raw
-                penalized = penalize_tree_rows(
+            processed = logits
+            if needs_tree_processors(sampling_metadata):  # on a copy: logprobs stay raw
+                processed = apply_tree_processors(
                     logits.to(torch.float32, copy=True),
                     sampling_metadata,
                     trees,
                     [int(n) for n in spec_decode_metadata.num_draft_tokens],
                     request_of_row(),
                 )
-            chosen = _target_tokens(penalized, sampling_metadata, request_of_row, keyed_rows)
+            chosen = _target_tokens(processed, sampling_metadata, request_of_row, keyed_rows)
             if unban is not None and max_num_logprobs is not None:
                 unban()  # raw logprobs: the target's logits as they came
         if gdn is not None:
