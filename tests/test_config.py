@@ -198,3 +198,6 @@ def test_logprobs_and_penalties_are_refused_where_the_tree_step_cannot_apply_the
         "presence_penalty",
         "repetition_penalty",
     ]
+    masked = SimpleNamespace(logprobs=None, allowed_token_ids=[1, 2], bad_words=["w1"])
+    assert unsupported_sampling_params(masked, "v1") == []
+    assert unsupported_sampling_params(masked, "v2") == ["allowed_token_ids", "bad_words"]

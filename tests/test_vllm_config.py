@@ -111,9 +111,9 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
     tiny_target_path, tiny_drafter_path
 ):
     """vLLM validates each request against the engine's config before it reaches the engine:
-    with DDTree, bad words / allowed token ids / structured outputs are refused there, naming
-    the fields; plain sampling (temperature, top-k/top-p, min_tokens) and, on the V1 runner
-    (this CPU engine's), logprobs and penalties pass; DFlash alone is unaffected."""
+    with DDTree, structured outputs are refused there, naming the field; plain sampling
+    (temperature, top-k/top-p, min_tokens) and, on the V1 runner (this CPU engine's), logprobs,
+    penalties and allowed token ids pass; DFlash alone is unaffected."""
     from vllm import SamplingParams
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
@@ -124,8 +124,7 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
 
     verify(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_tokens=4, seed=1))
     verify(SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, logprobs=2))
-    with pytest.raises(DDTreeConfigError, match="allowed_token_ids, bad_words"):
-        verify(SamplingParams(bad_words=["w1"], allowed_token_ids=[1, 2]))
+    verify(SamplingParams(allowed_token_ids=[1, 2]))
     from vllm.sampling_params import StructuredOutputsParams
 
     with pytest.raises(DDTreeConfigError, match="structured_outputs"):
