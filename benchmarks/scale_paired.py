@@ -54,6 +54,7 @@ from benchmarks.bench_paired import (
     CHAIN,
     Engines,
     engine_jobs,
+    graph_sizes,
     measure_row,
     ratio_text,
     row_groups,
@@ -369,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch1-prompts", type=int, default=2)
     parser.add_argument("--split-batches", default="1", help="'' for none")
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument(
+        "--max-verify-tokens",
+        type=int,
+        default=0,
+        help="a DDTree budget runs at the batches whose verify has at most this many tokens "
+        "(2048: every verify in a FULL graph; 0: every batch)",
+    )
     parser.add_argument("--start-timeout", type=int, default=420)
     parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
     parser.add_argument(
@@ -426,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     # prefill on the Triton kernels (FlashInfer's, Hopper's default, is not on the GPU host).
     runner = "v1" if model.hybrid else "v2"
     jobs = engine_jobs(drafter, model.block_size - 1, budgets, max(batches), runner)
+    served = {job["name"]: batches_served(job, batches, args.max_verify_tokens) for job in jobs}
+    for job in jobs:  # each engine sized for the largest batch it serves in the grid
+        job["max_seqs"] = max(served[job["name"]], default=1)
+        job["cudagraph_capture_sizes"] = graph_sizes(
+            job["width"], job["max_seqs"], job["drafter_width"]
+        )
     overrides = engine_overrides(model, args, budgets, batches)
 
     def compile_config(job):  # FULL graphs of every decode/verify batch, no torch.compile
@@ -439,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         job["kwargs"] = dict(
             job["kwargs"],
             compilation_config=compile_config(job),
-            kv_cache_memory_bytes=kv_cache_bytes(model, job, max(batches), args.kv_cache_gb),
+            kv_cache_memory_bytes=kv_cache_bytes(model, job, job["max_seqs"], args.kv_cache_gb),
         )
     ar_job, spec_jobs = jobs[0], jobs[1:]
 
@@ -488,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": args.prompt_len,
             "max_model_len": overrides["max_model_len"],
             "sampling_temperature": args.sampling_temperature,
+            "max_verify_tokens": args.max_verify_tokens,
+            "batches_served": served,
             "bandwidth_gb_s": floor_bytes["bandwidth"] / 1e9,
             "floor_bytes": floor_bytes,
             "parameters": paths["parameters"],
@@ -512,7 +528,17 @@ def main(argv: list[str] | None = None) -> int:
             summary["engines"].update(engines.ready)
             summary["phases"].append({"engines": names, "start_seconds": time.time() - start})
             run_phase(
-                summary, phase, names, live, run, pools, reference_of, floor_bytes, args, started
+                summary,
+                phase,
+                names,
+                live,
+                run,
+                pools,
+                reference_of,
+                floor_bytes,
+                args,
+                started,
+                served,
             )
         summary["wall_seconds"] = time.time() - started
         write_report(summary, args.out)
@@ -563,14 +589,27 @@ def engine_phases(names: list[str], per_phase: int) -> list[list[str]]:
     ]
 
 
-def run_phase(summary, phase, names, live, run, pools, reference_of, floor_bytes, args, started):
+def batches_served(job: dict, batches: list[int], max_verify_tokens: int) -> list[int]:
+    """The grid's batch sizes an engine runs at: all for AR and the chain; for a DDTree budget
+    those whose verify batch, ``batch x (1 + budget)`` tokens, is at most
+    ``max_verify_tokens`` (0: no limit), so that every verify replays a FULL CUDA graph (the
+    plugin's largest is 2048 tokens) and batch 64 does not run budget 512 (32832 tokens)."""
+    if max_verify_tokens <= 0 or job["name"] in ("ar", CHAIN):
+        return list(batches)
+    return [b for b in batches if b * job["width"] <= max_verify_tokens]
+
+
+def run_phase(
+    summary, phase, names, live, run, pools, reference_of, floor_bytes, args, started, served
+):
     """One phase: the step-time split of its engines at ``--split-batches`` (the chain's once),
-    then every row by turns; the report is rewritten after each."""
+    then every row by turns, each with the engines that serve its batch (``served``: engine
+    name -> batch sizes, ``batches_served``); the report is rewritten after each."""
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = {"greedy": 0.0, "sampling": args.sampling_temperature}
     for batch in [int(b) for b in args.split_batches.split(",") if b]:
         prompts = [p for ps in (pools[("greedy", d)] for d in DATASETS) for p in ps][:batch]
-        for name in names:
+        for name in [n for n in names if batch in served[n]]:
             for kind in SPLIT_KINDS:
                 done = summary["splits"].setdefault(name, {}).setdefault(kind, [])
                 if any(s["batch"] == batch for s in done):
@@ -585,7 +624,8 @@ def run_phase(summary, phase, names, live, run, pools, reference_of, floor_bytes
                     print(f"deadline: skipped {mode} {dataset} batch {batch}", flush=True)
                     continue
                 temperature = temperatures[mode]
-                runs = measure_row(run, names, prompts, temperature, batch, args.repeats)
+                here = [n for n in names if batch in served[n]]
+                runs = measure_row(run, here, prompts, temperature, batch, args.repeats)
                 row = {"phase": phase, "mode": mode, "dataset": dataset, "batch": batch}
                 row["temperature"] = temperature
                 row.update(summarize_row(runs))

@@ -140,8 +140,11 @@ class _FakeEngines:
 
     started: list[list[str]] = []
 
+    max_seqs: dict[str, int] = {}
+
     def __init__(self, jobs, target, overrides, timeout, engine_core_process):
         self.names = [job["name"] for job in jobs]
+        _FakeEngines.max_seqs.update({job["name"]: job["max_seqs"] for job in jobs})
         self.ready = {name: {"gpu": "stand-in", "runner": "V2"} for name in self.names}
         _FakeEngines.started.append(self.names)
         self.closed = False
@@ -225,6 +228,47 @@ def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase)
     table = (out / "scale_paired.md").read_text()
     assert "| ddtree_v2_b128 |" in table and "Step-time split" in table
     assert "Host time per step" in table and "Host profile (cProfile" in table
+
+
+def test_a_budget_runs_only_at_the_batches_whose_verify_fits_the_token_limit(tmp_path, monkeypatch):
+    """``--max-verify-tokens 260``: budget 128 (129 tokens a request) runs at batch 1 only,
+    budget 64 (65) at batches 1 and 4; AR and the chain at every batch; each engine is sized
+    (``max_num_seqs``, graphs) for the largest batch it runs at."""
+    import json
+    import subprocess
+    import types
+
+    import benchmarks.scale_paired as bench
+    from benchmarks.bench_paired import CHAIN
+
+    def build(cmd, **kwargs):
+        paths = {"target": str(tmp_path / "t"), "drafter": str(tmp_path / "d"), "parameters": 1}
+        return types.SimpleNamespace(stdout=json.dumps(paths))
+
+    monkeypatch.setattr(subprocess, "run", build)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(bench, "checkpoint_bytes", lambda path, leave_out=(): 16e9)
+    monkeypatch.setattr(bench, "Engines", _FakeEngines)
+    _FakeEngines.started, _FakeEngines.max_seqs = [], {}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(CALIBRATION))
+    out = tmp_path / "out"
+    argv = ["--calibration", str(cal), "--out", str(out), "--work", str(tmp_path / "w")]
+    argv += ["--budgets", "64,128", "--batches", "1,4", "--repeats", "1", "--max-tokens", "8"]
+    argv += ["--prompt-len", "4", "--max-verify-tokens", "260"]
+    assert bench.main(argv) == 0
+    summary = json.loads((out / "scale_paired.json").read_text())
+    for row in summary["rows"]:
+        engines = set(row["engines"])
+        assert {"ar", CHAIN, "ddtree_v2_b64"} <= engines
+        assert ("ddtree_v2_b128" in engines) == (row["batch"] == 1)
+    assert _FakeEngines.max_seqs == {
+        "ar": 4,
+        CHAIN: 4,
+        "ddtree_v2_b64": 4,
+        "ddtree_v2_b128": 1,
+    }
+    assert summary["batches_served"]["ddtree_v2_b128"] == [1]
 
 
 def test_a_hybrid_target_is_served_text_only_with_ddtrees_hybrid_settings_by_every_engine():
