@@ -171,11 +171,9 @@ class _FakeEngines:
         self.closed = True
 
 
-@pytest.mark.parametrize("per_phase", [0, 2])
-def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase):
-    """The bench end to end with the GPU parts stood in (the build, the copy bandwidth, the
-    engines): every phase starts the engines it names beside the chain, every row and split
-    lands in the report, and the oracle file ranks each prompt by its dataset's profile."""
+def _run_on_stand_ins(tmp_path, monkeypatch, argv: list[str]) -> dict:
+    """``scale-paired`` with ``argv`` (past the calibration and folders) with the GPU parts
+    stood in (the build, the copy bandwidth, the engines); returns its summary."""
     import json
     import subprocess
     import types
@@ -190,15 +188,26 @@ def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
     monkeypatch.setattr(bench, "checkpoint_bytes", lambda path, leave_out=(): 16e9)
     monkeypatch.setattr(bench, "Engines", _FakeEngines)
-    _FakeEngines.started = []
+    _FakeEngines.started, _FakeEngines.max_seqs = [], {}
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps(CALIBRATION))
     out = tmp_path / "out"
-    argv = ["--calibration", str(cal), "--out", str(out), "--work", str(tmp_path / "w")]
-    argv += ["--budgets", "32,64,128", "--batches", "1,4", "--repeats", "2", "--max-tokens", "8"]
+    common = ["--calibration", str(cal), "--out", str(out), "--work", str(tmp_path / "w")]
+    assert bench.main(common + argv) == 0
+    return json.loads((out / "scale_paired.json").read_text())
+
+
+@pytest.mark.parametrize("per_phase", [0, 2])
+def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase):
+    """The bench end to end with the GPU parts stood in (the build, the copy bandwidth, the
+    engines): every phase starts the engines it names beside the chain, every row and split
+    lands in the report, and the oracle file ranks each prompt by its dataset's profile."""
+    import json
+
+    argv = ["--budgets", "32,64,128", "--batches", "1,4", "--repeats", "2", "--max-tokens", "8"]
     argv += ["--prompt-len", "4", "--per-phase", str(per_phase)]
-    assert bench.main(argv) == 0
-    summary = json.loads((out / "scale_paired.json").read_text())
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv)
+    out = tmp_path / "out"
     names = ["dflash", "ddtree_v2_b32", "ddtree_v2_b64", "ddtree_v2_b128"]
     if per_phase:
         assert _FakeEngines.started == [["ar"], ["dflash"], names[1:3], [names[-1]]]
@@ -234,30 +243,11 @@ def test_a_budget_runs_only_at_the_batches_whose_verify_fits_the_token_limit(tmp
     """``--max-verify-tokens 260``: budget 128 (129 tokens a request) runs at batch 1 only,
     budget 64 (65) at batches 1 and 4; AR and the chain at every batch; each engine is sized
     (``max_num_seqs``, graphs) for the largest batch it runs at."""
-    import json
-    import subprocess
-    import types
-
-    import benchmarks.scale_paired as bench
     from benchmarks.bench_paired import CHAIN
 
-    def build(cmd, **kwargs):
-        paths = {"target": str(tmp_path / "t"), "drafter": str(tmp_path / "d"), "parameters": 1}
-        return types.SimpleNamespace(stdout=json.dumps(paths))
-
-    monkeypatch.setattr(subprocess, "run", build)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
-    monkeypatch.setattr(bench, "checkpoint_bytes", lambda path, leave_out=(): 16e9)
-    monkeypatch.setattr(bench, "Engines", _FakeEngines)
-    _FakeEngines.started, _FakeEngines.max_seqs = [], {}
-    cal = tmp_path / "cal.json"
-    cal.write_text(json.dumps(CALIBRATION))
-    out = tmp_path / "out"
-    argv = ["--calibration", str(cal), "--out", str(out), "--work", str(tmp_path / "w")]
-    argv += ["--budgets", "64,128", "--batches", "1,4", "--repeats", "1", "--max-tokens", "8"]
+    argv = ["--budgets", "64,128", "--batches", "1,4", "--repeats", "1", "--max-tokens", "8"]
     argv += ["--prompt-len", "4", "--max-verify-tokens", "260"]
-    assert bench.main(argv) == 0
-    summary = json.loads((out / "scale_paired.json").read_text())
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv)
     for row in summary["rows"]:
         engines = set(row["engines"])
         assert {"ar", CHAIN, "ddtree_v2_b64"} <= engines
