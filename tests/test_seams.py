@@ -5,7 +5,6 @@ and the symbol, and no module outside ``compat`` applies a wrapper itself."""
 import ast
 import dataclasses
 import importlib
-import inspect
 import os
 
 import pytest
@@ -66,49 +65,3 @@ def test_only_the_compat_layer_applies_wrappers():
                     if called in APPLY_HELPERS:
                         callers.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
     assert callers == []
-
-
-def _takes(self, a, b, c=None, *, d=False, e=3):
-    return a, b, c, d, e
-
-
-@pytest.mark.parametrize(
-    "args, kwargs",
-    [
-        ((0, 1, 2, 3), {}),
-        ((0, 1, 2), {"c": 5, "d": True}),
-        ((0, 1), {"b": 2}),
-        ((0, 1, 2, 3, 4), {}),  # too many positional
-        ((0, 1, 2), {"zz": 1}),  # unknown keyword
-        ((0, 1), {}),  # a required argument missing
-        ((0, 1, 2), {"a": 3}),  # given twice
-    ],
-)
-def test_bind_arguments_binds_as_signature_bind_does(args, kwargs):
-    """The fast path pairs a plain signature's names with the arguments; whatever
-    ``Signature.bind`` refuses is refused the same way."""
-    from vllm_ddtree.compat.wrapping import bind_arguments
-
-    try:
-        want = inspect.signature(_takes).bind(*args, **kwargs)
-    except TypeError:
-        with pytest.raises(TypeError):
-            bind_arguments(_takes, *args, **kwargs)
-        return
-    got = bind_arguments(_takes, *args, **kwargs)
-    assert got.arguments == want.arguments
-    assert (got.args, got.kwargs) == (want.args, want.kwargs)
-    assert _takes(*got.args, **got.kwargs) == _takes(*args, **kwargs)
-
-
-def test_bind_arguments_keeps_variadic_signatures_to_signature_bind():
-    from vllm_ddtree.compat.wrapping import bind_arguments
-
-    def variadic(self, *xs, **kw):
-        pass
-
-    assert bind_arguments(variadic, 0, 1, 2, x=3).arguments == {
-        "self": 0,
-        "xs": (1, 2),
-        "kw": {"x": 3},
-    }

@@ -146,37 +146,8 @@ def _signature_of(fn: Callable) -> inspect.Signature:
     return inspect.signature(inspect.unwrap(fn))
 
 
-@functools.lru_cache(maxsize=64)
-def _plain_parameters(fn: Callable) -> tuple[tuple[str, ...], frozenset, frozenset] | None:
-    """``(positional names, all names, required names)`` of ``fn`` when it takes no ``*args``,
-    ``**kwargs`` or positional-only parameters (every wrapped vLLM method so far); else None."""
-    plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    parameters = list(_signature_of(fn).parameters.values())
-    if any(p.kind not in plain for p in parameters):
-        return None
-    positional = tuple(
-        p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    )
-    required = frozenset(p.name for p in parameters if p.default is inspect.Parameter.empty)
-    return positional, frozenset(p.name for p in parameters), required
-
-
 def bind_arguments(original: Callable, *args: Any, **kwargs: Any) -> inspect.BoundArguments:
     """vLLM's arguments to ``original`` (a wrapped function), bound by name: a wrapper reads
     ``bound.arguments["name"]`` whether vLLM passed it by position or keyword, and may change
-    it before ``original(*bound.args, **bound.kwargs)``.
-
-    Wrappers on the step's path bind every step, so a plain signature's arguments are paired
-    with its names directly (a few microseconds, against ``Signature.bind``'s tens); anything
-    that ``Signature.bind`` would refuse goes to it, and it raises its own ``TypeError``."""
-    signature = _signature_of(original)
-    plain = _plain_parameters(original)
-    if plain is not None:
-        positional, names, required = plain
-        if len(args) <= len(positional):
-            arguments = dict(zip(positional, args, strict=False))
-            if not any(k in arguments or k not in names for k in kwargs):
-                arguments.update(kwargs)
-                if required.issubset(arguments):
-                    return inspect.BoundArguments(signature, arguments)
-    return signature.bind(*args, **kwargs)
+    it before ``original(*bound.args, **bound.kwargs)``."""
+    return _signature_of(original).bind(*args, **kwargs)
