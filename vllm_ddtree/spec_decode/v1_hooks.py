@@ -220,7 +220,7 @@ def _refuse_unsupported(sampling_metadata) -> None:
     if unsupported:
         raise NotImplementedError(
             "vllm-ddtree: " + ", ".join(unsupported) + " are not supported yet with method "
-            "'ddtree' (see README, 'Sampling with trees')"
+            "'ddtree' (docs/design.md, 'Sampling with trees')"
         )
 
 
