@@ -16,6 +16,7 @@ vllm = pytest.importorskip("vllm")
 
 from tests.vllm_graphs import (  # noqa: E402
     vllm_default_sizes,
+    vllm_v1_verify_modes,
     vllm_v2_drafter_graphs,
     vllm_v2_verify_modes,
 )
@@ -451,10 +452,10 @@ def test_a_tree_narrower_than_the_drafter_is_deep_still_gets_drafter_sized_graph
 def test_every_verify_batch_an_engine_can_run_replays_a_full_graph(
     tiny_target_path, tiny_drafter_path, max_num_seqs, budget, caplog
 ):
-    """The plugin's largest graph, through vLLM's own size rule and its V2 graph manager's own
-    ``dispatch``: every uniform verify batch up to ``max_num_seqs`` trees lands on a FULL
-    graph. With vLLM's default (at most 512 tokens) 16 trees of budget 32 (528 tokens) ran
-    without one (0.36x the chain on an H200)."""
+    """The plugin's largest graph, through vLLM's own size rule and the V2 graph manager's and
+    the V1 dispatcher's own ``dispatch``: every uniform verify batch up to ``max_num_seqs``
+    trees lands on a FULL graph on either runner. With vLLM's default (at most 512 tokens) 16
+    trees of budget 32 (528 tokens) ran without one (0.36x the chain on an H200)."""
     from vllm_ddtree.vllm_patches import VERIFY_GRAPH_TOKENS
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": budget}
@@ -465,7 +466,18 @@ def test_every_verify_batch_an_engine_can_run_replays_a_full_graph(
     sizes = vllm_default_sizes(max_num_seqs, budget, args.max_cudagraph_capture_size)
     modes = vllm_v2_verify_modes(sizes, max_num_seqs, width)
     assert set(modes.values()) == {"FULL"}, modes
+    # The V1 runner (hybrid targets) rounds the sizes to multiples of the width first.
+    modes = vllm_v1_verify_modes(sizes, max_num_seqs, width)
+    assert set(modes.values()) == {"FULL"}, modes
     assert "exceed the largest CUDA graph" not in caplog.text
+
+
+def test_vllms_default_sizes_leave_sixteen_trees_of_budget_32_without_a_full_graph():
+    """What the plugin's sizing is for, on both runners' dispatch: with vLLM's own default
+    sizes (at most 512 tokens) the verify of 16 trees of budget 32 (528 tokens) has no graph."""
+    sizes = vllm_default_sizes(16, 32)
+    for modes in (vllm_v2_verify_modes(sizes, 16, 33), vllm_v1_verify_modes(sizes, 16, 33)):
+        assert modes[15] == "FULL" and modes[16] == "NONE", modes
 
 
 def test_verify_batches_past_the_largest_graph_are_named_at_start(

@@ -81,3 +81,37 @@ def vllm_v2_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dic
         b: CudaGraphManager.dispatch(manager, b, b * width, width, 0).cg_mode.name
         for b in range(1, max_num_seqs + 1)
     }
+
+
+def vllm_v1_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dict[int, str]:
+    """The CUDA-graph mode vLLM 0.26.0's V1 runner dispatches a uniform verify batch of ``b``
+    requests x ``width`` tokens to, for every ``b`` up to ``max_num_seqs``, given capture
+    ``sizes`` (vLLM's default FULL_AND_PIECEWISE): the sizes rounded to multiples of the
+    width as its ``adjust_cudagraph_sizes_for_spec_decode`` does for V1, then its
+    ``CudagraphDispatcher`` keys and ``dispatch`` (on stand-in configs: no GPU needed).
+    ``{b: "FULL" | "PIECEWISE" | "NONE"}``."""
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    compilation = SimpleNamespace(
+        cudagraph_capture_sizes=list(sizes),
+        max_cudagraph_capture_size=max(sizes),
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        compile_sizes=None,
+        cudagraph_specialize_lora=False,
+        pass_config=SimpleNamespace(enable_sp=False),
+        is_attention_compiled_piecewise=lambda: True,
+    )
+    CompilationConfig.adjust_cudagraph_sizes_for_spec_decode(compilation, width, 1)
+    config = SimpleNamespace(
+        compilation_config=compilation,
+        num_speculative_tokens=width - 1,
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        lora_config=None,
+    )
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, width)
+    return {
+        b: dispatcher.dispatch(b * width, uniform_decode=True)[0].name
+        for b in range(1, max_num_seqs + 1)
+    }
