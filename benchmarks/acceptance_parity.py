@@ -1,7 +1,8 @@
 """Acceptance parity: DDTree in vLLM against the reference engine, prompt by prompt.
 
 Runs a prompt set through the vLLM engine with ``{"method": "ddtree"}`` (one request at a time)
-and through ``vllm_ddtree/reference.py`` with the same target, drafter and tree budget, both in
+and through ``vllm_ddtree/reference.py`` with the same target, drafter, tree budget and
+per-depth candidate cap (``tree_top_k``), both in
 float32 at T = 0, and reports per prompt, side by side: the verify rounds, the accepted draft
 tokens and their mean acceptance length, and whether the outputs are equal. The two build the
 same trees from the same drafter logits and walk them against the same target, so every number
@@ -32,8 +33,21 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 
 
-def reference_rows(target: str, drafter: str, prompts, budget: int, max_tokens: int) -> list:
-    """Per prompt: the reference engine's rounds, accepted drafts and output (float32, T = 0)."""
+def tree_top_k(budget: int, asked: int | None) -> int:
+    """The per-depth candidate cap both sides build with: ``asked``, else the engine's default
+    (``min(budget, 16)``). The reference's own default is no cap: with it the first parity run
+    built other trees than vLLM's whenever a depth held more than 16 of a budget-32 tree's
+    nodes."""
+    from vllm_ddtree.config import DEFAULT_TOP_K_CAP
+
+    return asked if asked is not None else min(budget, DEFAULT_TOP_K_CAP)
+
+
+def reference_rows(
+    target: str, drafter: str, prompts, budget: int, top_k: int, max_tokens: int
+) -> list:
+    """Per prompt: the reference engine's rounds, accepted drafts and output (float32, T = 0),
+    its trees built with ``top_k`` candidates per depth."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -42,7 +56,7 @@ def reference_rows(target: str, drafter: str, prompts, budget: int, max_tokens: 
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     source = DFlashDraftSource(DFlashDrafter.from_pretrained(drafter).float().eval(), model)
-    engine = DDTreeReference(model, source, tree_budget=budget)
+    engine = DDTreeReference(model, source, tree_budget=budget, top_k=top_k)
     rows = []
     for prompt in prompts:
         out = engine.generate(prompt, max_tokens, eos_token_id=None)
@@ -51,9 +65,12 @@ def reference_rows(target: str, drafter: str, prompts, budget: int, max_tokens: 
     return rows
 
 
-def engine_args(target: str, drafter: str, budget: int, prompts, max_tokens: int) -> dict:
+def engine_args(
+    target: str, drafter: str, budget: int, top_k: int, prompts, max_tokens: int
+) -> dict:
     """``LLM(...)`` arguments of the vLLM side: float32, one request at a time, async
-    scheduling off, room in ``max_model_len`` for the longest prompt, its output and a tree."""
+    scheduling off, room in ``max_model_len`` for the longest prompt, its output and a tree;
+    ``top_k`` candidates per depth, as the reference."""
     longest = max(len(p) for p in prompts)
     return {
         "model": target,
@@ -64,7 +81,12 @@ def engine_args(target: str, drafter: str, budget: int, prompts, max_tokens: int
         "seed": 0,
         "async_scheduling": False,
         "disable_log_stats": False,
-        "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": budget},
+        "speculative_config": {
+            "method": "ddtree",
+            "model": drafter,
+            "tree_budget": budget,
+            "tree_top_k": top_k,
+        },
     }
 
 
@@ -118,7 +140,8 @@ def report(summary: dict) -> list[str]:
         "# Acceptance parity: DDTree in vLLM against the reference engine",
         "",
         f"Commit {summary['commit']}, {summary['device']}; target {summary['target']}, "
-        f"drafter {summary['drafter']}, tree budget {summary['budget']}, "
+        f"drafter {summary['drafter']}, tree budget {summary['budget']} (top-k "
+        f"{summary.get('tree_top_k')} per depth), "
         f"{summary['max_tokens']} tokens per prompt, float32, T = 0. "
         f"**{summary['agree']} of {len(summary['prompts'])} prompts agree** (same output, "
         "same rounds, same accepted drafts).",
@@ -142,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="HF checkpoint (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", help="DFlash drafter (default: the project's)")
     parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument(
+        "--tree-top-k", type=int, help="candidates per depth, both sides (default: the engine's)"
+    )
     parser.add_argument("--prompts", type=int, default=8, help="the demo's HumanEval prompts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--engine-args", help="JSON: more LLM(...) arguments for vLLM's side")
@@ -160,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     target = args.target or prepare_smollm2(os.environ.get("VLLM_DDTREE_CACHE", DEFAULT_CACHE))
     drafter = args.drafter or TRAINED_DRAFTER
     prompts = humaneval_chat_prompts(AutoTokenizer.from_pretrained(target), args.prompts)
-    reference = reference_rows(target, drafter, prompts, args.budget, args.max_tokens)
-    llm_args = engine_args(target, drafter, args.budget, prompts, args.max_tokens)
+    top_k = tree_top_k(args.budget, args.tree_top_k)
+    reference = reference_rows(target, drafter, prompts, args.budget, top_k, args.max_tokens)
+    llm_args = engine_args(target, drafter, args.budget, top_k, prompts, args.max_tokens)
     llm_args.update(json.loads(args.engine_args) if args.engine_args else {})
     engine = engine_rows(llm_args, prompts, args.max_tokens)
     import torch
@@ -172,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": os.path.basename(target.rstrip("/")),
         "drafter": os.path.basename(drafter.rstrip("/")),
         "budget": args.budget,
+        "tree_top_k": top_k,
         "max_tokens": args.max_tokens,
         "engine_args": {k: v for k, v in llm_args.items() if k != "speculative_config"},
         **compare(reference, engine),
