@@ -330,3 +330,18 @@ def test_tree_row_outputs_count_the_outputs_and_each_nodes_own_path():
         [8, -1],
         [8, -1],
     ]
+
+
+def test_an_emitted_tokens_logprobs_come_from_its_path_nodes_row():
+    """Request 0 (rows 0-4): path root -> node 2 -> node 4, bonus at node 4's row; request 1
+    (rows 5-7): nothing accepted, the bonus at its root's row. Rows past a path repeat the
+    root's (vLLM drops them with their -1 tokens)."""
+    from vllm_ddtree.spec_decode.tree_logprobs import path_logit_rows
+
+    first_row = torch.tensor([0, 5])
+    accepted = torch.tensor([[0, 2, 4, -1], [0, -1, -1, -1]])
+    num_accepted = torch.tensor([2, 0])
+    rows = path_logit_rows(first_row, accepted, num_accepted, width=5)
+    assert rows.tolist() == [0, 2, 4, 0, 0, 5, 5, 5, 5, 5]
+    # A narrower output than the path's columns: the first ``width`` path nodes.
+    assert path_logit_rows(first_row, accepted, num_accepted, width=2).tolist() == [0, 2, 5, 5]
