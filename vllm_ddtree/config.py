@@ -334,13 +334,16 @@ def unsupported_sampling_params(
     ``logprobs_mode``. Checked when vLLM validates a request, so such a request gets an error
     of its own and never reaches the engine."""
     names = []
-    if runner != "v1":  # penalties on tree rows: the V1 runner's (tree_logits_processors.py)
+    if runner != "v1":  # penalties, allowed ids, bad words on tree rows: the V1 runner's
         if getattr(params, "presence_penalty", 0.0):
             names.append("presence_penalty")
         if getattr(params, "frequency_penalty", 0.0):
             names.append("frequency_penalty")
         if getattr(params, "repetition_penalty", 1.0) not in (None, 1.0):
             names.append("repetition_penalty")
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(params, name, None):
+                names.append(name)
     logprobs = getattr(params, "logprobs", None)
     if logprobs is not None:
         if runner != "v1":
@@ -349,10 +352,6 @@ def unsupported_sampling_params(
             names.append(f"logprobs with logprobs_mode {logprobs_mode!r}")
         elif logprobs < 0:
             names.append("logprobs=-1 (the whole vocabulary)")
-    if runner != "v1":  # allowed token ids and bad words on tree rows: the V1 runner's
-        for name in ("allowed_token_ids", "bad_words"):
-            if getattr(params, name, None):
-                names.append(name)
     if getattr(params, "thinking_token_budget", None) is not None:
         names.append("thinking_token_budget")
     # vLLM's grammar checks drafts as one chain: tree nodes would be masked by the wrong prefix.

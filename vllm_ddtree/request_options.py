@@ -22,7 +22,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import AUTO_BUDGET, DDTreeConfigError
 
 logger = logging.getLogger("vllm.ddtree")
@@ -165,7 +164,6 @@ def _wrap_free_request(original):
     return _free_request
 
 
-def install_stats_book(scheduler, vllm_config) -> None:
+def install_stats_book(scheduler) -> None:
     """A DDTree engine's scheduler keeps a ``RequestStatsBook`` (its ``__init__`` wrapper)."""
-    if get_ddtree_config(vllm_config.speculative_config) is not None:
-        setattr(scheduler, STATS_ATTR, RequestStatsBook())
+    setattr(scheduler, STATS_ATTR, RequestStatsBook())

@@ -289,7 +289,7 @@ def _wrap_scheduler_init(original):
         ddtree = get_ddtree_config(vllm_config.speculative_config)
         if ddtree is not None:
             self.num_lookahead_tokens = max(self.num_lookahead_tokens, ddtree.kv_lookahead)
-            install_stats_book(self, vllm_config)
+            install_stats_book(self)
 
     return __init__
 
