@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 
 
-def raw_logprobs(logits: torch.Tensor, logprobs_mode: str) -> torch.Tensor:
-    """float32 ``[rows, V]``: log-softmax of ``logits`` (``raw_logprobs``) or the logits
-    themselves (``raw_logits``), a new tensor either way."""
-    if logprobs_mode == "raw_logits":
+def raw_logprobs(sampler, logits: torch.Tensor) -> torch.Tensor:
+    """float32 ``[rows, V]`` in vLLM ``sampler``'s logprobs mode: its ``compute_logprobs`` of
+    ``logits`` (``raw_logprobs``) or the logits themselves (``raw_logits``), a new tensor
+    either way."""
+    if sampler.logprobs_mode == "raw_logits":
         return logits.to(torch.float32, copy=True)
-    return logits.log_softmax(dim=-1, dtype=torch.float32)
+    return sampler.compute_logprobs(logits)
 
 
 def path_logit_rows(
@@ -53,6 +54,6 @@ def tree_step_logprobs(
     logprob and rank at the logits row that chose it (``path_logit_rows``)."""
     width = sampled.shape[1]
     rows = path_logit_rows(first_row, accepted, num_accepted, width)
-    logprobs = raw_logprobs(logits.index_select(0, rows), sampler.logprobs_mode)
+    logprobs = raw_logprobs(sampler, logits.index_select(0, rows))
     tokens = sampled.reshape(-1).long().clamp(min=0)  # -1 past the path: filtered by vLLM
     return sampler.gather_logprobs(logprobs, max_num_logprobs, tokens)

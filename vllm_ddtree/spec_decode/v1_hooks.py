@@ -330,7 +330,7 @@ def _sample_without_trees(runner, original, logits):
     max_num_logprobs = sampling_metadata.max_num_logprobs
     raw = None  # before the processors, as vLLM's sampler reports "raw" logprobs
     if max_num_logprobs is not None:
-        raw = raw_logprobs(logits, runner.sampler.logprobs_mode)
+        raw = raw_logprobs(runner.sampler, logits)
     # vLLM's own: allowed token ids, bad words, min_tokens and the other processors, penalties.
     logits = runner.sampler.apply_logits_processors(
         logits.to(torch.float32), sampling_metadata, predict_bonus_token=False
