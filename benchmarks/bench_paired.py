@@ -136,7 +136,11 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_process else "0"
     from vllm import LLM
 
-    llm = LLM(**args)
+    try:
+        llm = LLM(**args)
+    except BaseException as error:  # the parent raises it instead of waiting out its timeout
+        conn.send({"error": f"{type(error).__name__}: {error}"})
+        raise
     import torch
 
     config = llm.llm_engine.vllm_config
@@ -205,15 +209,34 @@ class Engines:
                     target=engine_worker, args=(job, args, child, engine_core_process)
                 )
                 process.start()
+                child.close()  # the worker's end: EOF here once the worker is gone
                 self.workers[job["name"]] = (process, parent)
             deadline = time.time() + timeout
-            for name, (_, conn) in self.workers.items():
-                if not conn.poll(max(1.0, deadline - time.time())):
-                    raise RuntimeError(f"bench_paired: engine {name} did not start in time")
-                self.ready[name] = conn.recv()
+            for name, (process, conn) in self.workers.items():
+                self.ready[name] = self._wait_ready(name, process, conn, deadline)
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _wait_ready(name: str, process, conn, deadline: float) -> dict:
+        """The worker's ready message; an engine that failed to start (its error, or its exit
+        code when it died without one) raises at once rather than at the deadline."""
+        while not conn.poll(1.0):
+            if not process.is_alive():
+                raise RuntimeError(
+                    f"bench_paired: engine {name} exited with code {process.exitcode} "
+                    "before it was ready"
+                )
+            if time.time() > deadline:
+                raise RuntimeError(f"bench_paired: engine {name} did not start in time")
+        try:
+            answer = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"bench_paired: engine {name} exited before it was ready") from None
+        if "error" in answer:
+            raise RuntimeError(f"bench_paired: engine {name} did not start: {answer['error']}")
+        return answer
 
     def run(self, name: str, prompts, temperature: float, one_at_a_time: bool, max_tokens: int):
         conn = self.workers[name][1]

@@ -160,11 +160,19 @@ def state_bytes_per_request(model, ssm_bytes: int = SSM_STATE_BYTES) -> int:
 
 def kv_cache_bytes(model, job: dict, batch: int, base_gb: float) -> int:
     """The KV cache an engine of the run gets: ``base_gb``, plus for a hybrid the state blocks
-    vLLM keeps per request, one per verified token (``hybrid_state.slot_layout_bytes``: the
-    chain's 1 + 15, a tree's 1 + budget), for ``batch`` requests with 10% to spare. The first
-    Qwen3.6-27B run gave every engine 1 GiB and the chain's start asked for 2.72."""
-    states = int(1.1 * job["width"] * batch * state_bytes_per_request(model))
-    return int(base_gb * (1 << 30)) + (states if job["width"] > 1 else 0)
+    vLLM keeps per request, one per verified token, each with its conv window (the plugin's
+    ``hybrid_state.slot_layout_bytes``: the chain's 1 + 15, a tree's 1 + budget), for
+    ``batch`` requests with 10% to spare. The first Qwen3.6-27B runs gave the chain 1 GiB
+    where its start asked for 2.72, and then DDTree b64 11.1 GiB where the plugin's state
+    check asked for 13.1 (the bench had left out the conv windows)."""
+    base = int(base_gb * (1 << 30))
+    if not model.hybrid or job["width"] <= 1:
+        return base
+    from vllm_ddtree.hybrid_state import GDNStateShapes, slot_layout_bytes
+    from vllm_ddtree.testing.scale_models import target_config
+
+    shapes = GDNStateShapes.from_hf_config(target_config(model)[0])
+    return base + int(1.1 * slot_layout_bytes(shapes, batch, job["width"] - 1))
 
 
 def roofline(engine: dict, batch: int, seconds: float, floor_bytes: dict, context: float) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -294,3 +295,15 @@ def test_the_readme_s_paired_table_is_generated_from_the_committed_runs():
         with open(os.path.join(root, link.replace(".md", ".json"))) as f:
             sources.append((json.load(f), link))
     assert block.strip() == bench_paired.paired_table(sources)
+
+
+def test_an_engine_that_fails_to_start_raises_its_error_at_once(tiny_target_path):
+    """The first 27B DDTree engine was refused at start (the plugin's state check) and the
+    bench waited out its 220 s start timeout, then said only "did not start in time": the
+    worker's error now comes back at once, named."""
+    pytest.importorskip("vllm")
+    jobs = bench_paired.engine_jobs("unused", 15, [], max_seqs=1, runner="v1")[:1]
+    started = time.time()
+    with pytest.raises(RuntimeError, match="engine ar did not start: .*not_an_engine_arg"):
+        bench_paired.Engines(jobs, tiny_target_path, {"not_an_engine_arg": 1}, timeout=600)
+    assert time.time() - started < 120

@@ -294,3 +294,29 @@ def test_a_hybrid_engines_kv_cache_holds_a_state_block_per_verified_token():
     tree = kv_cache_bytes(QWEN3_6_27B, jobs["ddtree_b32"], 4, 1.0)
     assert tree >= gib + 4 * 33 * state_bytes_per_request(QWEN3_6_27B)
     assert kv_cache_bytes(QWEN3_8B, jobs["dflash"], 16, 1.0) == gib  # dense: the base
+
+
+def test_a_hybrid_tree_engines_kv_cache_passes_the_plugins_state_check():
+    """The first 27B DDTree engine (b64, batch 1) was refused at start: the plugin's state
+    check counts each block's conv window too (``hybrid_state.slot_layout_bytes``), 13.1 GiB
+    against the 11.1 the bench gave. The bench sizes from the plugin's own layout."""
+    from benchmarks.bench_paired import engine_jobs
+    from benchmarks.scale_paired import kv_cache_bytes
+    from vllm_ddtree.hybrid_state import GDNStateShapes, check_slot_layout_fits
+
+    h = QWEN3_6_27B.hybrid
+    shapes = GDNStateShapes(
+        num_gdn_layers=QWEN3_6_27B.num_hidden_layers
+        - QWEN3_6_27B.num_hidden_layers // h["full_attention_interval"],
+        num_k_heads=h["linear_num_key_heads"],
+        num_v_heads=h["linear_num_value_heads"],
+        head_k_dim=h["linear_key_head_dim"],
+        head_v_dim=h["linear_value_head_dim"],
+        conv_kernel=h["linear_conv_kernel_dim"],
+    )
+    for budget, batch in [(64, 1), (32, 4), (256, 1)]:
+        jobs = {job["name"]: job for job in engine_jobs("d", 15, [budget], batch, "v1")}
+        for name in (f"ddtree_b{budget}", "dflash"):
+            job = jobs[name]
+            available = kv_cache_bytes(QWEN3_6_27B, job, batch, 1.0)
+            check_slot_layout_fits(shapes, batch, job["width"] - 1, available)
