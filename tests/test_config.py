@@ -179,7 +179,7 @@ def test_a_schedule_of_speculative_tokens_is_seen_in_either_spelling():
     assert not gives_batch_size_schedule({"method": "ddtree", "tree_budget": 32})
 
 
-def test_logprobs_and_penalties_are_refused_where_the_tree_step_cannot_apply_them():
+def test_options_are_refused_where_the_tree_step_cannot_apply_them():
     """Served on the V1 runner (logprobs in vLLM's raw modes); the V2 runner and the processed
     modes are refused naming what to use."""
     from types import SimpleNamespace
@@ -201,3 +201,6 @@ def test_logprobs_and_penalties_are_refused_where_the_tree_step_cannot_apply_the
     masked = SimpleNamespace(logprobs=None, allowed_token_ids=[1, 2], bad_words=["w1"])
     assert unsupported_sampling_params(masked, "v1") == []
     assert unsupported_sampling_params(masked, "v2") == ["allowed_token_ids", "bad_words"]
+    grammar = SimpleNamespace(logprobs=None, structured_outputs=object())
+    assert unsupported_sampling_params(grammar, "v1") == []
+    assert "VLLM_DDTREE_RUNNER=v1" in unsupported_sampling_params(grammar, "v2")[0]

@@ -112,9 +112,10 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
     tiny_target_path, tiny_drafter_path
 ):
     """vLLM validates each request against the engine's config before it reaches the engine:
-    with DDTree, structured outputs are refused there, naming the field; plain sampling
-    (temperature, top-k/top-p, min_tokens) and, on the V1 runner (this CPU engine's), logprobs,
-    penalties and allowed token ids pass; DFlash alone is unaffected."""
+    with DDTree, what the tree sampler cannot honour is refused there, naming the field
+    (a thinking token budget); plain sampling (temperature, top-k/top-p, min_tokens) and,
+    on the V1 runner (this CPU engine's), logprobs, penalties, allowed token ids and
+    structured outputs pass; DFlash alone is unaffected."""
     from vllm import SamplingParams
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
@@ -128,8 +129,9 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
     verify(SamplingParams(allowed_token_ids=[1, 2]))
     from vllm.sampling_params import StructuredOutputsParams
 
-    with pytest.raises(DDTreeConfigError, match="structured_outputs"):
-        verify(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
+    verify(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
+    with pytest.raises(DDTreeConfigError, match="thinking_token_budget"):
+        verify(SamplingParams(thinking_token_budget=16))
     chain = engine_config(
         tiny_target_path,
         {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},

@@ -468,3 +468,39 @@ def test_ddtree_allowed_token_ids_and_bad_words_are_the_target_alones(
     assert results["target"]["tokens"] != results["plain"]["tokens"]
     assert results["ddtree"]["tokens"] == results["target"]["tokens"]
     assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+# Word tokens w0..w1015 spelled raw: after a token starting "w1" comes one starting "w3", after
+# one starting "w2" one starting "w4", and after those either again. A node's allowed tokens
+# depend on its own parent's token, so rows masked along any other path differ.
+PATH_REGEX = "((w1[0-9]*w3[0-9]*)|(w2[0-9]*w4[0-9]*))+"
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_structured_outputs_are_the_target_alones(
+    tiny_target_path, tiny_drafter_path, tmp_path
+):
+    """A regex whose allowed next token depends on the previous one, with trees of budget 16
+    (the oracle drafter follows the constrained target with siblings from the random
+    drafter): the greedy output equals the target alone's under the same grammar, which
+    changes it and which it matches; drafts are accepted."""
+    import re
+    import shutil
+
+    from benchmarks.serve_check import make_tokenizer
+
+    target_dir = str(tmp_path / "target")
+    shutil.copytree(tiny_target_path, target_dir)
+    make_tokenizer(target_dir, 1024)
+    with_tokenizer = {"skip_tokenizer_init": False}
+    grammar = {"structured_outputs": {"regex": PATH_REGEX}}
+    plain = {"name": "plain", "kwargs": {"dtype": "float32", **with_tokenizer}}
+    target = {"name": "target", "kwargs": {"dtype": "float32", **with_tokenizer}}
+    tree = ddtree_run("ddtree", tiny_drafter_path, 16, **with_tokenizer)
+    runs = [plain, {**target, "params": grammar}, {**tree, "params": grammar}]
+    results, _ = run_engines(target_dir, runs, PROMPTS, max_tokens=32)
+    assert results["target"]["tokens"] != results["plain"]["tokens"]
+    for tokens in results["target"]["tokens"]:
+        assert re.fullmatch(PATH_REGEX, "".join(f"w{t}" for t in tokens)), tokens
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0

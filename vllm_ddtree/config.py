@@ -354,9 +354,10 @@ def unsupported_sampling_params(
             names.append("logprobs=-1 (the whole vocabulary)")
     if getattr(params, "thinking_token_budget", None) is not None:
         names.append("thinking_token_budget")
-    # vLLM's grammar checks drafts as one chain: tree nodes would be masked by the wrong prefix.
-    if getattr(params, "structured_outputs", None) is not None:
-        names.append("structured_outputs")
+    # Each tree node's grammar bitmask along its own path: the V1 runner's
+    # (structured_outputs.py); the V2 runner's bitmask rows do not follow trees yet.
+    if runner != "v1" and getattr(params, "structured_outputs", None) is not None:
+        names.append("structured_outputs (served on the V1 model runner: VLLM_DDTREE_RUNNER=v1)")
     return names
 
 
@@ -370,7 +371,8 @@ def check_sampling_params(
         raise DDTreeConfigError(
             f"speculative method 'ddtree' does not support {', '.join(names)} yet (supported: "
             "temperature, top_k, top_p, min_tokens, stop, max_tokens, seed, and on the V1 model "
-            "runner penalties, allowed_token_ids, bad_words and logprobs with logprobs_mode "
+            "runner penalties, allowed_token_ids, bad_words, structured outputs and logprobs "
+            "with logprobs_mode "
             f"{' or '.join(TREE_LOGPROBS_MODES)}); send this "
             "request to a server without DDTree or leave these unset"
         )

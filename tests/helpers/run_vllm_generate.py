@@ -11,7 +11,8 @@ RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` ar
 continuations an earlier run produced (see ``vllm_ddtree.spec_decode.proposer``), and
 ``"sampling": {"temperature": T, "repeats": K, ...}``: the first prompt K times, seeds 0..K-1
 (other keys, e.g. ``top_k``/``top_p``, go to ``SamplingParams``), and ``"params": {...}``: extra
-``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``), ``"prompt_params":
+``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``; ``structured_outputs``
+as a dict of ``StructuredOutputsParams``), ``"prompt_params":
 [{...}, ...]``: more of them per prompt (e.g. ``extra_args``), and ``"env": {...}``: environment
 variables set for that run only.
 Prints one line
@@ -74,6 +75,13 @@ def generate(
             )
             for own in per_prompt
         ]
+    for params_of_one in sampling_params:  # JSON {"regex": ...} -> vLLM's params object
+        if isinstance(params_of_one.structured_outputs, dict):
+            from vllm.sampling_params import StructuredOutputsParams
+
+            params_of_one.structured_outputs = StructuredOutputsParams(
+                **params_of_one.structured_outputs
+            )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params)
     metrics = {}
     for metric in llm.get_metrics():

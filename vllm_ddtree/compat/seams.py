@@ -69,6 +69,7 @@ _KV = "vllm_ddtree.kv_specs"
 _GDN = "vllm_ddtree.hybrid_gdn"
 _METRICS = "vllm_ddtree.spec_metrics"
 _REQUESTS = "vllm_ddtree.request_options"
+_GRAMMAR = "vllm_ddtree.structured_outputs"
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,43 @@ SEAMS: tuple[Seam, ...] = (
         ENGINE,
         f"{_REQUESTS}:_wrap_schedule",
         ("self",),
+    ),
+    Seam(
+        "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
+        ENGINE,
+        f"{_GRAMMAR}:_wrap_update_draft_token_ids",
+        ("self", "draft_token_ids"),
+    ),
+    Seam(
+        "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids_in_output",
+        ENGINE,
+        f"{_GRAMMAR}:_wrap_update_draft_token_ids_in_output",
+        ("self", "draft_token_ids", "scheduler_output"),
+    ),
+    Seam(
+        "vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask",
+        ENGINE,
+        f"{_GRAMMAR}:_wrap_grammar_bitmask",
+        ("self", "requests", "structured_output_request_ids", "scheduled_spec_decode_tokens"),
+    ),
+    # What the tree bitmask builds on (structured_outputs.tree_grammar_bitmask).
+    Seam(
+        "vllm.v1.structured_output:StructuredOutputManager._fill_bitmasks",
+        ENGINE,
+        expected=("self", "batch"),
+        kind=BUILDS_ON,
+    ),
+    Seam(
+        "vllm.v1.structured_output:StructuredOutputManager.should_fill_bitmask",
+        ENGINE,
+        expected=("self", "request"),
+        kind=BUILDS_ON,
+    ),
+    Seam(
+        "vllm.v1.structured_output:StructuredOutputManager._get_reasoner",
+        ENGINE,
+        expected=("self", "request"),
+        kind=BUILDS_ON,
     ),
     Seam(
         "vllm.v1.core.sched.scheduler:Scheduler._free_request",
@@ -225,6 +263,13 @@ SEAMS: tuple[Seam, ...] = (
         "sample_hidden_states",
         "aux_hidden_states",
     ),
+    _runner(
+        "_copy_draft_token_ids_to_cpu",
+        f"{_V1}:_wrap_copy_draft_token_ids_to_cpu",
+        "scheduler_output",
+        "zeros_only",
+    ),
+    _runner("take_draft_token_ids", f"{_V1}:_wrap_take_draft_token_ids"),
     _runner("get_kv_cache_spec", f"{_KV}:wrap_get_kv_cache_spec"),
     Seam(
         f"{CPU_RUNNER_MODULE}:CPUModelRunner._zero_block_ids",

@@ -27,6 +27,7 @@ from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.proposal_store import RequestTrees
 from vllm_ddtree.spec_decode.request_seeds import batch_seeds
 from vllm_ddtree.spec_decode.step_state import StepState, runner_step_state
+from vllm_ddtree.structured_outputs import ParentsToHost
 
 
 class DDTreeProposer(DFlashProposer):
@@ -40,6 +41,9 @@ class DDTreeProposer(DFlashProposer):
             self._size_query_buffers(1 + self.ddtree.depth)
         self.proposals: RequestTrees | None = None
         self.state: StepState | None = None  # the step's hand-overs (step_state.py)
+        # The parents of the trees just proposed, for the scheduler's grammar bitmask.
+        self.proposed_parents: torch.Tensor | None = None
+        self.parents_to_host = ParentsToHost()
         if self.ddtree is not None:
             self.proposals = RequestTrees(self.ddtree.tree_budget, self.ddtree.depth)
             self.state = StepState()
@@ -83,13 +87,15 @@ class DDTreeProposer(DFlashProposer):
         if self.ddtree is None:
             return super().propose(num_speculative_tokens, *args, **kwargs)
         self._tree_tokens: torch.Tensor | None = None
+        self._tree_parents: torch.Tensor | None = None
         with step_range("ddtree::draft"):  # the drafter pass and the tree build
             super().propose(self.ddtree.depth, *args, **kwargs)
-        tokens = self._tree_tokens
-        self._tree_tokens = None
+        tokens, parents = self._tree_tokens, self._tree_parents
+        self._tree_tokens = self._tree_parents = None
         if step_checks.enabled():
             self._check_query_slots(tokens.shape[0])
         width = min(num_speculative_tokens, tokens.shape[1])
+        self.proposed_parents = parents[:, :width]
         return tokens[:, :width]
 
     def _check_query_slots(self, num_reqs: int) -> None:
@@ -120,6 +126,7 @@ class DDTreeProposer(DFlashProposer):
             self.proposals.forget_all_but(self.runner.requests)
             self.proposals.proposed(list(self.runner.input_batch.req_ids[:num_reqs]), trees)
         self._tree_tokens = trees.token_ids.clamp(min=0)
+        self._tree_parents = trees.parents
         # vLLM reshapes what this returns to [R, depth]; the real drafts are the tree tokens.
         placeholder = torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
         return placeholder, None

@@ -48,6 +48,7 @@ from vllm_ddtree.spec_decode.tree_step import (
     commit_step_kv,
     set_tree_step_inputs,
 )
+from vllm_ddtree.structured_outputs import TREE_PARENTS_ATTR
 from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")
@@ -438,6 +439,42 @@ def _wrap_propose(original):
         return original(self, *args, **kwargs)
 
     return propose_draft_token_ids
+
+
+def _wrap_copy_draft_token_ids_to_cpu(original):
+    """Where vLLM copies the drafts to the host (for the scheduler's grammar bitmask and
+    penalties), the trees' parents go along (``structured_outputs.ParentsToHost``)."""
+
+    def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only=False):
+        original(self, scheduler_output, zeros_only)
+        drafter = _ddtree_proposer(self)
+        if drafter is None:
+            return
+        parents = drafter.proposed_parents
+        copied = self._draft_token_req_ids is not None and torch.is_tensor(self._draft_token_ids)
+        if zeros_only or not copied or parents is None:
+            drafter.parents_to_host.clear()
+            return
+        drafter.parents_to_host.start(parents, getattr(self, "draft_token_ids_copy_stream", None))
+
+    return _copy_draft_token_ids_to_cpu
+
+
+def _wrap_take_draft_token_ids(original):
+    """vLLM's ``DraftTokenIds`` for the scheduler also carries the trees' parents
+    (``structured_outputs.TREE_PARENTS_ATTR``)."""
+
+    def take_draft_token_ids(self):
+        taken = original(self)
+        drafter = _ddtree_proposer(self)
+        if taken is None or drafter is None:
+            return taken
+        parents = drafter.parents_to_host.take(len(taken.req_ids))
+        if parents is not None:
+            setattr(taken, TREE_PARENTS_ATTR, parents)
+        return taken
+
+    return take_draft_token_ids
 
 
 def _move_path_rows_first(runner, step: TreeStep, aux_hidden_states) -> None:
