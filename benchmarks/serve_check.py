@@ -2,9 +2,12 @@
 
 Builds a tiny random Qwen3 target with a word-level tokenizer and a chat template, a random
 DFlash drafter, then starts the OpenAI server twice (target alone, then DDTree) and sends the
-same greedy requests to /v1/completions and /v1/chat/completions, streamed and not, and a
-completion with its own DDTree options (``vllm_xargs``: ``tree_budget`` 4, ``ddtree_stats``).
-The texts must be identical; /metrics of the DDTree server must show the spec-decode counters,
+same greedy requests to /v1/completions and /v1/chat/completions, streamed and not, a
+completion with its own DDTree options (``vllm_xargs``: ``tree_budget`` 4, ``ddtree_stats``)
+and, unless ``--no-options``, request options: a chat completion with a JSON-schema
+``response_format``, a completion with ``logprobs`` and a chat completion with
+``top_logprobs``. The answers must be identical (logprobs within 1e-4); /metrics of the DDTree
+server must show the spec-decode counters,
 its log one statistics line per request that asked, and an out-of-range ``tree_budget`` must
 get a 400. Writes JSON; exits non-zero otherwise.
 
@@ -30,16 +33,33 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(path: str, vocab_size: int) -> None:
-    """A word-level tokenizer over w0..w{V-1} (saved next to the target)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+# Tokens a JSON object of integers needs (``make_tokenizer(json_tokens=True)``).
+JSON_TOKENS = ("{", "}", '"', ",", "[", "]", "-", *"0123456789", "n")
+# The JSON schema of the structured-output request: {"n": <integer>}.
+COUNT_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def make_tokenizer(path: str, vocab_size: int, json_tokens: bool = False) -> None:
+    """A word-level tokenizer over w0..w{V-1} (saved next to the target); with
+    ``json_tokens``, the highest words give way to ``JSON_TOKENS`` and decoding joins tokens
+    without spaces, so a grammar's JSON text comes back as it was generated."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(vocab_size - 8)}
-    for extra in ("[UNK]", "<eos>", "user", "assistant", ":", ";", "system", "<pad>"):
+    extras = ("[UNK]", "<eos>", "user", "assistant", ":", ";", "system", "<pad>")
+    punctuation = JSON_TOKENS if json_tokens else ()
+    vocab = {f"w{i}": i for i in range(vocab_size - len(extras) - len(punctuation))}
+    for extra in (*extras, *punctuation):
         vocab[extra] = len(vocab)
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if json_tokens:
+        backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>", pad_token="<pad>"
     )
@@ -65,7 +85,7 @@ def streamed_text(raw: bytes, chat: bool) -> str:
     return "".join(text)
 
 
-def ask_all(port: int, model: str, prompts: list[str]) -> dict:
+def ask_all(port: int, model: str, prompts: list[str], options: bool = True) -> dict:
     answers = {}
     for i, prompt in enumerate(prompts):
         common = {"model": model, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
@@ -86,7 +106,46 @@ def ask_all(port: int, model: str, prompts: list[str]) -> dict:
             request(port, "/v1/completions", {**common, "prompt": prompt, "vllm_xargs": xargs})
         )
         answers[f"completion_own_budget_{i}"] = own["choices"][0]["text"]
+        if options:
+            answers.update(
+                {f"{name}_{i}": answer for name, answer in ask_options(port, model, prompt)}
+            )
     return answers
+
+
+def ask_options(port: int, model: str, prompt: str):
+    """(name, answer) of each request option: a JSON-schema ``response_format`` (greedy, up
+    to the grammar's end), ``logprobs`` on a completion and ``top_logprobs`` on a chat."""
+    messages = [{"role": "user", "content": prompt}]
+    common = {"model": model, "max_tokens": 24, "temperature": 0.0}
+    schema = {"type": "json_schema", "json_schema": {"name": "count", "schema": COUNT_SCHEMA}}
+    chat = {**common, "messages": messages, "response_format": schema}
+    answer = json.loads(request(port, "/v1/chat/completions", chat))
+    yield "chat_json_schema", answer["choices"][0]["message"]["content"]
+    completion = {**common, "prompt": prompt, "ignore_eos": True, "logprobs": 3}
+    answer = json.loads(request(port, "/v1/completions", completion))["choices"][0]
+    yield "completion_logprobs", {"text": answer["text"], "logprobs": answer["logprobs"]}
+    chat = {**common, "messages": messages, "ignore_eos": True, "logprobs": True}
+    answer = json.loads(request(port, "/v1/chat/completions", {**chat, "top_logprobs": 2}))
+    choice = answer["choices"][0]
+    yield "chat_logprobs", {"text": choice["message"]["content"], "logprobs": choice["logprobs"]}
+
+
+def same_answer(a, b, tolerance: float = 1e-4) -> bool:
+    """Equal answers: strings, token lists and keys exactly, floats (logprobs) within
+    ``tolerance``."""
+    if isinstance(a, float) or isinstance(b, float):
+        return (
+            isinstance(a, (int, float))
+            and isinstance(b, (int, float))
+            and (abs(a - b) <= tolerance)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_answer(a[k], b[k], tolerance) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        pairs = zip(a, b, strict=False)
+        return len(a) == len(b) and all(same_answer(x, y, tolerance) for x, y in pairs)
+    return a == b
 
 
 def status_of(port: int, route: str, body: dict) -> int:
@@ -147,6 +206,11 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8711)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
+        "--no-options",
+        action="store_true",
+        help="leave out the request options (a DDTree server on the V2 runner refuses them)",
+    )
+    parser.add_argument(
         "--server-args", default="", help="more `vllm serve` arguments, e.g. memory limits"
     )
     args = parser.parse_args()
@@ -155,8 +219,7 @@ def main() -> int:
 
     spec = TinyQwen3Spec()
     target = make_tiny_qwen3(os.path.join(args.work, "target"), spec)
-    if not os.path.exists(os.path.join(target, "tokenizer.json")):
-        make_tokenizer(target, spec.vocab_size)
+    make_tokenizer(target, spec.vocab_size, json_tokens=True)
     drafter = make_tiny_dflash(os.path.join(args.work, "drafter"), spec)
     prompts = ["w1 w2 w3", "w10 w20 w30 w40", "w7"]
     common = ["--dtype", args.dtype, *args.server_args.split()]
@@ -168,7 +231,7 @@ def main() -> int:
     for name, extra in (("target", common), ("ddtree", [*common, "--speculative-config", ddtree])):
         proc = serve(target, args.port, extra, os.path.join(args.out, f"serve_{name}.log"))
         try:
-            results[name] = ask_all(args.port, target, prompts)
+            results[name] = ask_all(args.port, target, prompts, not args.no_options)
             if name == "ddtree":
                 metrics_text = request(args.port, "/metrics").decode()
                 bad = {"model": target, "prompt": prompts[0], "max_tokens": 4}
@@ -177,7 +240,9 @@ def main() -> int:
                 )
         finally:
             stop(proc)
-    differences = [k for k in results["target"] if results["target"][k] != results["ddtree"][k]]
+    differences = [
+        k for k in results["target"] if not same_answer(results["target"][k], results["ddtree"][k])
+    ]
     spec_lines = [line for line in metrics_text.splitlines() if line.startswith("vllm:spec_decode")]
     # The model runner the DDTree server chose (its start-up log line).
     with open(os.path.join(args.out, "serve_ddtree.log"), errors="replace") as f:
@@ -194,7 +259,11 @@ def main() -> int:
         "out_of_range_tree_budget_status": refused,
         "request_stats_lines": stats_lines,
         "metrics": spec_lines[:20],
-        "example": {k: results["ddtree"][k] for k in ("completion_0", "chat_stream_0")},
+        "example": {
+            k: results["ddtree"][k]
+            for k in ("completion_0", "chat_stream_0", "chat_json_schema_0")
+            if k in results["ddtree"]
+        },
     }
     with open(os.path.join(args.out, "serve_check.json"), "w") as f:
         json.dump(summary, f, indent=1)

