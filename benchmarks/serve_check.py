@@ -214,6 +214,12 @@ def main() -> int:
         "--server-args", default="", help="more `vllm serve` arguments, e.g. memory limits"
     )
     args = parser.parse_args()
+    if args.dtype == "float32":
+        # Triton's float32 dots in IEEE precision (TF32 by default on NVIDIA GPUs), in both
+        # servers' attention kernels: otherwise logprobs part at about 1e-2 between the
+        # target alone's kernel shapes and the tree verify's, as the lossless grid's
+        # --f32-dots ieee avoids.
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     from benchmarks.common import git_commit
     from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
@@ -259,6 +265,8 @@ def main() -> int:
         "out_of_range_tree_budget_status": refused,
         "request_stats_lines": stats_lines,
         "metrics": spec_lines[:20],
+        "triton_f32_dots": os.environ.get("TRITON_F32_DEFAULT", "Triton's default"),
+        "answers": results,
         "example": {
             k: results["ddtree"][k]
             for k in ("completion_0", "chat_stream_0", "chat_json_schema_0")
@@ -267,7 +275,7 @@ def main() -> int:
     }
     with open(os.path.join(args.out, "serve_check.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(json.dumps({k: v for k, v in summary.items() if k != "metrics"}))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("metrics", "answers")}))
     passed = not differences and spec_lines and refused == 400 and len(stats_lines) == len(prompts)
     return 0 if passed else 1
 
