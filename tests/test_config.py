@@ -40,8 +40,9 @@ def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
     """No tree_budget means "auto": on the V1 runner's packaged profile the chain is measured
     faster at every batch size, so the DFlash chain request comes back; on V2's (the paired
     run's fit), the largest tree at one request (budget 128), the chain at 16 requests (no tree
-    predicted 10% faster) and budget 16 at vLLM's default request limit (judged at the largest
-    measured batch, 64)."""
+    predicted 10% faster) and trees at 256 (budget 16 judged at the largest measured batch, 64),
+    there with a budget per batch size: 128 for a few requests down to 16 for many, the
+    engine's budget the largest."""
     assert DEFAULT_TREE_BUDGET == "auto"
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v1")
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"})
@@ -52,8 +53,11 @@ def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
     assert ddtree is not None and ddtree.tree_budget == 128
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=16)
     assert ddtree is None and vllm_part["method"] == "dflash"
-    _, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=256)
-    assert ddtree is not None and ddtree.tree_budget == 16
+    vllm_part, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=256)
+    schedule = vllm_part["num_speculative_tokens_per_batch_size"]
+    assert schedule[0][:2] == [1, 4] and schedule[0][2] == 128 and schedule[-1][1:] == [256, 16]
+    assert ddtree is not None and ddtree.tree_budget == 128
+    assert vllm_part["num_speculative_tokens"] == 128
 
 
 def test_small_budget_caps_top_k_at_the_budget():

@@ -16,6 +16,7 @@ from vllm_ddtree.cost_model import (
     CostProfile,
     StepCost,
     choose_budget,
+    choose_schedule,
     load_profile,
 )
 
@@ -223,7 +224,8 @@ def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
             VLLM_FIELDS,
             drafter_config=DFLASH,
         )
-    assert seen == ["V1", "V2", "V1", "V2"]
+    # V2 chose trees: its schedule reads V2's profile too.
+    assert seen == ["V1", "V2", "V1", "V2", "V2"]
 
 
 def paired_row(batch: int, engines: dict[str, tuple[float, float, float]]) -> dict:
@@ -365,6 +367,44 @@ def test_near_tied_budgets_give_the_smallest_and_a_clear_winner_itself():
 def test_batches_past_the_measured_ones_are_judged_at_the_largest_measured():
     p = profile(6.0, max_batch=4)
     assert choose_budget(p, batch=256) == choose_budget(p, batch=4)
+
+
+def test_the_schedule_gives_each_batch_size_its_fastest_tree_within_the_largest_graph():
+    """``choose_schedule``: ranges that cover 1..max_num_seqs in order, each batch size the
+    budget ``choose_budget`` would pick among the candidates whose verify batch fits the
+    largest graph; the V2 profile's trees shrink as the batch grows."""
+    v2 = load_profile(runner="V2")
+    schedule = choose_schedule(v2, 200, 2048)
+    assert schedule[0][0] == 1 and schedule[-1][1] == 200
+    assert all(a[1] + 1 == b[0] for a, b in zip(schedule, schedule[1:], strict=False))
+    budgets = [budget for _, _, budget in schedule]
+    assert budgets[0] == 128 and budgets[-1] == 16 and budgets == sorted(budgets, reverse=True)
+    for first, last, budget in schedule:
+        for batch in (first, last):
+            fitting = [b for b in (16, 32, 64, 128) if batch * (1 + b) <= 2048] or [16]
+            trees = {k: v for k, v in choose_budget(v2, batch, fitting)[1].items() if k != "chain"}
+            fastest = max(trees.values())
+            tied = [int(k[1:]) for k, v in trees.items() if v >= (1 - NEAR_TIE) * fastest]
+            assert budget == min(tied), (batch, budget, trees)
+    # A smaller graph: budget 128 only while 129 tokens per request fit.
+    small = choose_schedule(v2, 8, 300)
+    assert all(budget <= 300 // last - 1 for _, last, budget in small), small
+
+
+def test_the_cost_model_command_says_what_auto_serves():
+    """``python -m vllm_ddtree.cost_model``: the packaged profiles' choice, and on V2 the
+    budget per batch size the engine gets."""
+    import subprocess
+    import sys
+
+    def run(*args):
+        command = [sys.executable, "-m", "vllm_ddtree.cost_model", *args]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+    v2 = run("--runner", "v2", "--max-num-seqs", "256")
+    assert "choice: trees (budget 16 at 256 requests)" in v2
+    assert "budget per batch size: 1-4: 128," in v2 and v2.rstrip().endswith("-256: 16")
+    assert "choice: the DFlash chain" in run("--runner", "v1", "--max-num-seqs", "8")
 
 
 def write_profile(tmp_path, tree_base_ms: float) -> str:

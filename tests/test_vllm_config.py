@@ -223,7 +223,8 @@ def test_without_a_budget_the_engine_gets_the_cost_model_s_choice(
 ):
     """No ``tree_budget``: "auto" for the engine's request limit (vLLM's default when unset,
     resolved later by vLLM): the chain where the runner's profile predicts it faster, else the
-    tree it predicts fastest at that limit."""
+    tree it predicts fastest at that limit, and on the V2 runner the tree it predicts fastest
+    at each batch size up to it."""
     from vllm_ddtree.compat import get_ddtree_config
 
     spec = {"method": "ddtree", "model": tiny_drafter_path}
@@ -235,9 +236,16 @@ def test_without_a_budget_the_engine_gets_the_cost_model_s_choice(
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")  # V2's profile: budget 128 for one request
     config = engine_config(tiny_target_path, spec, max_num_seqs=1)
     assert get_ddtree_config(config.speculative_config).tree_budget == 128
-    config = engine_config(tiny_target_path, spec)  # vLLM's default limit: budget 16
-    assert get_ddtree_config(config.speculative_config).tree_budget == 16
+    # vLLM's default limit: a budget per batch size on V2 (vLLM's per-batch-size schedule),
+    # 128 for one request down to 16 for many, the engine's budget the largest of them.
+    config = engine_config(tiny_target_path, spec)
     assert config.scheduler_config.max_num_seqs >= 128
+    schedule = [tuple(e) for e in config.speculative_config.num_speculative_tokens_per_batch_size]
+    budgets = [budget for _, _, budget in schedule]
+    assert schedule[0][:2] == (1, 4) and budgets[0] == 128 and budgets[-1] == 16
+    assert budgets == sorted(budgets, reverse=True) and len(budgets) > 2
+    assert get_ddtree_config(config.speculative_config).tree_budget == 128
+    assert config.speculative_config.num_speculative_tokens == 128
 
 
 def test_a_non_dflash_drafter_is_refused(tiny_target_path):
@@ -472,6 +480,34 @@ def test_every_verify_batch_an_engine_can_run_replays_a_full_graph(
     modes = vllm_v1_verify_modes(sizes, max_num_seqs, width)
     assert set(modes.values()) == {"FULL"}, modes
     assert "exceed the largest CUDA graph" not in caplog.text
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 64, 120])
+def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
+    tiny_target_path, tiny_drafter_path, max_num_seqs, monkeypatch, caplog
+):
+    """ "auto" on the V2 runner schedules a budget per batch size; through vLLM's own lookup,
+    size rule and V2 graph manager (its dispatch for each scheduled width), every verify
+    batch up to ``max_num_seqs`` lands on a FULL graph, and none is named as exceeding one."""
+    from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    spec = {"method": "ddtree", "model": tiny_drafter_path}
+    args = engine_args(tiny_target_path, spec, max_num_seqs=max_num_seqs)
+    with caplog.at_level("WARNING", logger="vllm.ddtree"):
+        config = args.create_engine_config()
+    budget = get_ddtree_config(config.speculative_config).tree_budget
+    # One budget for every batch size (a batch of at most 4 here) needs no schedule.
+    schedule = config.speculative_config.num_speculative_tokens_per_batch_size
+    assert (schedule is None) == (max_num_seqs == 4)
+    sizes = vllm_default_sizes(max_num_seqs, budget, args.max_cudagraph_capture_size)
+    ranges = schedule or [[1, max_num_seqs, budget]]
+    modes = vllm_v2_scheduled_verify_modes(sizes, max_num_seqs, ranges, budget)
+    assert {mode for _, mode in modes.values()} == {"FULL"}, modes
+    if schedule:  # the widths do change with the batch
+        assert len({width for width, _ in modes.values()}) > 1
+    assert "exceed the largest CUDA graph" not in caplog.text
+    assert "tree_budget 'auto' per batch size" in caplog.text
 
 
 def test_vllms_default_sizes_leave_sixteen_trees_of_budget_32_without_a_full_graph():

@@ -32,12 +32,20 @@ def vllm_default_sizes(max_num_seqs: int, num_speculative_tokens: int, largest=N
     return compilation.cudagraph_capture_sizes
 
 
-def _graph_manager(sizes: list[int], max_num_seqs: int, width: int, mode_name: str):
+def _graph_manager(sizes: list[int], max_num_seqs: int, width: int, mode_name: str, schedule=None):
     """A stand-in for vLLM 0.26.0's V2 ``CudaGraphManager`` (graphs in ``mode_name``, capture
-    ``sizes``, ``width`` query tokens per request in a uniform decode) with its candidates
+    ``sizes``, ``width`` query tokens per request in a uniform decode; with vLLM's
+    per-batch-size ``schedule`` of draft tokens, ``width`` is the widest) with its candidates
     built by its own ``_init_candidates``: no GPU, no graphs captured."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    speculative = None
+    if schedule:
+        speculative = SimpleNamespace(
+            uses_dynamic_speculative_decoding=lambda: True,
+            num_speculative_tokens_per_batch_size=schedule,
+        )
 
     manager = SimpleNamespace(
         compilation_config=SimpleNamespace(
@@ -46,7 +54,9 @@ def _graph_manager(sizes: list[int], max_num_seqs: int, width: int, mode_name: s
         cudagraph_mode=CUDAGraphMode[mode_name],
         max_num_reqs=max_num_seqs,
         decode_query_len=width,
-        vllm_config=SimpleNamespace(speculative_config=None),
+        vllm_config=SimpleNamespace(
+            speculative_config=speculative, num_speculative_tokens=width - 1
+        ),
         lora_capture_cases=[0],
         _candidates={},
         _capture_descs={},
@@ -81,6 +91,25 @@ def vllm_v2_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dic
         b: CudaGraphManager.dispatch(manager, b, b * width, width, 0).cg_mode.name
         for b in range(1, max_num_seqs + 1)
     }
+
+
+def vllm_v2_scheduled_verify_modes(
+    sizes: list[int], max_num_seqs: int, schedule, tree_budget: int
+) -> dict[int, tuple[int, str]]:
+    """Like ``vllm_v2_verify_modes`` under vLLM's per-batch-size ``schedule`` (ranges of
+    draft tokens, at most ``tree_budget``): for every ``b`` up to ``max_num_seqs``, the verify
+    width vLLM's scheduler gives it (its own lookup) and the mode the V2 graph manager
+    dispatches ``b`` requests of that width to. ``{b: (width, mode)}``."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    nodes = build_dynamic_sd_schedule_lookup(schedule, max_num_seqs, tree_budget)
+    manager = _graph_manager(sizes, max_num_seqs, 1 + tree_budget, "FULL_AND_PIECEWISE", schedule)
+    modes = {}
+    for b in range(1, max_num_seqs + 1):
+        width = 1 + nodes[b]
+        modes[b] = (width, CudaGraphManager.dispatch(manager, b, b * width, width, 0).cg_mode.name)
+    return modes
 
 
 def vllm_v1_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dict[int, str]:

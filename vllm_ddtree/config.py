@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm_ddtree.cost_model import VERIFY_GRAPH_TOKENS
+
 logger = logging.getLogger("vllm.ddtree")
 
 DDTREE_METHOD = "ddtree"
@@ -423,6 +425,27 @@ def _automatic_budget(
     return tree_budget
 
 
+def _automatic_schedule(
+    profile_path: str | None, max_num_seqs: int | None, runner: str
+) -> list[tuple[int, int, int]]:
+    """``"tree_budget": "auto"`` on the V2 runner, once it chose trees: a budget for every batch
+    size up to ``max_num_seqs`` (1 when unset), each verify batch within
+    ``VERIFY_GRAPH_TOKENS`` (``cost_model.choose_schedule``), as vLLM's per-batch-size
+    schedule (its V2 graph manager captures FULL graphs for each width of it); logged."""
+    from vllm_ddtree.cost_model import choose_schedule, load_profile
+
+    profile = load_profile(profile_path, runner=runner.upper())
+    schedule = choose_schedule(profile, max_num_seqs or 1, VERIFY_GRAPH_TOKENS)
+    logger.warning(
+        "vllm-ddtree: tree_budget 'auto' per batch size (requests: budget): %s",
+        ", ".join(
+            f"{first}: {budget}" if first == last else f"{first}-{last}: {budget}"
+            for first, last, budget in schedule
+        ),
+    )
+    return schedule
+
+
 def split_speculative_config(
     raw: Mapping[str, Any],
     vllm_fields: Iterable[str],
@@ -512,14 +535,20 @@ def split_speculative_config(
             f"{MAX_TREE_BUDGET} or 'auto', got {tree_budget!r}"
         )
     if tree_budget == AUTO_BUDGET:
+        profile_path = config.pop("cost_profile", None)
         tree_budget = _automatic_budget(
-            config.pop("cost_profile", None), max_num_seqs, depth, runner, tensor_parallel_size
+            profile_path, max_num_seqs, depth, runner, tensor_parallel_size
         )
         if tree_budget is None:
             config.pop("tree_top_k", None)
             config["method"] = DFLASH_METHOD
             config["num_speculative_tokens"] = depth
             return config, None
+        if runner == "v2" and not gives_batch_size_schedule(config):
+            schedule = _automatic_schedule(profile_path, max_num_seqs, runner)
+            if len({budget for _, _, budget in schedule}) > 1:
+                config[SCHEDULE_KEY] = [list(entry) for entry in schedule]
+            tree_budget = max(budget for _, _, budget in schedule)
     tree_budget = _check_int("tree_budget", tree_budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
     top_k = config.pop("tree_top_k", min(tree_budget, DEFAULT_TOP_K_CAP))
     top_k = _check_int("tree_top_k", top_k, 1, tree_budget)

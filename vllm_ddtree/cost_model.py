@@ -50,6 +50,15 @@ MIN_PREDICTED_GAIN = 1.10
 # the same mean speedup over the chain, but on the set where the chain is strongest (sharegpt)
 # budget 16 kept 0.89x / 1.03x of it and budget 32 0.78x / 0.80x.
 NEAR_TIE = 0.05
+# What "auto" schedules per batch size on the V2 runner (``choose_schedule``): trees of 17 verify
+# tokens and more, whose every uniform verify batch vLLM's default graph sizes (steps of 8,
+# then 16 tokens) give a FULL graph in its V2 manager; narrower trees leave some batch sizes
+# piecewise there.
+SCHEDULE_CANDIDATES = tuple(b for b in BUDGET_CANDIDATES if b >= 16)
+# The largest CUDA graph (tokens) the plugin asks for when the user chose none: every verify
+# batch up to this many tokens replays a FULL graph; beyond it graphs cost memory and start-up
+# time (vLLM's own default stops at 512). "auto" schedules no wider verify batch.
+VERIFY_GRAPH_TOKENS = 2048
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "cost_profiles")
 # The packaged profiles, one per vLLM model runner DDTree can run on (their step costs differ).
 PACKAGED_PROFILES = {
@@ -145,6 +154,22 @@ class CostProfile:
         )
 
 
+def _predicted_trees(profile: CostProfile, batch: int, candidates) -> dict[int, float]:
+    """Predicted tokens/s of each candidate budget inside the measured range (the range's
+    low end when none is) at ``batch`` requests (judged at ``profile.max_batch`` when
+    larger)."""
+    batch = max(1, min(batch, profile.max_batch))
+    low, high = profile.measured_range()
+    candidates = [b for b in candidates if low <= b <= high] or [low]
+    return {b: profile.tree_tokens_per_s(b, batch) for b in candidates}
+
+
+def _fastest(predicted: dict[int, float]) -> int:
+    """The smallest budget predicted within ``NEAR_TIE`` of the fastest."""
+    fastest = max(predicted.values())
+    return min(b for b, tok_s in predicted.items() if tok_s >= (1 - NEAR_TIE) * fastest)
+
+
 def choose_budget(
     profile: CostProfile, batch: int, candidates=BUDGET_CANDIDATES
 ) -> tuple[int | None, dict[str, float]]:
@@ -153,17 +178,35 @@ def choose_budget(
     highest), or None when no candidate is predicted at least ``MIN_PREDICTED_GAIN`` times as
     fast as the DFlash chain; with the predictions (``{"chain": tok/s, "b16": tok/s, ...}``)
     behind the choice."""
-    batch = max(1, min(batch, profile.max_batch))
-    low, high = profile.measured_range()
-    candidates = [b for b in candidates if low <= b <= high] or [low]
-    predicted = {"chain": profile.chain_tokens_per_s(batch)}
-    for tree_budget in candidates:
-        predicted[f"b{tree_budget}"] = profile.tree_tokens_per_s(tree_budget, batch)
-    fastest = max(predicted[f"b{b}"] for b in candidates)
-    if fastest < MIN_PREDICTED_GAIN * predicted["chain"]:
+    trees = _predicted_trees(profile, batch, candidates)
+    predicted = {"chain": profile.chain_tokens_per_s(max(1, min(batch, profile.max_batch)))}
+    predicted.update({f"b{b}": tok_s for b, tok_s in trees.items()})
+    if max(trees.values()) < MIN_PREDICTED_GAIN * predicted["chain"]:
         return None, predicted
-    tied = [b for b in candidates if predicted[f"b{b}"] >= (1 - NEAR_TIE) * fastest]
-    return min(tied), predicted
+    return _fastest(trees), predicted
+
+
+def choose_schedule(
+    profile: CostProfile,
+    max_num_seqs: int,
+    max_verify_tokens: int,
+    candidates=SCHEDULE_CANDIDATES,
+) -> list[tuple[int, int, int]]:
+    """``"tree_budget": "auto"``'s budget for every batch size up to ``max_num_seqs``, as vLLM's
+    per-batch-size schedule (``num_speculative_tokens_per_batch_size``: inclusive ranges
+    ``(first, last, budget)``): at each batch size the budget predicted fastest (the smallest
+    within ``NEAR_TIE``) among the candidates whose verify batch, ``batch x (1 + budget)``
+    tokens, has a CUDA graph (at most ``max_verify_tokens``; the narrowest candidate past
+    that)."""
+    schedule: list[tuple[int, int, int]] = []
+    for batch in range(1, max_num_seqs + 1):
+        fitting = [b for b in candidates if batch * (1 + b) <= max_verify_tokens]
+        budget = _fastest(_predicted_trees(profile, batch, fitting or [min(candidates)]))
+        if schedule and schedule[-1][2] == budget:
+            schedule[-1] = (schedule[-1][0], batch, budget)
+        else:
+            schedule.append((batch, batch, budget))
+    return schedule
 
 
 def choose_automatic(
@@ -187,3 +230,44 @@ def load_profile(path: str | None = None, runner: str = "V1") -> CostProfile:
     packaged one of ``runner`` ("V1" or "V2", the vLLM model runner DDTree runs on)."""
     with open(path or PACKAGED_PROFILES[runner]) as f:
         return CostProfile.from_dict(json.load(f))
+
+
+def describe_automatic(max_num_seqs: int, runner: str, path: str | None = None) -> str:
+    """What ``"tree_budget": "auto"`` serves an engine of ``max_num_seqs`` requests on
+    ``runner`` ("v1" or "v2") with the profile at ``path`` (the packaged one by default): the
+    predictions at that limit, the choice, and on V2 the budget per batch size."""
+    tree_budget, predicted, profile = choose_automatic(max_num_seqs, runner, 1, path)
+    lines = [
+        f"profile: {profile.source}",
+        f"predicted tok/s at {max_num_seqs} requests: "
+        + ", ".join(f"{name} {tok_s:.0f}" for name, tok_s in predicted.items()),
+        "choice: "
+        + (
+            "the DFlash chain"
+            if tree_budget is None
+            else f"trees (budget {tree_budget} at {max_num_seqs} requests)"
+        ),
+    ]
+    if tree_budget is not None and runner.lower() == "v2":
+        schedule = choose_schedule(profile, max_num_seqs, VERIFY_GRAPH_TOKENS)
+        lines.append(
+            "budget per batch size: "
+            + ", ".join(
+                f"{first}: {budget}" if first == last else f"{first}-{last}: {budget}"
+                for first, last, budget in schedule
+            )
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description='What "tree_budget": "auto" serves: the cost profile\'s predictions and choice'
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=1)
+    parser.add_argument("--runner", choices=("v1", "v2"), default="v2")
+    parser.add_argument("--profile", help="a fitted profile JSON (default: the packaged one)")
+    args = parser.parse_args()
+    print(describe_automatic(args.max_num_seqs, args.runner, args.profile))

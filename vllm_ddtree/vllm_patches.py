@@ -49,6 +49,7 @@ from vllm_ddtree.compat import (
 from vllm_ddtree.config import (
     DDTREE_METHOD,
     SCHEDULE_KEY,
+    VERIFY_GRAPH_TOKENS,
     DDTreeConfig,
     DDTreeConfigError,
     check_drafter_is_dflash,
@@ -154,7 +155,7 @@ def _wrap_create_speculative_config(original):
             if parsed is not None:
                 ddtree = parsed
                 _choose_target_attention_backend(self)
-                _size_graphs(self, ddtree)
+                _size_graphs(self, ddtree, vllm_dict.get(SCHEDULE_KEY))
                 self._ddtree_config = ddtree
             if asked_for_ddtree:
                 # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
@@ -351,12 +352,6 @@ def _wrap_get_attn_backend_cls(original):
     return get_attn_backend_cls
 
 
-# The largest CUDA graph (tokens) the plugin asks for when the user chose none: every verify
-# batch up to this many tokens replays a FULL graph; beyond it graphs cost memory and start-up
-# time (vLLM's own default stops at 512).
-VERIFY_GRAPH_TOKENS = 2048
-
-
 def _vllm_largest_graph(max_num_seqs: int, width: int) -> int:
     """vLLM's own largest CUDA graph (tokens) for ``width`` tokens per request."""
     return min(2 * max_num_seqs * width, 512)
@@ -373,7 +368,7 @@ def largest_graph_for(max_num_seqs: int, tree_budget: int, depth: int) -> int:
     return max(_vllm_largest_graph(max_num_seqs, width), -(-batch // 16) * 16)
 
 
-def _size_graphs(engine_args, ddtree: DDTreeConfig) -> None:
+def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None) -> None:
     """Give every verify batch and the DFlash drafter's batches a FULL CUDA graph.
 
     vLLM sizes its graphs for ``1 + num_speculative_tokens`` (here ``1 + tree_budget``) tokens
@@ -384,7 +379,8 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig) -> None:
     (budget 4, one request: largest graph 10 tokens, drafter batch 16). Unless the user chose
     the graph sizes, the largest is set to ``largest_graph_for`` (``EngineArgs.
     max_cudagraph_capture_size``, read when vLLM builds its compilation config); verify batches
-    that still exceed it are named in one warning at start."""
+    that still exceed it (at the nodes vLLM's per-batch-size ``schedule`` gives each batch size,
+    when there is one) are named in one warning at start."""
     compilation = getattr(engine_args, "compilation_config", None)
     chosen = (
         getattr(engine_args, "cudagraph_capture_sizes", None),
@@ -399,15 +395,21 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig) -> None:
     largest = largest_graph_for(max_num_seqs, ddtree.tree_budget, ddtree.depth)
     if largest != _vllm_largest_graph(max_num_seqs, width):  # vLLM's own choice otherwise
         engine_args.max_cudagraph_capture_size = largest
-    covered = largest // width
-    if covered < max_num_seqs:
+    nodes = [ddtree.tree_budget] * (max_num_seqs + 1)
+    if schedule:
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        nodes = build_dynamic_sd_schedule_lookup(schedule, max_num_seqs, ddtree.tree_budget)
+    exceeding = [b for b in range(1, max_num_seqs + 1) if b * (1 + nodes[b]) > largest]
+    if exceeding:
+        widths = sorted({1 + nodes[b] for b in exceeding})
         logger.warning(
-            "vllm-ddtree: verify batches of %d to %d requests (%d tokens each) exceed the "
+            "vllm-ddtree: verify batches of %d to %d requests (%s tokens each) exceed the "
             "largest CUDA graph (%d tokens) and run without a FULL graph; lower tree_budget "
             "or max_num_seqs, or set max_cudagraph_capture_size",
-            covered + 1,
-            max_num_seqs,
-            width,
+            exceeding[0],
+            exceeding[-1],
+            "/".join(map(str, widths)),
             largest,
         )
 
