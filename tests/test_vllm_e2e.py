@@ -504,3 +504,42 @@ def test_ddtree_structured_outputs_are_the_target_alones(
         assert re.fullmatch(PATH_REGEX, "".join(f"w{t}" for t in tokens)), tokens
     assert results["ddtree"]["tokens"] == results["target"]["tokens"]
     assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_seeded_sampling_with_a_grammar_gives_the_same_tokens_whatever_the_tree(
+    tiny_target_path, tiny_drafter_path, tmp_path
+):
+    """T = 0.8 with keyed noise and the path-dependent regex: trees of budget 16 that accept
+    deep (an oracle drafter on the constrained greedy output), trees of budget 2 and trees a
+    random drafter proposes (nothing accepted: the target's own keyed samples) give the same
+    tokens for 6 seeds, each run matching the grammar."""
+    import re
+    import shutil
+
+    from benchmarks.serve_check import make_tokenizer
+
+    target_dir = str(tmp_path / "target")
+    shutil.copytree(tiny_target_path, target_dir)
+    make_tokenizer(target_dir, 1024)
+    with_tokenizer = {"skip_tokenizer_init": False}
+    grammar = {"structured_outputs": {"regex": PATH_REGEX}}
+    greedy = {"name": "greedy", "kwargs": {"dtype": "float32", **with_tokenizer}}
+    sampling = {"temperature": 0.8, "repeats": 6, **grammar}
+    oracle = {"from": "greedy", "p_top": 0.8}
+    runs = [{**greedy, "params": grammar}]
+    for name, budget, run_oracle in (
+        ("deep", 16, oracle),
+        ("budget2", 2, oracle),
+        ("random_drafter", 16, None),
+    ):
+        run = ddtree_run(name, tiny_drafter_path, budget, oracle=run_oracle, **with_tokenizer)
+        runs.append({**run, "sampling": sampling})
+    results, _ = run_engines(target_dir, runs, PROMPTS[:1], max_tokens=24)
+    reference = results["random_drafter"]["tokens"]
+    assert len({tuple(t) for t in reference}) > 1  # the seeds differ
+    for tokens in reference:
+        assert re.fullmatch(PATH_REGEX, "".join(f"w{t}" for t in tokens)), tokens
+    assert results["deep"]["tokens"] == reference
+    assert results["budget2"]["tokens"] == reference
+    assert results["deep"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
