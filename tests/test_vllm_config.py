@@ -572,3 +572,31 @@ def test_pipeline_parallelism_is_refused_naming_ddtree(tiny_target_path, tiny_dr
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
     with pytest.raises(DDTreeConfigError, match="ddtree.*pipeline parallelism"):
         engine_config(tiny_target_path, spec, pipeline_parallel_size=2)
+
+
+def test_the_spec_decode_log_line_says_the_mean_tree_nodes_verified(
+    tiny_target_path, tiny_drafter_path
+):
+    """vLLM's periodic ``SpecDecoding metrics`` line of a DDTree engine ends with the tree
+    nodes verified per request and step in the interval (draft tokens over drafts: the budget
+    served after schedules and requests' own budgets); a chain engine's line is vLLM's."""
+    from vllm.v1.metrics.loggers import LoggingStatLogger
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    def logged(spec) -> str:
+        stat_logger = LoggingStatLogger(engine_config(tiny_target_path, spec))
+        for nodes, accepted in ((16, 5), (8, 2), (12, 0)):
+            stats = SpecDecodingStats.new(15)
+            stats.num_drafts, stats.num_draft_tokens = 1, nodes
+            stats.num_accepted_tokens = accepted
+            stat_logger.spec_decoding_logging.observe(stats)
+        lines = []
+        stat_logger.spec_decoding_logging.log(log_fn=lambda msg, *a: lines.append(msg % a))
+        assert len(lines) == 1
+        return lines[0]
+
+    tree = logged({"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 16})
+    assert "Mean acceptance length: 3.33" in tree  # vLLM's own part: 1 + 7 / 3
+    assert tree.endswith("Mean tree nodes verified: 12.0")  # (16 + 8 + 12) / 3
+    chain = logged({"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 15})
+    assert "Mean tree nodes" not in chain

@@ -8,7 +8,10 @@ reach (``tree_positions``): the scheduler's statistics (engine core), the Promet
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` and the periodic ``SpecDecoding metrics`` log
 line (front end). Position ``i`` counts the steps whose accepted path reached depth ``i + 1``;
 the totals (drafts, draft tokens = tree nodes, accepted tokens) are vLLM's own. Each request's
-own verified trees are counted too (``request_options.RequestStatsBook``).
+own verified trees are counted too (``request_options.RequestStatsBook``). The periodic log
+line also says how many tree nodes a verify step checked per request on average
+(``TreeSpecDecodingLogging``): the budget the engine served, after per-batch-size schedules
+("auto" on V2) and requests' own budgets cut the trees.
 """
 
 from __future__ import annotations
@@ -89,5 +92,49 @@ def _wrap_spec_decoding_prom_init(original):
         if ddtree is not None:
             bound.arguments["speculative_config"] = _DepthView(config, tree_positions(ddtree))
         return original(*bound.args, **bound.kwargs)
+
+    return __init__
+
+
+def _tree_logging_class():
+    """``TreeSpecDecodingLogging``, built on vLLM's ``SpecDecodingLogging`` when first needed
+    (this module loads at plugin registration; vLLM's metrics module only with an engine)."""
+    from vllm.v1.spec_decode.metrics import SpecDecodingLogging
+
+    class TreeSpecDecodingLogging(SpecDecodingLogging):
+        """vLLM's periodic ``SpecDecoding metrics`` line, ending with the mean tree nodes
+        verified per request and step (draft tokens over drafts) in the interval."""
+
+        def log(self, log_fn=None):
+            from vllm.v1.spec_decode.metrics import logger as vllm_logger
+
+            log_fn = log_fn or vllm_logger.info
+            drafts, nodes = sum(self.num_drafts), sum(self.num_draft_tokens)
+
+            def with_nodes(message, *args):
+                if drafts and message.startswith("SpecDecoding metrics"):
+                    message, args = (
+                        message + ", Mean tree nodes verified: %.1f",
+                        (
+                            *args,
+                            nodes / drafts,
+                        ),
+                    )
+                log_fn(message, *args)
+
+            return super().log(log_fn=with_nodes)
+
+    return TreeSpecDecodingLogging
+
+
+def _wrap_logging_stat_logger_init(original):
+    """``LoggingStatLogger.__init__`` (front end): a DDTree engine's spec-decode log line
+    says the mean tree nodes verified (``TreeSpecDecodingLogging``)."""
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        config = getattr(self.vllm_config, "speculative_config", None)
+        if get_ddtree_config(config) is not None and not self.spec_decoding_logging.is_diffusion:
+            self.spec_decoding_logging = _tree_logging_class()()
 
     return __init__

@@ -202,6 +202,18 @@ SEAMS: tuple[Seam, ...] = (
         ("self", "speculative_config"),
     ),
     Seam(
+        "vllm.v1.metrics.loggers:LoggingStatLogger.__init__",
+        ENGINE,
+        f"{_METRICS}:_wrap_logging_stat_logger_init",
+        ("self", "vllm_config"),
+    ),
+    Seam(
+        "vllm.v1.spec_decode.metrics:SpecDecodingLogging.log",
+        ENGINE,
+        expected=("self", "log_fn"),
+        kind=BUILDS_ON,
+    ),
+    Seam(
         "vllm.config:VllmConfig.use_v2_model_runner",
         ENGINE,
         f"{_ENGINE}:_wrap_use_v2_model_runner",
