@@ -29,6 +29,19 @@ def ddtree_run(name, drafter, budget, oracle=ORACLE, **kwargs):
     return run
 
 
+def word_target(tiny_target_path, tmp_path) -> str:
+    """A copy of the tiny target with a word-level tokenizer (w0..w1015), for options that
+    need one: bad words, grammars."""
+    import shutil
+
+    from benchmarks.serve_check import make_tokenizer
+
+    target_dir = str(tmp_path / "target")
+    shutil.copytree(tiny_target_path, target_dir)
+    make_tokenizer(target_dir, 1024)
+    return target_dir
+
+
 @pytest.mark.vllm_engine
 def test_tree_attn_backend_generates_exactly_what_cpu_attn_does(tiny_target_path):
     runs = [
@@ -442,13 +455,7 @@ def test_ddtree_allowed_token_ids_and_bad_words_are_the_target_alones(
     node's row bans a word's last token when its own path ends with the word's prefix) on trees
     of budget 16: greedy outputs equal the target alone's with the same options, which change
     it. Bad words are strings, so the target gets a word-level tokenizer."""
-    import shutil
-
-    from benchmarks.serve_check import make_tokenizer
-
-    target_dir = str(tmp_path / "target")
-    shutil.copytree(tiny_target_path, target_dir)
-    make_tokenizer(target_dir, 1024)
+    target_dir = word_target(tiny_target_path, tmp_path)
     with_tokenizer = {"skip_tokenizer_init": False}
     plain = {"name": "plain", "kwargs": {"dtype": "float32", **with_tokenizer}}
     allowed = {"allowed_token_ids": list(range(1, 1000, 3))}
@@ -485,13 +492,8 @@ def test_ddtree_structured_outputs_are_the_target_alones(
     drafter): the greedy output equals the target alone's under the same grammar, which
     changes it and which it matches; drafts are accepted."""
     import re
-    import shutil
 
-    from benchmarks.serve_check import make_tokenizer
-
-    target_dir = str(tmp_path / "target")
-    shutil.copytree(tiny_target_path, target_dir)
-    make_tokenizer(target_dir, 1024)
+    target_dir = word_target(tiny_target_path, tmp_path)
     with_tokenizer = {"skip_tokenizer_init": False}
     grammar = {"structured_outputs": {"regex": PATH_REGEX}}
     plain = {"name": "plain", "kwargs": {"dtype": "float32", **with_tokenizer}}
@@ -515,13 +517,8 @@ def test_ddtree_seeded_sampling_with_a_grammar_gives_the_same_tokens_whatever_th
     random drafter proposes (nothing accepted: the target's own keyed samples) give the same
     tokens for 6 seeds, each run matching the grammar."""
     import re
-    import shutil
 
-    from benchmarks.serve_check import make_tokenizer
-
-    target_dir = str(tmp_path / "target")
-    shutil.copytree(tiny_target_path, target_dir)
-    make_tokenizer(target_dir, 1024)
+    target_dir = word_target(tiny_target_path, tmp_path)
     with_tokenizer = {"skip_tokenizer_init": False}
     grammar = {"structured_outputs": {"regex": PATH_REGEX}}
     greedy = {"name": "greedy", "kwargs": {"dtype": "float32", **with_tokenizer}}
