@@ -390,7 +390,8 @@ def _automatic_budget(
     """``"tree_budget": "auto"``: the budget the cost profile (by default the packaged one of
     ``runner``, "v1" or "v2") predicts fastest at ``max_num_seqs`` requests (1 when unset), or
     None when it predicts the DFlash chain at least as fast, and at tensor parallel > 1 without
-    a profile of one's own (``cost_model.choose_automatic``; logged either way)."""
+    a profile of one's own (``cost_model.choose_automatic``; logged either way); with the
+    profile it read (None at tensor parallel > 1 without one)."""
     from vllm_ddtree.cost_model import choose_automatic
 
     if profile_path is not None and not os.path.isfile(str(profile_path)):
@@ -409,7 +410,7 @@ def _automatic_budget(
             "measured at this tensor parallel size, or a tree_budget, for trees)",
             tensor_parallel_size,
         )
-        return None
+        return None, None
     shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
     choice = "the DFlash chain" if tree_budget is None else f"tree_budget {tree_budget}"
     logger.warning(
@@ -422,26 +423,20 @@ def _automatic_budget(
         profile.depth,
         depth,
     )
-    return tree_budget
+    return tree_budget, profile
 
 
-def _automatic_schedule(
-    profile_path: str | None, max_num_seqs: int | None, runner: str
-) -> list[tuple[int, int, int]]:
-    """``"tree_budget": "auto"`` on the V2 runner, once it chose trees: a budget for every batch
-    size up to ``max_num_seqs`` (1 when unset), each verify batch within
+def _automatic_schedule(profile, max_num_seqs: int | None) -> list[tuple[int, int, int]]:
+    """``"tree_budget": "auto"`` on the V2 runner, once it chose trees on ``profile``: a budget
+    for every batch size up to ``max_num_seqs`` (1 when unset), each verify batch within
     ``VERIFY_GRAPH_TOKENS`` (``cost_model.choose_schedule``), as vLLM's per-batch-size
     schedule (its V2 graph manager captures FULL graphs for each width of it); logged."""
-    from vllm_ddtree.cost_model import choose_schedule, load_profile
+    from vllm_ddtree.cost_model import choose_schedule, format_schedule
 
-    profile = load_profile(profile_path, runner=runner.upper())
     schedule = choose_schedule(profile, max_num_seqs or 1, VERIFY_GRAPH_TOKENS)
     logger.warning(
         "vllm-ddtree: tree_budget 'auto' per batch size (requests: budget): %s",
-        ", ".join(
-            f"{first}: {budget}" if first == last else f"{first}-{last}: {budget}"
-            for first, last, budget in schedule
-        ),
+        format_schedule(schedule),
     )
     return schedule
 
@@ -535,9 +530,8 @@ def split_speculative_config(
             f"{MAX_TREE_BUDGET} or 'auto', got {tree_budget!r}"
         )
     if tree_budget == AUTO_BUDGET:
-        profile_path = config.pop("cost_profile", None)
-        tree_budget = _automatic_budget(
-            profile_path, max_num_seqs, depth, runner, tensor_parallel_size
+        tree_budget, profile = _automatic_budget(
+            config.pop("cost_profile", None), max_num_seqs, depth, runner, tensor_parallel_size
         )
         if tree_budget is None:
             config.pop("tree_top_k", None)
@@ -545,7 +539,7 @@ def split_speculative_config(
             config["num_speculative_tokens"] = depth
             return config, None
         if runner == "v2" and not gives_batch_size_schedule(config):
-            schedule = _automatic_schedule(profile_path, max_num_seqs, runner)
+            schedule = _automatic_schedule(profile, max_num_seqs)
             if len({budget for _, _, budget in schedule}) > 1:
                 config[SCHEDULE_KEY] = [list(entry) for entry in schedule]
             tree_budget = max(budget for _, _, budget in schedule)

@@ -154,11 +154,17 @@ class CostProfile:
         )
 
 
+def _judged_batch(profile: CostProfile, batch: int) -> int:
+    """The batch size a prediction for ``batch`` requests is made at: the largest measured one
+    when larger."""
+    return max(1, min(batch, profile.max_batch))
+
+
 def _predicted_trees(profile: CostProfile, batch: int, candidates) -> dict[int, float]:
     """Predicted tokens/s of each candidate budget inside the measured range (the range's
     low end when none is) at ``batch`` requests (judged at ``profile.max_batch`` when
     larger)."""
-    batch = max(1, min(batch, profile.max_batch))
+    batch = _judged_batch(profile, batch)
     low, high = profile.measured_range()
     candidates = [b for b in candidates if low <= b <= high] or [low]
     return {b: profile.tree_tokens_per_s(b, batch) for b in candidates}
@@ -179,7 +185,7 @@ def choose_budget(
     fast as the DFlash chain; with the predictions (``{"chain": tok/s, "b16": tok/s, ...}``)
     behind the choice."""
     trees = _predicted_trees(profile, batch, candidates)
-    predicted = {"chain": profile.chain_tokens_per_s(max(1, min(batch, profile.max_batch)))}
+    predicted = {"chain": profile.chain_tokens_per_s(_judged_batch(profile, batch))}
     predicted.update({f"b{b}": tok_s for b, tok_s in trees.items()})
     if max(trees.values()) < MIN_PREDICTED_GAIN * predicted["chain"]:
         return None, predicted
@@ -207,6 +213,14 @@ def choose_schedule(
         else:
             schedule.append((batch, batch, budget))
     return schedule
+
+
+def format_schedule(schedule: list[tuple[int, int, int]]) -> str:
+    """``choose_schedule``'s ranges as ``"1-4: 128, 5-7: 64, ..."`` (requests: budget)."""
+    return ", ".join(
+        f"{first}: {budget}" if first == last else f"{first}-{last}: {budget}"
+        for first, last, budget in schedule
+    )
 
 
 def choose_automatic(
@@ -250,13 +264,7 @@ def describe_automatic(max_num_seqs: int, runner: str, path: str | None = None) 
     ]
     if tree_budget is not None and runner.lower() == "v2":
         schedule = choose_schedule(profile, max_num_seqs, VERIFY_GRAPH_TOKENS)
-        lines.append(
-            "budget per batch size: "
-            + ", ".join(
-                f"{first}: {budget}" if first == last else f"{first}-{last}: {budget}"
-                for first, last, budget in schedule
-            )
-        )
+        lines.append("budget per batch size: " + format_schedule(schedule))
     return "\n".join(lines)
 
 
