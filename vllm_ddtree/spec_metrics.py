@@ -16,6 +16,8 @@ line also says how many tree nodes a verify step checked per request on average
 
 from __future__ import annotations
 
+import functools
+
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
 from vllm_ddtree.request_options import stats_book
 
@@ -96,9 +98,11 @@ def _wrap_spec_decoding_prom_init(original):
     return __init__
 
 
+@functools.cache
 def _tree_logging_class():
-    """``TreeSpecDecodingLogging``, built on vLLM's ``SpecDecodingLogging`` when first needed
-    (this module loads at plugin registration; vLLM's metrics module only with an engine)."""
+    """``TreeSpecDecodingLogging``, built once on vLLM's ``SpecDecodingLogging`` when first
+    needed (this module loads at plugin registration; vLLM's metrics module only with an
+    engine)."""
     from vllm.v1.spec_decode.metrics import SpecDecodingLogging
 
     class TreeSpecDecodingLogging(SpecDecodingLogging):
@@ -113,13 +117,8 @@ def _tree_logging_class():
 
             def with_nodes(message, *args):
                 if drafts and message.startswith("SpecDecoding metrics"):
-                    message, args = (
-                        message + ", Mean tree nodes verified: %.1f",
-                        (
-                            *args,
-                            nodes / drafts,
-                        ),
-                    )
+                    message += ", Mean tree nodes verified: %.1f"
+                    args = (*args, nodes / drafts)
                 log_fn(message, *args)
 
             return super().log(log_fn=with_nodes)
