@@ -7,9 +7,8 @@ completion with its own DDTree options (``vllm_xargs``: ``tree_budget`` 4, ``ddt
 and, unless ``--no-options``, request options: a chat completion with a JSON-schema
 ``response_format``, a completion with ``logprobs`` and a chat completion with
 ``top_logprobs``. The answers must be identical (logprobs within 1e-4); /metrics of the DDTree
-server must show the spec-decode counters,
-its log one statistics line per request that asked, and an out-of-range ``tree_budget`` must
-get a 400. Writes JSON; exits non-zero otherwise.
+server must show the spec-decode counters, its log one statistics line per request that asked,
+and an out-of-range ``tree_budget`` must get a 400. Writes JSON; exits non-zero otherwise.
 
     python -m benchmarks.serve_check --out benchmarks/results [--port 8711] [--dtype float32]
 """
