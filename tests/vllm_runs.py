@@ -26,8 +26,41 @@ def run_helper(script: str, *args: str, timeout: int = 900) -> tuple[dict, str]:
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    assert proc.returncode == 0 and lines, failure_summary(proc.returncode, proc.stderr)
     return json.loads(lines[-1].removeprefix("RESULT ")), proc.stdout + proc.stderr
+
+
+def failure_summary(returncode: int, stderr: str, head_lines: int = 30) -> str:
+    """What a crashed helper said: its exit status, the first lines after a fatal error (the
+    signal and the crashing thread's innermost frames: the tail of a deep stack is only its
+    outer frames) and the log's tail, with runs of repeated lines collapsed."""
+    lines = stderr.splitlines()
+    fatal = next((i for i, line in enumerate(lines) if "Fatal Python error" in line), None)
+    parts = [f"exit status {returncode}"]
+    if fatal is not None:
+        parts.append("\n".join(_collapse_repeats(lines[max(fatal - 5, 0) : fatal + head_lines])))
+    parts.append("\n".join(_collapse_repeats(lines))[-3000:])
+    return "\n...\n".join(parts)
+
+
+def _collapse_repeats(lines: list[str]) -> list[str]:
+    """Lines with each run of one repeated block (a recursion's frames) printed once."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        for period in range(1, 13):
+            block = lines[i : i + period]
+            repeats = 1
+            while lines[i + repeats * period : i + (repeats + 1) * period] == block:
+                repeats += 1
+            if repeats > 2:
+                out += block + [f"  [the {period} lines above repeat {repeats - 1} more times]"]
+                i += repeats * period
+                break
+        else:
+            out.append(lines[i])
+            i += 1
+    return out
 
 
 def run_engines(target: str, runs: list[dict], prompts: list[list[int]], max_tokens: int = 32):
