@@ -208,3 +208,6 @@ def test_options_are_refused_where_the_tree_step_cannot_apply_them():
     grammar = SimpleNamespace(logprobs=None, structured_outputs=object())
     assert unsupported_sampling_params(grammar, "v1") == []
     assert "VLLM_DDTREE_RUNNER=v1" in unsupported_sampling_params(grammar, "v2")[0]
+    thinking = SimpleNamespace(logprobs=None, thinking_token_budget=16)
+    assert unsupported_sampling_params(thinking, "v1") == []
+    assert "VLLM_DDTREE_RUNNER=v1" in unsupported_sampling_params(thinking, "v2")[0]

@@ -113,9 +113,9 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
 ):
     """vLLM validates each request against the engine's config before it reaches the engine:
     with DDTree, what the tree sampler cannot honour is refused there, naming the field
-    (a thinking token budget); plain sampling (temperature, top-k/top-p, min_tokens) and,
-    on the V1 runner (this CPU engine's), logprobs, penalties, allowed token ids and
-    structured outputs pass; DFlash alone is unaffected."""
+    (logprobs in vLLM's processed modes); plain sampling (temperature, top-k/top-p,
+    min_tokens) and, on the V1 runner (this CPU engine's), logprobs, penalties, allowed token
+    ids, structured outputs and thinking token budgets pass; DFlash alone is unaffected."""
     from vllm import SamplingParams
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
@@ -130,8 +130,10 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
     from vllm.sampling_params import StructuredOutputsParams
 
     verify(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
-    with pytest.raises(DDTreeConfigError, match="thinking_token_budget"):
-        verify(SamplingParams(thinking_token_budget=16))
+    verify(SamplingParams(thinking_token_budget=16))
+    processed = engine_config(tiny_target_path, spec, logprobs_mode="processed_logprobs")
+    with pytest.raises(DDTreeConfigError, match="processed_logprobs"):
+        verify(SamplingParams(logprobs=2), processed)
     chain = engine_config(
         tiny_target_path,
         {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},

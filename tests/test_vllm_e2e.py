@@ -540,3 +540,49 @@ def test_ddtree_seeded_sampling_with_a_grammar_gives_the_same_tokens_whatever_th
     assert results["deep"]["tokens"] == reference
     assert results["budget2"]["tokens"] == reference
     assert results["deep"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+# Word tokens: "w5" opens a thinking section, "w6 w7" (two tokens) closes it.
+THINKING = {"reasoning_start_str": "w5", "reasoning_end_str": "w6 w7"}
+# In thinking from the prompt on (budgets 4 and 0), out of it, a closed section then none.
+THINKING_PROMPTS = [[1, 2, 5], [5, 9, 9, 9], [3, 4], [5, 6, 7, 8]]
+THINKING_BUDGETS = [{"thinking_token_budget": b} for b in (4, 0, 3, 2)]
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_thinking_token_budgets_are_the_target_alones(
+    tiny_target_path, tiny_drafter_path, tmp_path
+):
+    """``thinking_token_budget`` with trees of budget 16 (an oracle drafter on the target's
+    budgeted output, so trees cross the forced end marker): per-prompt budgets give the target
+    alone's greedy tokens, in which the end marker was forced (the plain output differs), with
+    drafts accepted; at T = 0.8 with keyed noise, deep trees and a random drafter's trees give
+    the same tokens for 4 seeds, each with the marker forced after its 3 thinking tokens."""
+    target_dir = word_target(tiny_target_path, tmp_path)
+    engine = {"dtype": "float32", "skip_tokenizer_init": False, "reasoning_config": THINKING}
+    sampling = {"temperature": 0.8, "repeats": 4, "thinking_token_budget": 3}
+    runs = [
+        {"name": "plain", "kwargs": engine},
+        {"name": "target", "kwargs": engine, "prompt_params": THINKING_BUDGETS},
+        {
+            **ddtree_run("ddtree", tiny_drafter_path, 16, **engine),
+            "prompt_params": THINKING_BUDGETS,
+        },
+        {**ddtree_run("deep", tiny_drafter_path, 16, **engine), "sampling": sampling},
+        {
+            **ddtree_run("random_drafter", tiny_drafter_path, 16, oracle=None, **engine),
+            "sampling": sampling,
+        },
+    ]
+    results, _ = run_engines(target_dir, runs, THINKING_PROMPTS, max_tokens=24)
+    target = results["target"]["tokens"]
+    for tokens in target[:2]:  # in thinking from the prompt: the end marker comes
+        assert any(tokens[i : i + 2] == [6, 7] for i in range(len(tokens) - 1)), tokens
+    assert target[:2] != results["plain"]["tokens"][:2]
+    assert results["ddtree"]["tokens"] == target
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    sampled = results["random_drafter"]["tokens"]
+    assert len({tuple(t) for t in sampled}) > 1  # the seeds differ
+    assert all(tokens[3:5] == [6, 7] for tokens in sampled), sampled
+    assert results["deep"]["tokens"] == sampled
+    assert results["deep"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0

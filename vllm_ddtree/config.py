@@ -354,8 +354,8 @@ def unsupported_sampling_params(
             names.append(f"logprobs with logprobs_mode {logprobs_mode!r}")
         elif logprobs < 0:
             names.append("logprobs=-1 (the whole vocabulary)")
-    if getattr(params, "thinking_token_budget", None) is not None:
-        names.append("thinking_token_budget")
+    if runner != "v1" and getattr(params, "thinking_token_budget", None) is not None:
+        names.append("thinking_token_budget (served on the V1 model runner: VLLM_DDTREE_RUNNER=v1)")
     # Each tree node's grammar bitmask along its own path: the V1 runner's
     # (structured_outputs.py); the V2 runner's bitmask rows do not follow trees yet.
     if runner != "v1" and getattr(params, "structured_outputs", None) is not None:
@@ -373,8 +373,8 @@ def check_sampling_params(
         raise DDTreeConfigError(
             f"speculative method 'ddtree' does not support {', '.join(names)} yet (supported: "
             "temperature, top_k, top_p, min_tokens, stop, max_tokens, seed, and on the V1 model "
-            "runner penalties, allowed_token_ids, bad_words, structured outputs and logprobs "
-            "with logprobs_mode "
+            "runner penalties, allowed_token_ids, bad_words, structured outputs, "
+            "thinking_token_budget and logprobs with logprobs_mode "
             f"{' or '.join(TREE_LOGPROBS_MODES)}); send this "
             "request to a server without DDTree or leave these unset"
         )

@@ -6,7 +6,8 @@ state, so tests start this script as a subprocess):
     python run_vllm_generate.py TARGET RUNS_JSON PROMPTS_JSON MAX_TOKENS
 
 RUNS_JSON is a list of {"name": ..., "kwargs": {...}} with extra ``LLM(...)`` arguments
-(e.g. ``speculative_config``, ``attention_backend``, ``dtype``). A run may add
+(e.g. ``speculative_config``, ``attention_backend``, ``dtype``; ``reasoning_config`` as a dict
+of ``ReasoningConfig``). A run may add
 ``"oracle": {"from": RUN_NAME, "p_top": P}``: the DDTree test drafter then proposes the
 continuations an earlier run produced (see ``vllm_ddtree.spec_decode.proposer``), and
 ``"sampling": {"temperature": T, "repeats": K, ...}``: the first prompt K times, seeds 0..K-1
@@ -47,6 +48,10 @@ def generate(
         seed=0,
         disable_log_stats=False,
     )
+    if isinstance(kwargs.get("reasoning_config"), dict):
+        from vllm.config.reasoning import ReasoningConfig
+
+        kwargs = {**kwargs, "reasoning_config": ReasoningConfig(**kwargs["reasoning_config"])}
     llm = LLM(**{**args, **kwargs})
     if sampling:
         # The first prompt, `repeats` times, each request with its own seed.

@@ -8,4 +8,6 @@
 * ``proposal_store.py``: each request's last tree, good for its next scheduled step only.
 * ``request_seeds.py``: per-request sampling seeds (V1); ``step_checks.py``: invariant
   checks behind ``VLLM_DDTREE_CHECK_STEPS=1``.
+* ``tree_logits_processors.py``, ``tree_thinking_budget.py``, ``tree_logprobs.py``: vLLM's
+  request options on a tree's rows, each row continuing its own node's path (V1).
 """

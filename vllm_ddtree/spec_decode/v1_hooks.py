@@ -48,6 +48,11 @@ from vllm_ddtree.spec_decode.tree_step import (
     commit_step_kv,
     set_tree_step_inputs,
 )
+from vllm_ddtree.spec_decode.tree_thinking_budget import (
+    TreeThinkingBudget,
+    budgeted_requests,
+    without_thinking_budget,
+)
 from vllm_ddtree.structured_outputs import TREE_PARENTS_ATTR
 from vllm_ddtree.tree import DDTreeBatch
 
@@ -212,17 +217,21 @@ def check_gdn_rows_are_tree_rows(num_decode_draft_tokens: np.ndarray, num_draft:
         )
 
 
-def _refuse_unsupported(sampling_metadata) -> None:
-    """Sampling features the tree path does not apply yet fail loudly instead of silently."""
-    unsupported = []
-    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
-    if holder is not None and holder.has_tracked_requests():
-        unsupported.append("thinking_token_budget")
-    if unsupported:
-        raise NotImplementedError(
-            "vllm-ddtree: " + ", ".join(unsupported) + " are not supported yet with method "
-            "'ddtree' (docs/design.md, 'Sampling with trees')"
+def _thinking_budget(runner, num_reqs: int):
+    """The step's ``thinking_token_budget`` requests with the worker's ``TreeThinkingBudget``
+    (made on first use, from the markers of vLLM's holder), or None when no request of the step
+    has a budget."""
+    holder = getattr(runner.input_batch, "thinking_budget_state_holder", None)
+    if holder is None or not holder.has_tracked_requests():
+        return None
+    state = runner_step_state(runner)
+    if state.thinking_budget is None:
+        state.thinking_budget = TreeThinkingBudget(
+            holder.think_start_token_ids, holder.think_end_token_ids
         )
+    state.thinking_budget.retain(runner.requests)
+    requests = budgeted_requests(runner.input_batch, runner.requests, num_reqs)
+    return (state.thinking_budget, requests) if requests else None
 
 
 def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_seeds_and_keys):
@@ -232,7 +241,6 @@ def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_
     noise draws at the row's position). ``request_of_row()``: long ``[rows]``, each row's
     request; ``row_seeds_and_keys(request_of_row)``: int64 ``[rows]`` twice, each row's seed
     and key (``_keyed_rows``); both called only when sampling."""
-    _refuse_unsupported(sampling_metadata)
     if sampling_metadata.all_greedy:
         return logits.argmax(dim=-1)
     rows = request_of_row()
@@ -320,10 +328,11 @@ def _sample_without_trees(runner, original, logits):
     greedy batches as vLLM samples them; otherwise one keyed sample per request
     (``_target_tokens``, after vLLM's ``min_tokens`` processor), as in steps with trees, so a
     seeded request's tokens do not depend on which of its steps carried other requests' trees.
-    Everything else vLLM's sampler would apply is refused for DDTree requests
-    (``_refuse_unsupported``)."""
+    A ``thinking_token_budget`` is applied as in steps with trees (``tree_thinking_budget``),
+    vLLM's chain holder hidden from its sampler."""
     sampling_metadata = runner.input_batch.sampling_metadata
-    if logits is None or sampling_metadata.all_greedy:
+    thinking = _thinking_budget(runner, logits.shape[0]) if logits is not None else None
+    if logits is None or (sampling_metadata.all_greedy and thinking is None):
         return original(runner, logits, None)
     from vllm.v1.outputs import SamplerOutput
 
@@ -334,8 +343,14 @@ def _sample_without_trees(runner, original, logits):
         raw = raw_logprobs(runner.sampler, logits)
     # vLLM's own: allowed token ids, bad words, min_tokens and the other processors, penalties.
     logits = runner.sampler.apply_logits_processors(
-        logits.to(torch.float32), sampling_metadata, predict_bonus_token=False
+        logits.to(torch.float32),
+        without_thinking_budget(sampling_metadata),
+        predict_bonus_token=False,
     )
+    if thinking is not None:
+        budget, requests = thinking
+        outputs = sampling_metadata.output_token_ids
+        budget.apply(logits, requests, outputs, None, None, [0] * logits.shape[0])
     num_reqs, device = logits.shape[0], logits.device
 
     def request_of_row() -> torch.Tensor:
@@ -389,13 +404,23 @@ def _wrap_sample(original):
             )
             keyed_rows = _keyed_rows(self, num_reqs)
             processed = logits
-            if needs_tree_processors(sampling_metadata):  # on a copy: logprobs stay raw
+            num_draft = [int(n) for n in spec_decode_metadata.num_draft_tokens]
+            thinking = _thinking_budget(self, num_reqs)
+            if needs_tree_processors(sampling_metadata) or thinking is not None:
+                processed = logits.to(torch.float32, copy=True)  # logprobs stay raw
+            if needs_tree_processors(sampling_metadata):
                 processed = apply_tree_processors(
-                    logits.to(torch.float32, copy=True),
-                    sampling_metadata,
-                    trees,
-                    [int(n) for n in spec_decode_metadata.num_draft_tokens],
-                    request_of_row(),
+                    processed, sampling_metadata, trees, num_draft, request_of_row()
+                )
+            if thinking is not None:  # after penalties, as vLLM's sampler
+                budget, requests = thinking
+                budget.apply(
+                    processed,
+                    requests,
+                    sampling_metadata.output_token_ids,
+                    trees.token_ids.tolist(),
+                    trees.parents.tolist(),
+                    num_draft,
                 )
             chosen = _target_tokens(processed, sampling_metadata, request_of_row, keyed_rows)
             if unban is not None and max_num_logprobs is not None:
