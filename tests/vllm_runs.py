@@ -11,23 +11,47 @@ HELPER = os.path.join(HELPER_DIR, "run_vllm_generate.py")
 TREE_ATTN_ACTIVE = "TREE_ATTN: tree attention backend active"
 
 
-def run_helper(script: str, *args: str, timeout: int = 900) -> tuple[dict, str]:
+def run_helper(
+    script: str, *args: str, timeout: int = 900, rerun_after_interpreter_crash: bool = False
+) -> tuple[dict, str]:
     """Run a script that prints one ``RESULT {json}`` line: a helper in ``tests/helpers/`` by
-    name, or a module (``-m benchmarks.lifecycle_fuzz``).
+    name, or a module (``-m benchmarks.lifecycle_fuzz``). With
+    ``rerun_after_interpreter_crash``, a run the interpreter itself died in (a signal or a
+    fatal Python error, never a failed check: those exit with a traceback) is run once more,
+    its crash reported as a warning; a second crash fails.
 
     Returns (the parsed result, the subprocess's whole log)."""
     command = script.split() if script.startswith("-m ") else [HELPER_DIR + os.sep + script]
-    proc = subprocess.run(
-        [sys.executable, *command, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+
+    def run_once():
+        return subprocess.run(
+            [sys.executable, *command, *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+
+    proc = run_once()
+    if rerun_after_interpreter_crash and interpreter_crashed(proc.returncode, proc.stderr):
+        import warnings
+
+        warnings.warn(
+            "the helper's interpreter crashed; run again. The crash:\n"
+            + failure_summary(proc.returncode, proc.stderr),
+            stacklevel=2,
+        )
+        proc = run_once()
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, failure_summary(proc.returncode, proc.stderr)
     return json.loads(lines[-1].removeprefix("RESULT ")), proc.stdout + proc.stderr
+
+
+def interpreter_crashed(returncode: int, stderr: str) -> bool:
+    """Whether a subprocess died by a signal or in a fatal Python error (not by an exception
+    or a failed check, which exit with status 1 and a traceback)."""
+    return returncode < 0 or "Fatal Python error" in stderr
 
 
 def failure_summary(returncode: int, stderr: str, head_lines: int = 30) -> str:
