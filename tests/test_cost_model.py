@@ -529,3 +529,43 @@ def test_resume_keeps_only_a_complete_result_of_the_same_job_on_the_same_gpu(tmp
     finished["complete"] = False  # stopped by its time limit: run again
     bench_e2e.run_child(job, str(tmp_path), timeout=80)
     assert bench_e2e.finished_result(job, str(tmp_path), "GPU-1") is None
+
+
+def test_the_live_schedule_follows_the_acceptance_the_engine_reached():
+    """Live acceptance replaces the profile's where enough trees stand behind it: a drafter
+    whose trees accept nothing gives the smallest budget everywhere; one whose deep trees
+    accept much gives a larger budget than the profile alone chose; thin evidence is ignored."""
+    from vllm_ddtree.cost_model import choose_live_schedule
+
+    cheap = profile(2.0)
+    candidates = [4, 8, 16, 32, 64]
+    prior, _ = choose_live_schedule(cheap, {}, candidates, 4, 2048, 16.0)
+    nothing = {b: (1.0, 100.0) for b in candidates}
+    schedule, used = choose_live_schedule(cheap, nothing, candidates, 4, 2048, 16.0)
+    assert schedule == [(1, 4, 4)] and used == {b: 1.0 for b in candidates}
+    deep = {4: (2.0, 50.0), 8: (3.0, 50.0), 16: (4.0, 50.0), 32: (7.0, 50.0), 64: (12.0, 50.0)}
+    schedule, _ = choose_live_schedule(cheap, deep, candidates, 4, 2048, 16.0)
+    assert schedule[0][2] == 64 and schedule[0][2] > prior[0][2]
+    thin = {b: (1.0, 3.0) for b in candidates}
+    assert choose_live_schedule(cheap, thin, candidates, 4, 2048, 16.0)[0] == prior
+    # The verify batch stays within the token limit: 4 x (1 + 64) > 200.
+    schedule, _ = choose_live_schedule(cheap, deep, candidates, 4, 200, 16.0)
+    assert all(last * (1 + budget) <= 200 for _, last, budget in schedule)
+
+
+def test_auto_on_v1_moves_between_budgets_online_and_a_fixed_budget_does_not(tmp_path):
+    """ "auto" that chose trees on the V1 runner keeps the budgets it may move between (the
+    cost model's candidates up to its choice); a fixed budget and the V2 runner keep none."""
+    from vllm_ddtree.config import online_candidates
+
+    path = write_profile(tmp_path, 3.0)
+    _, ddtree = split(auto(tmp_path, 3.0), max_num_seqs=1)
+    assert ddtree.online_budgets == online_candidates(ddtree.tree_budget)
+    assert ddtree.online_budgets[-1] == ddtree.tree_budget and len(ddtree.online_budgets) > 1
+    assert ddtree.cost_profile == os.path.abspath(path)
+    _, fixed = split({"method": "ddtree", "model": "d", "tree_budget": 16})
+    assert fixed.online_budgets == () and fixed.cost_profile is None
+    _, v2 = split_speculative_config(
+        auto(tmp_path, 3.0), VLLM_FIELDS, DFLASH, max_num_seqs=1, runner="v2"
+    )
+    assert v2.online_budgets == ()

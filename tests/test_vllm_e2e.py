@@ -7,6 +7,7 @@ deep and needs the trees' sibling branches. float32 keeps bf16 near-ties between
 attention kernels out of the picture.
 """
 
+import json
 import os
 
 import pytest
@@ -586,3 +587,56 @@ def test_ddtree_thinking_token_budgets_are_the_target_alones(
     assert all(tokens[3:5] == [6, 7] for tokens in sampled), sampled
     assert results["deep"]["tokens"] == sampled
     assert results["deep"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def cheap_tree_profile(tmp_path) -> str:
+    """A cost profile under which "auto" chooses trees (budget 16) at 4 requests."""
+    from vllm_ddtree.cost_model import CostProfile, StepCost
+
+    profile = CostProfile(
+        source="test: trees cheap",
+        depth=15,
+        chain=StepCost(3.0, 0.01),
+        tree=StepCost(2.0, 0.01),
+        chain_acceptance=1.8,
+        tree_acceptance={4: 2.0, 32: 4.0},
+        max_batch=4,
+    )
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile.to_dict()))
+    return str(path)
+
+
+@pytest.mark.vllm_engine
+def test_auto_moves_its_budget_online_and_stays_the_target_alones(
+    tiny_target_path, tiny_drafter_path, tmp_path
+):
+    """ "auto" starts at budget 16 (a profile favouring trees); a random drafter's trees accept
+    nothing, so after a refresh the engine serves budget 4 (fewer nodes verified per step than
+    16), the oracle drafter's deep trees keep it larger; both outputs are the target alone's."""
+    from vllm_ddtree import online_budget
+
+    spec = {"cost_profile": cheap_tree_profile(tmp_path)}
+    runs = [
+        TARGET_ALONE,
+        ddtree_run("random_drafter", tiny_drafter_path, "auto", oracle=None),
+        ddtree_run("oracle", tiny_drafter_path, "auto"),
+    ]
+    for run in runs[1:]:
+        run["kwargs"]["speculative_config"].update(spec)
+    max_tokens = 4 * online_budget.REFRESH_STEPS
+    results, log = run_engines(tiny_target_path, runs, PROMPTS, max_tokens=max_tokens)
+    assert "chose tree_budget 16" in log  # the profile's choice (b32 within NEAR_TIE of it)
+    assert "moves between budgets [4, 8, 16]" in log
+    assert "now serves (requests: budget) 1-4: 4;" in log
+    for name in ("random_drafter", "oracle"):
+        assert results[name]["tokens"] == results["target"]["tokens"], name
+    metrics = results["random_drafter"]["metrics"]
+    nodes_per_tree = (
+        metrics["vllm:spec_decode_num_draft_tokens"] / metrics["vllm:spec_decode_num_drafts"]
+    )
+    assert nodes_per_tree < 16
+    oracle = results["oracle"]["metrics"]
+    assert oracle["vllm:spec_decode_num_draft_tokens"] / oracle["vllm:spec_decode_num_drafts"] > (
+        nodes_per_tree
+    )

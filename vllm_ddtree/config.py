@@ -63,6 +63,10 @@ class DDTreeConfig:
         drafter_block_size: the drafter's DFlash block size, when its config states it.
         runner: the vLLM model runner the engine runs DDTree on, "v1" or "v2"
             (``choose_runner``'s choice, carried with the config to the engine's processes).
+        online_budgets: ``"tree_budget": "auto"`` that chose trees: the budgets it may move
+            between as it learns this engine's acceptance (``online_budget.py``); empty for a
+            fixed budget.
+        cost_profile: the cost profile "auto" read (None: the runner's packaged one).
     """
 
     tree_budget: int
@@ -70,6 +74,8 @@ class DDTreeConfig:
     depth: int
     drafter_block_size: int | None = None
     runner: str = "v1"
+    online_budgets: tuple[int, ...] = ()
+    cost_profile: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -529,9 +535,12 @@ def split_speculative_config(
             f"speculative_config['tree_budget'] must be an int in {MIN_TREE_BUDGET}.."
             f"{MAX_TREE_BUDGET} or 'auto', got {tree_budget!r}"
         )
+    online_budgets: tuple[int, ...] = ()
+    cost_profile = None
     if tree_budget == AUTO_BUDGET:
+        cost_profile = config.pop("cost_profile", None)
         tree_budget, profile = _automatic_budget(
-            config.pop("cost_profile", None), max_num_seqs, depth, runner, tensor_parallel_size
+            cost_profile, max_num_seqs, depth, runner, tensor_parallel_size
         )
         if tree_budget is None:
             config.pop("tree_top_k", None)
@@ -543,6 +552,8 @@ def split_speculative_config(
             if len({budget for _, _, budget in schedule}) > 1:
                 config[SCHEDULE_KEY] = [list(entry) for entry in schedule]
             tree_budget = max(budget for _, _, budget in schedule)
+        elif runner == "v1":
+            online_budgets = online_candidates(tree_budget)
     tree_budget = _check_int("tree_budget", tree_budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
     top_k = config.pop("tree_top_k", min(tree_budget, DEFAULT_TOP_K_CAP))
     top_k = _check_int("tree_top_k", top_k, 1, tree_budget)
@@ -557,5 +568,17 @@ def split_speculative_config(
         depth=depth,
         drafter_block_size=block_size,
         runner=runner,
+        online_budgets=online_budgets,
+        cost_profile=os.path.abspath(cost_profile) if cost_profile else None,
     )
     return config, ddtree
+
+
+def online_candidates(tree_budget: int) -> tuple[int, ...]:
+    """The budgets an online "auto" engine of ``tree_budget`` moves between: the cost
+    model's candidates below it, and itself. On the V1 runner only (its verify batches have
+    one CUDA-graph width; ``online_budget.py`` moves only engines without graphs); the V2
+    runner's per-batch-size schedule is not moved online yet."""
+    from vllm_ddtree.cost_model import BUDGET_CANDIDATES
+
+    return tuple(sorted({b for b in BUDGET_CANDIDATES if b < tree_budget} | {tree_budget}))

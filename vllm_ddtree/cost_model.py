@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 BUDGET_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # A tree is chosen only where predicted at least this much faster than the chain: two benches
@@ -213,6 +213,27 @@ def choose_schedule(
         else:
             schedule.append((batch, batch, budget))
     return schedule
+
+
+def choose_live_schedule(
+    profile: CostProfile,
+    live: dict[int, tuple[float, float]],
+    candidates,
+    max_num_seqs: int,
+    max_verify_tokens: int,
+    min_trees: float,
+) -> tuple[list[tuple[int, int, int]], dict[int, float]]:
+    """``choose_schedule`` over ``candidates`` with the acceptance this engine reached
+    (``live``: ``{budget: (tokens per verify step, decayed trees behind it)}``,
+    ``OnlineAcceptance.snapshot``) where at least ``min_trees`` trees stand behind it, the
+    profile's elsewhere; the profile's step costs. Returns the schedule and the tokens per
+    step it used by budget."""
+    acceptance = {
+        b: live[b][0] if b in live and live[b][1] >= min_trees else profile.acceptance(b)
+        for b in candidates
+    }
+    judged = replace(profile, tree_acceptance=acceptance)
+    return choose_schedule(judged, max_num_seqs, max_verify_tokens, candidates), acceptance
 
 
 def format_schedule(schedule: list[tuple[int, int, int]]) -> str:

@@ -70,6 +70,7 @@ _GDN = "vllm_ddtree.hybrid_gdn"
 _METRICS = "vllm_ddtree.spec_metrics"
 _REQUESTS = "vllm_ddtree.request_options"
 _GRAMMAR = "vllm_ddtree.structured_outputs"
+_ONLINE = "vllm_ddtree.online_budget"
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,20 @@ SEAMS: tuple[Seam, ...] = (
         "vllm.v1.structured_output:StructuredOutputManager._get_reasoner",
         ENGINE,
         expected=("self", "request"),
+        kind=BUILDS_ON,
+    ),
+    # "auto" moving its budgets online (online_budget.py): the engine core's two step loops.
+    Seam("vllm.v1.engine.core:EngineCore.step", ENGINE, f"{_ONLINE}:_wrap_engine_step", ("self",)),
+    Seam(
+        "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
+        ENGINE,
+        f"{_ONLINE}:_wrap_engine_step",
+        ("self",),
+    ),
+    Seam(
+        "vllm.v1.spec_decode.dynamic.utils:build_dynamic_sd_schedule_lookup",
+        ENGINE,
+        expected=("num_speculative_tokens_per_batch_size", "vllm_max_batch_size"),
         kind=BUILDS_ON,
     ),
     Seam(

@@ -20,6 +20,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_ddtree import hybrid_gdn
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import DDTreeConfig, oracle_path
+from vllm_ddtree.online_budget import make_tracker
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.profiling import step_range
@@ -46,7 +47,7 @@ class DDTreeProposer(DFlashProposer):
         self.parents_to_host = ParentsToHost()
         if self.ddtree is not None:
             self.proposals = RequestTrees(self.ddtree.tree_budget, self.ddtree.depth)
-            self.state = StepState()
+            self.state = StepState(acceptance=make_tracker(vllm_config, torch.device(device)))
             if runner is not None:
                 runner_step_state(runner, self.state)
         self._oracle = None

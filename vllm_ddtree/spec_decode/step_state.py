@@ -42,6 +42,7 @@ class StepState:
     upload: Any = None  # tree_step.StepTableUpload: pinned step tables
     seeds: Any = None  # request_seeds.RequestSeeds: each request's sampling seed (V1)
     thinking_budget: Any = None  # tree_thinking_budget.TreeThinkingBudget (V1)
+    acceptance: Any = None  # online_acceptance.OnlineAcceptance: an online "auto" engine's
     tree_layers: tuple | None = None  # (forward context, its size, the TREE_ATTN layers)
     kv_layers: tuple | None = None  # (quick key, the TREE_ATTN caches as launch tables)
     bound_builders: list = field(default_factory=list)  # the TREE_ATTN builders handed self

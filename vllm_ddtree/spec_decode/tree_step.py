@@ -46,6 +46,13 @@ class TreeStep:
     max_path_end: int | None = None
 
 
+def observe_acceptance(state, step: TreeStep) -> None:
+    """After the walk: an online "auto" engine's ``OnlineAcceptance`` (``state.acceptance``)
+    learns what every candidate budget would have accepted (device work only)."""
+    if state.acceptance is not None:
+        state.acceptance.observe(step.accepted, step.num_accepted, step.num_draft)
+
+
 class StepTableUpload:
     """Per-step int64 tables ``[rows, R]`` sent to the device in one non-blocking copy.
 

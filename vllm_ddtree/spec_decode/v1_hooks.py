@@ -46,6 +46,7 @@ from vllm_ddtree.spec_decode.tree_step import (
     TreeStep,
     check_ranks_agree,
     commit_step_kv,
+    observe_acceptance,
     set_tree_step_inputs,
 )
 from vllm_ddtree.spec_decode.tree_thinking_budget import (
@@ -435,6 +436,7 @@ def _wrap_sample(original):
             )
         step.accepted, step.num_accepted = accepted, num_accepted
         check_ranks_agree(step)
+        observe_acceptance(state, step)
         if gdn is not None:
             gdn.watch("in the walk")
         with step_range("ddtree::commit_kv"):

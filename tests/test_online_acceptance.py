@@ -1,0 +1,68 @@
+"""The acceptance every smaller budget would have had, from one verified tree
+(vllm_ddtree/online_acceptance.py), against trees built at those budgets and walked."""
+
+import hashlib
+
+import pytest
+import torch
+
+from vllm_ddtree.online_acceptance import OnlineAcceptance, accepted_within_budgets
+from vllm_ddtree.tree import build_trees, follow_tree
+
+VOCAB, DEPTH = 5, 6
+
+
+def target_token(path: tuple[int, ...], seed: int, vocab: int = VOCAB) -> int:
+    """The target's token after ``path``: a function of the path alone, as at T = 0 (mostly
+    token 0, which the drafters below favour, so paths run deep)."""
+    digest = hashlib.sha256(repr((seed, path)).encode()).digest()
+    return 0 if digest[0] < 150 else digest[1] % vocab
+
+
+def target_tokens(tree, seed: int) -> torch.Tensor:
+    """long ``[R, N + 1]``: ``target_token`` at every tree index (0: the root)."""
+    num_reqs, width = tree.token_ids.shape
+    out = torch.full((num_reqs, width + 1), -1, dtype=torch.long)
+    for r in range(num_reqs):
+        paths = {0: ()}
+        for i in range(int(tree.num_nodes[r])):
+            paths[i + 1] = paths[int(tree.parents[r, i])] + (int(tree.token_ids[r, i]),)
+        for index, path in paths.items():
+            out[r, index] = target_token(path, seed * 1000 + r)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_cut_tree_accepts_the_big_trees_path_nodes_within_its_budget(seed):
+    """For budgets 1..48 of a tree verified at budget 48: the walk of a tree built at the
+    smaller budget accepts exactly the big tree's accepted path nodes of index <= budget."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, DEPTH, VOCAB, generator=gen)
+    logits[..., 0] += 2.0
+    big = build_trees(logits, 48)
+    accepted, num_accepted, _ = follow_tree(big, target_tokens(big, seed))
+    budgets = list(range(1, 49))
+    predicted = accepted_within_budgets(accepted, num_accepted, torch.tensor(budgets))
+    assert int(num_accepted.max()) >= 3  # deep paths: the cut matters
+    for c, budget in enumerate(budgets):
+        small = build_trees(logits, budget)
+        _, small_accepted, _ = follow_tree(small, target_tokens(small, seed))
+        assert predicted[:, c].tolist() == small_accepted.tolist(), budget
+
+
+def test_online_acceptance_learns_budgets_up_to_the_nodes_verified_and_decays():
+    """A request with 8 verified nodes tells budgets 4 and 8, not 16; old steps fade."""
+    tracker = OnlineAcceptance([4, 8, 16], half_life_steps=1.0, device=torch.device("cpu"))
+    # Accepted tree indices 2, 5, 9 (root first): 1 within budget 4, 2 within 8, 3 within 16.
+    accepted = torch.tensor([[0, 2, 5, 9, -1], [0, -1, -1, -1, -1]])
+    num_accepted = torch.tensor([3, 0])
+    tracker.observe(accepted, num_accepted, torch.tensor([8, 0]))
+    assert tracker.snapshot() == {4: (2.0, 1.0), 8: (3.0, 1.0)}
+    tracker.observe(accepted, num_accepted, torch.tensor([16, 0]))
+    # Budget 8: (2 * 0.5 + 2) / (0.5 + 1) accepted per tree; budget 16 seen once.
+    snapshot = tracker.snapshot()
+    assert snapshot[8] == pytest.approx((1.0 + 3.0 / 1.5, 1.5))
+    assert snapshot[16] == (4.0, 1.0)
+    for _ in range(30):
+        tracker.observe(accepted, torch.tensor([0, 0]), torch.tensor([16, 16]))
+    assert tracker.snapshot()[8][0] == pytest.approx(1.0, abs=1e-6)

@@ -1,0 +1,96 @@
+"""The engine core's online "auto" (vllm_ddtree/online_budget.py) against stand-ins for vLLM's
+engine core, executor and worker: it reads the worker's acceptance every REFRESH_STEPS steps
+and sets the scheduler's per-batch-size budgets with vLLM's own lookup builder."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import CUDAGraphMode  # noqa: E402
+
+from vllm_ddtree import online_budget  # noqa: E402
+from vllm_ddtree.compat.wrapping import DDTREE_ATTR  # noqa: E402
+from vllm_ddtree.config import DDTreeConfig  # noqa: E402
+from vllm_ddtree.cost_model import CostProfile, StepCost  # noqa: E402
+from vllm_ddtree.spec_decode.step_state import HANDLE, StepState  # noqa: E402
+
+
+def engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.NONE, budgets=(4, 8, 16, 32)):
+    """An engine core of 4 requests whose worker learns online, and that worker's tracker."""
+    profile = CostProfile(
+        source="test",
+        depth=15,
+        chain=StepCost(3.0, 0.01),
+        tree=StepCost(2.0, 0.01),
+        chain_acceptance=1.8,
+        tree_acceptance={4: 2.0, 32: 4.0},
+        max_batch=4,
+    )
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile.to_dict()))
+    ddtree = DDTreeConfig(32, 8, 15, online_budgets=budgets, cost_profile=str(path))
+    speculative = SimpleNamespace()
+    setattr(speculative, DDTREE_ATTR, ddtree)
+    config = SimpleNamespace(
+        speculative_config=speculative,
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=2048),
+        compilation_config=SimpleNamespace(cudagraph_mode=cudagraph_mode),
+    )
+    tracker = online_budget.make_tracker(config, torch.device("cpu"))
+    worker = SimpleNamespace(
+        model_runner=SimpleNamespace(**{HANDLE: StepState(acceptance=tracker)})
+    )
+    executor = SimpleNamespace(collective_rpc=lambda fn: [fn(worker)])
+    scheduler = SimpleNamespace(num_spec_tokens=32, dynamic_sd_lookup=None)
+    core = SimpleNamespace(vllm_config=config, model_executor=executor, scheduler=scheduler)
+    return core, tracker
+
+
+def observe(tracker, num_accepted: int, steps: int = 20):
+    """``steps`` steps of 4 requests with 32-node trees whose paths run down tree indices
+    1, 3, 5, ... (``num_accepted`` deep)."""
+    accepted = torch.full((4, 16), -1, dtype=torch.long)
+    accepted[:, 0] = 0
+    accepted[:, 1 : 1 + num_accepted] = torch.arange(num_accepted) * 2 + 1
+    for _ in range(steps):
+        tracker.observe(accepted, torch.full((4,), num_accepted), torch.full((4,), 32))
+
+
+def test_the_budgets_follow_the_workers_acceptance_every_refresh(tmp_path, caplog):
+    core, tracker = engine_core(tmp_path)
+    step = online_budget._wrap_engine_step(lambda self: "stepped")
+    observe(tracker, 0)
+    for _ in range(online_budget.REFRESH_STEPS - 1):
+        assert step(core) == "stepped"
+    assert core.scheduler.dynamic_sd_lookup is None  # not refreshed yet
+    with caplog.at_level("INFO", logger="vllm.ddtree"):
+        step(core)
+    # Nothing accepted: the smallest budget at every batch size (vLLM's lookup, index 0 unused).
+    assert core.scheduler.dynamic_sd_lookup[1:] == [4, 4, 4, 4]
+    assert "now serves (requests: budget) 1-4: 4" in caplog.text
+    # Deep paths (12 accepted within 32 nodes, 8 within 16, 2 within 4): 32 pays.
+    observe(tracker, 12, steps=200)
+    for _ in range(online_budget.REFRESH_STEPS):
+        step(core)
+    assert core.scheduler.dynamic_sd_lookup[1] == 32
+
+
+def test_an_engine_with_cuda_graphs_or_one_budget_keeps_its_budget(tmp_path):
+    """A V1 engine's graphs have one verify width; one budget has nothing to move to."""
+    for core, tracker in (
+        engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+        engine_core(tmp_path, budgets=(32,)),
+    ):
+        assert online_budget.online_budget(core) is None and tracker is None
+
+
+def test_a_worker_without_a_tracker_leaves_the_budgets_alone(tmp_path):
+    core, _ = engine_core(tmp_path)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(**{HANDLE: StepState()}))
+    core.model_executor = SimpleNamespace(collective_rpc=lambda fn: [fn(worker)])
+    online_budget.online_budget(core).refresh()
+    assert core.scheduler.dynamic_sd_lookup is None

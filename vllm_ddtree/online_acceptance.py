@@ -1,0 +1,66 @@
+"""What every smaller tree budget would have accepted, learned from the trees verified.
+
+A best-first tree of budget ``B`` holds the best-first tree of every budget ``b < B`` as its
+first ``b`` nodes, and a node's ancestors come before it. The walk of the cut tree follows the
+same target tokens (at T = 0, and under keyed sampling, the target's token at a node does not
+depend on the tree), so it accepts the longest prefix of the accepted path whose nodes are all
+among the first ``b``: since tree indices grow along a path, the path's nodes with index at
+most ``b`` (``accepted_within_budgets``). One verified tree therefore tells the acceptance of
+every budget up to the nodes it verified; ``OnlineAcceptance`` keeps decayed sums of them per
+candidate budget on the device (no host synchronisation per step) for ``"auto"`` to read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accepted_within_budgets(
+    accepted: torch.Tensor, num_accepted: torch.Tensor, budgets: torch.Tensor
+) -> torch.Tensor:
+    """long ``[R, C]``: the drafted tokens each request's tree would have accepted cut to each
+    of ``budgets`` (long ``[C]``) nodes. ``accepted``: long ``[R, L + 1]``, the accepted tree
+    indices, root first (``follow_tree``); ``num_accepted``: long ``[R]``."""
+    path = accepted[:, 1:]  # [R, L]: tree index i is node i - 1 in best-first order
+    depth = torch.arange(1, path.shape[1] + 1, device=path.device)
+    on_path = depth.unsqueeze(0) <= num_accepted.unsqueeze(1)
+    within = on_path.unsqueeze(2) & (path.unsqueeze(2) <= budgets.view(1, 1, -1))
+    return within.sum(dim=1)
+
+
+class OnlineAcceptance:
+    """Decayed per-budget acceptance of one engine's verified trees.
+
+    Each step, every request whose verified tree had at least ``b`` nodes adds one tree to
+    budget ``b``'s count and its counterfactual accepted tokens to its sum; both decay by
+    ``0.5 ** (1 / half_life_steps)`` per step, so a workload shift is followed within a few
+    half-lives. A budget above the nodes a request verified learns nothing from it."""
+
+    def __init__(self, budgets: list[int], half_life_steps: float, device: torch.device):
+        self.budgets = sorted(set(budgets))
+        self._budgets = torch.tensor(self.budgets, dtype=torch.long, device=device)
+        self._decay = 0.5 ** (1.0 / half_life_steps)
+        self._accepted = torch.zeros(len(self.budgets), dtype=torch.float64, device=device)
+        self._trees = torch.zeros(len(self.budgets), dtype=torch.float64, device=device)
+
+    def observe(
+        self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_nodes: torch.Tensor
+    ) -> None:
+        """One step's walk (``accepted``, ``num_accepted`` as ``follow_tree``) over trees of
+        ``num_nodes`` verified nodes (long ``[R]``; 0 for a request without a tree)."""
+        counts = accepted_within_budgets(accepted, num_accepted, self._budgets)
+        known = num_nodes.unsqueeze(1) >= self._budgets.unsqueeze(0)  # [R, C]
+        self._accepted.mul_(self._decay).add_(torch.where(known, counts, 0).sum(0))
+        self._trees.mul_(self._decay).add_(known.sum(0))
+
+    def snapshot(self) -> dict[int, tuple[float, float]]:
+        """``{budget: (tokens per verify step, decayed trees behind it)}`` (a host copy),
+        tokens per step being 1 + the mean accepted drafted tokens; budgets without a tree
+        left out."""
+        accepted = self._accepted.tolist()
+        trees = self._trees.tolist()
+        return {
+            b: (1.0 + a / n, n)
+            for b, a, n in zip(self.budgets, accepted, trees, strict=True)
+            if n > 0
+        }

@@ -1,0 +1,157 @@
+"""``"tree_budget": "auto"`` that follows the acceptance this engine reaches.
+
+At start, "auto" picks a budget from a cost profile measured on another pair
+(``config._automatic_budget``). Once trees run, every verified tree tells the acceptance of
+every smaller budget (``online_acceptance.py``, kept by each worker). Every
+``REFRESH_STEPS`` engine steps the engine core reads the first worker's estimates and sets
+vLLM's per-batch-size budget lookup (the scheduler's ``dynamic_sd_lookup``, what
+``num_speculative_tokens_per_batch_size`` configures) to the budget predicted fastest at each
+batch size: the live acceptance where enough trees stand behind it, the profile's elsewhere,
+the profile's step costs (``cost_model.choose_live_schedule``). A budget below the one
+scheduled is learned for free; one above it only while it is scheduled, so once unscheduled
+its estimate fades back to the profile's (``OnlineAcceptance``'s decay), which may schedule
+it again.
+
+Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets (V1 runner,
+"auto" chose trees) and whose verify batches run without CUDA graphs (a V1 engine's graphs
+have one verify width). Every change goes to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_ddtree.compat import get_ddtree_config
+
+logger = logging.getLogger("vllm.ddtree")
+
+REFRESH_STEPS = 32  # engine steps between reads of the workers' acceptance
+HALF_LIFE_STEPS = 256.0  # a verified step's weight halves after this many more steps
+MIN_TREES = 16.0  # decayed trees behind a live estimate before it replaces the profile's
+ENGINE_ATTR = "_ddtree_online_budget"  # on vLLM's EngineCore: its OnlineBudget or None
+
+
+def worker_acceptance(worker) -> dict[int, tuple[float, float]] | None:
+    """Run in each worker (``collective_rpc``): its ``OnlineAcceptance`` snapshot, or None
+    when it keeps none."""
+    from vllm_ddtree.spec_decode.step_state import HANDLE
+
+    worker = getattr(worker, "worker", worker)  # vLLM's wrapper around the worker
+    state = getattr(getattr(worker, "model_runner", None), HANDLE, None)
+    tracker = getattr(state, "acceptance", None)
+    return tracker.snapshot() if tracker is not None else None
+
+
+def moves_online(vllm_config) -> bool:
+    """Whether this engine's "auto" moves its budget online: several budgets to move between
+    (``DDTreeConfig.online_budgets``) and verify batches without CUDA graphs."""
+    from vllm.config import CUDAGraphMode
+
+    ddtree = get_ddtree_config(vllm_config.speculative_config)
+    return (
+        ddtree is not None
+        and len(ddtree.online_budgets) > 1
+        and vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    )
+
+
+def make_tracker(vllm_config, device: torch.device):
+    """The worker's ``OnlineAcceptance`` for an engine that moves its budget online, else
+    None."""
+    if not moves_online(vllm_config):
+        return None
+    from vllm_ddtree.online_acceptance import OnlineAcceptance
+
+    ddtree = get_ddtree_config(vllm_config.speculative_config)
+    return OnlineAcceptance(list(ddtree.online_budgets), HALF_LIFE_STEPS, device)
+
+
+class OnlineBudget:
+    """One engine core's online budget: reads the workers' acceptance, sets the scheduler's
+    per-batch-size budgets."""
+
+    def __init__(self, engine_core, ddtree, profile):
+        self.engine_core = engine_core
+        self.candidates = list(ddtree.online_budgets)
+        self.profile = profile
+        config = engine_core.vllm_config
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_verify_tokens = config.scheduler_config.max_num_batched_tokens
+        self.steps = 0
+        self.schedule: list[tuple[int, int, int]] | None = None
+
+    def before_step(self) -> None:
+        self.steps += 1
+        if self.steps % REFRESH_STEPS == 0:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Read the first worker's acceptance and set the scheduler's budgets from it."""
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        from vllm_ddtree.cost_model import choose_live_schedule, format_schedule
+
+        live = self.engine_core.model_executor.collective_rpc(worker_acceptance)[0]
+        if not live:
+            return
+        schedule, acceptance = choose_live_schedule(
+            self.profile,
+            live,
+            self.candidates,
+            self.max_num_seqs,
+            self.max_verify_tokens,
+            MIN_TREES,
+        )
+        if schedule == self.schedule:
+            return
+        scheduler = self.engine_core.scheduler
+        scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+            [list(entry) for entry in schedule],
+            vllm_max_batch_size=self.max_num_seqs,
+            vllm_num_speculative_tokens=scheduler.num_spec_tokens,
+        )
+        self.schedule = schedule
+        logger.info(
+            "vllm-ddtree: tree_budget 'auto' now serves (requests: budget) %s; tokens per "
+            "verify step by budget: %s",
+            format_schedule(schedule),
+            ", ".join(f"{b}: {a:.2f}" for b, a in sorted(acceptance.items())),
+        )
+
+
+def online_budget(engine_core) -> OnlineBudget | None:
+    """The engine core's ``OnlineBudget`` (made on its first step), or None when its budget
+    is fixed."""
+    held = getattr(engine_core, ENGINE_ATTR, False)
+    if held is not False:
+        return held
+    made = None
+    config = engine_core.vllm_config
+    if moves_online(config):
+        from vllm_ddtree.cost_model import load_profile
+
+        ddtree = get_ddtree_config(config.speculative_config)
+        profile = load_profile(ddtree.cost_profile, runner=ddtree.runner.upper())
+        made = OnlineBudget(engine_core, ddtree, profile)
+        logger.info(
+            "vllm-ddtree: tree_budget 'auto' moves between budgets %s as it learns this "
+            "engine's acceptance",
+            made.candidates,
+        )
+    setattr(engine_core, ENGINE_ATTR, made)
+    return made
+
+
+def _wrap_engine_step(original):
+    """``EngineCore.step`` / ``step_with_batch_queue``: an online "auto" engine refreshes its
+    budgets every ``REFRESH_STEPS`` steps first."""
+
+    def step(self, *args, **kwargs):
+        controller = online_budget(self)
+        if controller is not None:
+            controller.before_step()
+        return original(self, *args, **kwargs)
+
+    return step
