@@ -523,8 +523,9 @@ def test_vllms_default_sizes_leave_sixteen_trees_of_budget_32_without_a_full_gra
 def test_verify_batches_past_the_largest_graph_are_named_at_start(
     tiny_target_path, tiny_drafter_path, caplog
 ):
-    """Past ``VERIFY_GRAPH_TOKENS`` (64 trees of 65 tokens) the batches left without a FULL
-    graph are named in one warning, with what to change."""
+    """On the V1 runner (this CPU engine's; its graphs have one verify width), past
+    ``VERIFY_GRAPH_TOKENS`` (64 trees of 65 tokens) the batches left without a FULL graph are
+    named in one warning, with what to change."""
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 64}
     args = engine_args(tiny_target_path, spec, max_num_seqs=64)
     with caplog.at_level("WARNING", logger="vllm.ddtree"):
@@ -602,3 +603,27 @@ def test_the_spec_decode_log_line_says_the_mean_tree_nodes_verified(
     assert tree.endswith("Mean tree nodes verified: 12.0")  # (16 + 8 + 12) / 3
     chain = logged({"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 15})
     assert "Mean tree nodes" not in chain
+
+
+def test_an_explicit_budget_past_the_largest_graph_is_cut_to_fit_it_on_v2(
+    tiny_target_path, tiny_drafter_path, monkeypatch, caplog
+):
+    """On the V2 runner, 64 trees of budget 64 (4160 tokens) exceed the largest graph (2048):
+    the budget stays 64 where it fits and is halved where it does not, as vLLM's per-batch-size
+    schedule, named in one warning; through vLLM's own lookup, size rule and V2 graph manager
+    every verify batch up to 64 lands on a FULL graph."""
+    from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 64}
+    args = engine_args(tiny_target_path, spec, max_num_seqs=64)
+    with caplog.at_level("WARNING", logger="vllm.ddtree"):
+        config = args.create_engine_config()
+    schedule = config.speculative_config.num_speculative_tokens_per_batch_size
+    assert [list(entry) for entry in schedule] == [[1, 31, 64], [32, 62, 32], [63, 64, 16]]
+    assert get_ddtree_config(config.speculative_config).tree_budget == 64
+    assert "verify batches of 32 to 64 requests (65 tokens each) would exceed" in caplog.text
+    assert "1-31: 64, 32-62: 32, 63-64: 16" in caplog.text
+    sizes = vllm_default_sizes(64, 64, args.max_cudagraph_capture_size)
+    modes = vllm_v2_scheduled_verify_modes(sizes, 64, schedule, 64)
+    assert {mode for _, mode in modes.values()} == {"FULL"}, modes

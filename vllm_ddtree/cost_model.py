@@ -215,6 +215,24 @@ def choose_schedule(
     return schedule
 
 
+def fitting_schedule(
+    max_num_seqs: int, tree_budget: int, max_verify_tokens: int
+) -> list[tuple[int, int, int]]:
+    """An explicit ``tree_budget`` as vLLM's per-batch-size schedule whose every verify batch
+    fits ``max_verify_tokens`` (the largest CUDA graph): at each batch size the budget, halved
+    until ``batch x (1 + budget)`` fits (at least 1), so few widths need graphs."""
+    schedule: list[tuple[int, int, int]] = []
+    for batch in range(1, max_num_seqs + 1):
+        budget = tree_budget
+        while budget > 1 and batch * (1 + budget) > max_verify_tokens:
+            budget //= 2
+        if schedule and schedule[-1][2] == budget:
+            schedule[-1] = (schedule[-1][0], batch, budget)
+        else:
+            schedule.append((batch, batch, budget))
+    return schedule
+
+
 def choose_live_schedule(
     profile: CostProfile,
     live: dict[int, tuple[float, float]],

@@ -155,7 +155,9 @@ def _wrap_create_speculative_config(original):
             if parsed is not None:
                 ddtree = parsed
                 _choose_target_attention_backend(self)
-                _size_graphs(self, ddtree, vllm_dict.get(SCHEDULE_KEY))
+                fitted = _size_graphs(self, ddtree, vllm_dict.get(SCHEDULE_KEY))
+                if fitted is not None:
+                    vllm_dict[SCHEDULE_KEY] = [list(entry) for entry in fitted]
                 self._ddtree_config = ddtree
             if asked_for_ddtree:
                 # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
@@ -368,7 +370,7 @@ def largest_graph_for(max_num_seqs: int, tree_budget: int, depth: int) -> int:
     return max(_vllm_largest_graph(max_num_seqs, width), -(-batch // 16) * 16)
 
 
-def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None) -> None:
+def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None):
     """Give every verify batch and the DFlash drafter's batches a FULL CUDA graph.
 
     vLLM sizes its graphs for ``1 + num_speculative_tokens`` (here ``1 + tree_budget``) tokens
@@ -378,9 +380,13 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None) -> None:
     chain), and so does a drafter batch when the tree is narrower than the drafter is deep
     (budget 4, one request: largest graph 10 tokens, drafter batch 16). Unless the user chose
     the graph sizes, the largest is set to ``largest_graph_for`` (``EngineArgs.
-    max_cudagraph_capture_size``, read when vLLM builds its compilation config); verify batches
-    that still exceed it (at the nodes vLLM's per-batch-size ``schedule`` gives each batch size,
-    when there is one) are named in one warning at start."""
+    max_cudagraph_capture_size``, read when vLLM builds its compilation config). On the V2
+    runner, whose graphs cover every width of a per-batch-size schedule, an explicit budget
+    without a schedule of the user's whose verify batches would still exceed it is returned as
+    a schedule cutting those batches' trees to fit (``cost_model.fitting_schedule``), named in
+    one warning at start; elsewhere (the V1 runner's graphs have one width, or the user's
+    schedule) such batches are named in one warning and run without a FULL graph. Returns the
+    schedule to serve, or None to keep the engine's."""
     compilation = getattr(engine_args, "compilation_config", None)
     chosen = (
         getattr(engine_args, "cudagraph_capture_sizes", None),
@@ -389,7 +395,7 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None) -> None:
         getattr(compilation, "max_cudagraph_capture_size", None),
     )
     if any(value is not None for value in chosen):
-        return
+        return None
     max_num_seqs = _max_num_seqs(engine_args) or 1
     width = 1 + ddtree.tree_budget
     largest = largest_graph_for(max_num_seqs, ddtree.tree_budget, ddtree.depth)
@@ -401,17 +407,34 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None) -> None:
 
         nodes = build_dynamic_sd_schedule_lookup(schedule, max_num_seqs, ddtree.tree_budget)
     exceeding = [b for b in range(1, max_num_seqs + 1) if b * (1 + nodes[b]) > largest]
-    if exceeding:
-        widths = sorted({1 + nodes[b] for b in exceeding})
+    if not exceeding:
+        return None
+    widths = sorted({1 + nodes[b] for b in exceeding})
+    if ddtree.runner == "v2" and not schedule and not getattr(engine_args, "enforce_eager", False):
+        from vllm_ddtree.cost_model import fitting_schedule, format_schedule
+
+        fitted = fitting_schedule(max_num_seqs, ddtree.tree_budget, largest)
         logger.warning(
-            "vllm-ddtree: verify batches of %d to %d requests (%s tokens each) exceed the "
-            "largest CUDA graph (%d tokens) and run without a FULL graph; lower tree_budget "
-            "or max_num_seqs, or set max_cudagraph_capture_size",
+            "vllm-ddtree: verify batches of %d to %d requests (%s tokens each) would exceed the "
+            "largest CUDA graph (%d tokens); their trees are cut to fit it, tree nodes per "
+            "batch size (requests: budget): %s",
             exceeding[0],
             exceeding[-1],
             "/".join(map(str, widths)),
             largest,
+            format_schedule(fitted),
         )
+        return fitted
+    logger.warning(
+        "vllm-ddtree: verify batches of %d to %d requests (%s tokens each) exceed the "
+        "largest CUDA graph (%d tokens) and run without a FULL graph; lower tree_budget "
+        "or max_num_seqs, or set max_cudagraph_capture_size",
+        exceeding[0],
+        exceeding[-1],
+        "/".join(map(str, widths)),
+        largest,
+    )
+    return None
 
 
 def _max_num_seqs(engine_args) -> int | None:
