@@ -2,7 +2,6 @@
 engine core, executor and worker: it reads the worker's acceptance every REFRESH_STEPS steps
 and sets the scheduler's per-batch-size budgets with vLLM's own lookup builder."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -12,27 +11,17 @@ pytest.importorskip("vllm")
 
 from vllm.config import CUDAGraphMode  # noqa: E402
 
+from tests.profiles import write_cheap_tree_profile  # noqa: E402
 from vllm_ddtree import online_budget  # noqa: E402
 from vllm_ddtree.compat.wrapping import DDTREE_ATTR  # noqa: E402
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
-from vllm_ddtree.cost_model import CostProfile, StepCost  # noqa: E402
 from vllm_ddtree.spec_decode.step_state import HANDLE, StepState  # noqa: E402
 
 
 def engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.NONE, budgets=(4, 8, 16, 32)):
     """An engine core of 4 requests whose worker learns online, and that worker's tracker."""
-    profile = CostProfile(
-        source="test",
-        depth=15,
-        chain=StepCost(3.0, 0.01),
-        tree=StepCost(2.0, 0.01),
-        chain_acceptance=1.8,
-        tree_acceptance={4: 2.0, 32: 4.0},
-        max_batch=4,
-    )
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(profile.to_dict()))
-    ddtree = DDTreeConfig(32, 8, 15, online_budgets=budgets, cost_profile=str(path))
+    path = write_cheap_tree_profile(tmp_path)
+    ddtree = DDTreeConfig(32, 8, 15, online_budgets=budgets, cost_profile=path)
     speculative = SimpleNamespace()
     setattr(speculative, DDTREE_ATTR, ddtree)
     config = SimpleNamespace(

@@ -214,7 +214,6 @@ def test_ddtree_survives_preemption_and_aborts(tiny_target_path, tiny_drafter_pa
     """Preempted requests (3 KV blocks of 128 tokens for 4 requests growing past one block)
     resume from a prefill and still produce the target's tokens; aborting two requests
     mid-generation leaves the others exact, and new requests afterwards see no stale trees."""
-    import json
 
     prompts = [list(range(1, 21)), list(range(5, 13)), list(range(30, 64)), [100, 200, 300]]
     result, _ = run_helper(
@@ -589,24 +588,6 @@ def test_ddtree_thinking_token_budgets_are_the_target_alones(
     assert results["deep"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-def cheap_tree_profile(tmp_path) -> str:
-    """A cost profile under which "auto" chooses trees (budget 16) at 4 requests."""
-    from vllm_ddtree.cost_model import CostProfile, StepCost
-
-    profile = CostProfile(
-        source="test: trees cheap",
-        depth=15,
-        chain=StepCost(3.0, 0.01),
-        tree=StepCost(2.0, 0.01),
-        chain_acceptance=1.8,
-        tree_acceptance={4: 2.0, 32: 4.0},
-        max_batch=4,
-    )
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(profile.to_dict()))
-    return str(path)
-
-
 @pytest.mark.vllm_engine
 def test_auto_moves_its_budget_online_and_stays_the_target_alones(
     tiny_target_path, tiny_drafter_path, tmp_path
@@ -614,9 +595,10 @@ def test_auto_moves_its_budget_online_and_stays_the_target_alones(
     """ "auto" starts at budget 16 (a profile favouring trees); a random drafter's trees accept
     nothing, so after a refresh the engine serves budget 4 (fewer nodes verified per step than
     16), the oracle drafter's deep trees keep it larger; both outputs are the target alone's."""
+    from tests.profiles import write_cheap_tree_profile
     from vllm_ddtree import online_budget
 
-    spec = {"cost_profile": cheap_tree_profile(tmp_path)}
+    spec = {"cost_profile": write_cheap_tree_profile(tmp_path)}
     runs = [
         TARGET_ALONE,
         ddtree_run("random_drafter", tiny_drafter_path, "auto", oracle=None),

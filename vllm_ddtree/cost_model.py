@@ -204,10 +204,20 @@ def choose_schedule(
     within ``NEAR_TIE``) among the candidates whose verify batch, ``batch x (1 + budget)``
     tokens, has a CUDA graph (at most ``max_verify_tokens``; the narrowest candidate past
     that)."""
+
+    def fastest_fitting(batch: int) -> int:
+        fitting = [b for b in candidates if batch * (1 + b) <= max_verify_tokens]
+        return _fastest(_predicted_trees(profile, batch, fitting or [min(candidates)]))
+
+    return _ranges(max_num_seqs, fastest_fitting)
+
+
+def _ranges(max_num_seqs: int, budget_at) -> list[tuple[int, int, int]]:
+    """``budget_at(batch)`` for batch sizes 1..``max_num_seqs`` as vLLM's inclusive ranges
+    ``(first, last, budget)``."""
     schedule: list[tuple[int, int, int]] = []
     for batch in range(1, max_num_seqs + 1):
-        fitting = [b for b in candidates if batch * (1 + b) <= max_verify_tokens]
-        budget = _fastest(_predicted_trees(profile, batch, fitting or [min(candidates)]))
+        budget = budget_at(batch)
         if schedule and schedule[-1][2] == budget:
             schedule[-1] = (schedule[-1][0], batch, budget)
         else:
@@ -221,16 +231,14 @@ def fitting_schedule(
     """An explicit ``tree_budget`` as vLLM's per-batch-size schedule whose every verify batch
     fits ``max_verify_tokens`` (the largest CUDA graph): at each batch size the budget, halved
     until ``batch x (1 + budget)`` fits (at least 1), so few widths need graphs."""
-    schedule: list[tuple[int, int, int]] = []
-    for batch in range(1, max_num_seqs + 1):
+
+    def halved_to_fit(batch: int) -> int:
         budget = tree_budget
         while budget > 1 and batch * (1 + budget) > max_verify_tokens:
             budget //= 2
-        if schedule and schedule[-1][2] == budget:
-            schedule[-1] = (schedule[-1][0], batch, budget)
-        else:
-            schedule.append((batch, batch, budget))
-    return schedule
+        return budget
+
+    return _ranges(max_num_seqs, halved_to_fit)
 
 
 def choose_live_schedule(
