@@ -220,6 +220,7 @@ def run(target: str, drafter: str, engine_kwargs: dict, spec: dict, requests, or
         result["free_blocks"] = result["pool_blocks"] = repr(error)
     result["preemptions"] = _counter(llm, "vllm:num_preemptions")
     result["drafts"] = _counter(llm, "vllm:spec_decode_num_drafts")
+    result["draft_tokens"] = _counter(llm, "vllm:spec_decode_num_draft_tokens")
     result["accepted"] = _counter(llm, "vllm:spec_decode_num_accepted_tokens")
     config = llm.llm_engine.vllm_config
     result["v2_runner"] = bool(config.use_v2_model_runner)

@@ -170,3 +170,30 @@ def test_lifecycle_fuzz(tiny_target_path, tiny_drafter_path, setting):
     runs = result["runs"]
     assert sum(run["preemptions"] for run in runs.values()) > 0, runs
     assert any(r["abort"] is not None for r in result["requests"])
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.parametrize("setting", sorted(FUZZ_ENGINES))
+def test_lifecycle_fuzz_with_auto_moving_its_budget(
+    tiny_target_path, tiny_drafter_path, tmp_path, setting
+):
+    """The fuzz's schedules through "auto" that moves its budget online (a profile favouring
+    trees starts it at 16; a random drafter's trees take it down, the oracle's keep it up):
+    every invariant holds while the scheduler's budgets change under joins, aborts and
+    preemptions."""
+    from tests.profiles import write_cheap_tree_profile
+
+    online = {"tree_budget": "auto", "cost_profile": write_cheap_tree_profile(tmp_path)}
+    fuzz, engine = FUZZ_ENGINES[setting]
+    fuzz = {"num_requests": 24, "vocab_size": 1024, "max_model_len": 256, **fuzz}
+    engine = {"block_size": 32, "enable_prefix_caching": True, **engine}
+    runs = [
+        {"name": "auto", "budget": 16, "speculative": online},
+        {"name": "auto_random_drafter", "budget": 16, "speculative": online, "drafter": "random"},
+    ]
+    result = run_plan(
+        tiny_target_path, tiny_drafter_path, {"engine": engine, "fuzz": fuzz, "runs": runs}
+    )
+    check_lifecycle(result)
+    random_run = result["runs"]["auto_random_drafter"]
+    assert random_run["draft_tokens"] < 16 * random_run["drafts"], random_run
