@@ -565,7 +565,19 @@ def test_auto_on_v1_moves_between_budgets_online_and_a_fixed_budget_does_not(tmp
     assert ddtree.cost_profile == os.path.abspath(path)
     _, fixed = split({"method": "ddtree", "model": "d", "tree_budget": 16})
     assert fixed.online_budgets == () and fixed.cost_profile is None
+    # V2: the budgets of its per-batch-size schedule (one budget at batch 1: nothing to move).
     _, v2 = split_speculative_config(
         auto(tmp_path, 3.0), VLLM_FIELDS, DFLASH, max_num_seqs=1, runner="v2"
     )
     assert v2.online_budgets == ()
+    vllm_part, v2 = split_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget": "auto"},
+        VLLM_FIELDS,
+        DFLASH,
+        max_num_seqs=64,
+        runner="v2",
+    )
+    scheduled = sorted(
+        {budget for _, _, budget in vllm_part["num_speculative_tokens_per_batch_size"]}
+    )
+    assert len(scheduled) > 1 and v2.online_budgets == tuple(scheduled)

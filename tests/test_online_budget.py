@@ -18,16 +18,18 @@ from vllm_ddtree.config import DDTreeConfig  # noqa: E402
 from vllm_ddtree.spec_decode.step_state import HANDLE, StepState  # noqa: E402
 
 
-def engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.NONE, budgets=(4, 8, 16, 32)):
+def engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.NONE, budgets=(4, 8, 16, 32), runner="v1"):
     """An engine core of 4 requests whose worker learns online, and that worker's tracker."""
     path = write_cheap_tree_profile(tmp_path)
-    ddtree = DDTreeConfig(32, 8, 15, online_budgets=budgets, cost_profile=path)
+    ddtree = DDTreeConfig(32, 8, 15, runner=runner, online_budgets=budgets, cost_profile=path)
     speculative = SimpleNamespace()
     setattr(speculative, DDTREE_ATTR, ddtree)
     config = SimpleNamespace(
         speculative_config=speculative,
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=2048),
-        compilation_config=SimpleNamespace(cudagraph_mode=cudagraph_mode),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=cudagraph_mode, max_cudagraph_capture_size=64
+        ),
     )
     tracker = online_budget.make_tracker(config, torch.device("cpu"))
     worker = SimpleNamespace(
@@ -66,6 +68,21 @@ def test_the_budgets_follow_the_workers_acceptance_every_refresh(tmp_path, caplo
     for _ in range(online_budget.REFRESH_STEPS):
         step(core)
     assert core.scheduler.dynamic_sd_lookup[1] == 32
+
+
+def test_a_v2_engine_moves_within_its_largest_graph(tmp_path):
+    """V2 graphs cover every budget of its schedule: its budgets move, no verify batch past the
+    largest graph (64 tokens here: 4 requests of budget 32 would take 132)."""
+    core, tracker = engine_core(
+        tmp_path, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, runner="v2"
+    )
+    controller = online_budget.online_budget(core)
+    assert controller is not None and controller.max_verify_tokens == 64
+    observe(tracker, 12, steps=200)
+    controller.refresh()
+    lookup = core.scheduler.dynamic_sd_lookup
+    assert all(b * (1 + lookup[b]) <= 64 for b in range(1, 5)), lookup
+    assert lookup[1] == 32  # deep paths pay where the graph allows
 
 
 def test_an_engine_with_cuda_graphs_or_one_budget_keeps_its_budget(tmp_path):

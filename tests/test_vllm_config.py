@@ -627,3 +627,49 @@ def test_an_explicit_budget_past_the_largest_graph_is_cut_to_fit_it_on_v2(
     sizes = vllm_default_sizes(64, 64, args.max_cudagraph_capture_size)
     modes = vllm_v2_scheduled_verify_modes(sizes, 64, schedule, 64)
     assert {mode for _, mode in modes.values()} == {"FULL"}, modes
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 64])
+def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
+    tiny_target_path, tiny_drafter_path, max_num_seqs, monkeypatch
+):
+    """ "auto" on V2 moves among its schedule's budgets as it learns: whatever the acceptance
+    it learns (none, deep, rising with the budget, falling), every verify batch of the
+    schedule it then serves lands on a FULL graph of those captured at start (vLLM's lookup,
+    size rule and V2 graph manager)."""
+    from vllm.config import CUDAGraphMode
+
+    from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
+    from vllm_ddtree.cost_model import choose_live_schedule, load_profile
+    from vllm_ddtree.online_budget import max_verify_tokens, moves_online
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    spec = {"method": "ddtree", "model": tiny_drafter_path}
+    args = engine_args(tiny_target_path, spec, max_num_seqs=max_num_seqs)
+    config = args.create_engine_config()
+    ddtree = get_ddtree_config(config.speculative_config)
+    captured = config.speculative_config.num_speculative_tokens_per_batch_size
+    assert moves_online(config) and len(ddtree.online_budgets) > 1
+    sizes = vllm_default_sizes(max_num_seqs, ddtree.tree_budget, args.max_cudagraph_capture_size)
+    # As on a GPU (this CPU config has no graphs): vLLM's default mode and these sizes.
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.compilation_config.max_cudagraph_capture_size = max(sizes)
+    profile = load_profile(None, "V2")
+    budgets = ddtree.online_budgets
+    learned = {
+        "nothing": {b: (1.0, 100.0) for b in budgets},
+        "deep": {b: (1.0 + 0.2 * b, 100.0) for b in budgets},
+        "rising": {b: (2.0 + i, 100.0) for i, b in enumerate(budgets)},
+        "falling": {b: (9.0 - i, 100.0) for i, b in enumerate(budgets)},
+    }
+    served_widths = set()
+    for name, live in learned.items():
+        served, _ = choose_live_schedule(
+            profile, live, budgets, max_num_seqs, max_verify_tokens(config), 16.0
+        )
+        modes = vllm_v2_scheduled_verify_modes(
+            sizes, max_num_seqs, captured, ddtree.tree_budget, served=served
+        )
+        assert {mode for _, mode in modes.values()} == {"FULL"}, (name, served, modes)
+        served_widths |= {width for width, _ in modes.values()}
+    assert len(served_widths) > 1

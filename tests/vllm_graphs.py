@@ -94,16 +94,18 @@ def vllm_v2_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dic
 
 
 def vllm_v2_scheduled_verify_modes(
-    sizes: list[int], max_num_seqs: int, schedule, tree_budget: int
+    sizes: list[int], max_num_seqs: int, schedule, tree_budget: int, served=None
 ) -> dict[int, tuple[int, str]]:
     """Like ``vllm_v2_verify_modes`` under vLLM's per-batch-size ``schedule`` (ranges of
     draft tokens, at most ``tree_budget``): for every ``b`` up to ``max_num_seqs``, the verify
     width vLLM's scheduler gives it (its own lookup) and the mode the V2 graph manager
-    dispatches ``b`` requests of that width to. ``{b: (width, mode)}``."""
+    dispatches ``b`` requests of that width to. ``{b: (width, mode)}``. ``served``: the
+    schedule the scheduler serves, when not the one the graphs were captured for (an online
+    "auto" moving its budgets)."""
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
-    nodes = build_dynamic_sd_schedule_lookup(schedule, max_num_seqs, tree_budget)
+    nodes = build_dynamic_sd_schedule_lookup(served or schedule, max_num_seqs, tree_budget)
     manager = _graph_manager(sizes, max_num_seqs, 1 + tree_budget, "FULL_AND_PIECEWISE", schedule)
     modes = {}
     for b in range(1, max_num_seqs + 1):

@@ -64,8 +64,8 @@ class DDTreeConfig:
         runner: the vLLM model runner the engine runs DDTree on, "v1" or "v2"
             (``choose_runner``'s choice, carried with the config to the engine's processes).
         online_budgets: ``"tree_budget": "auto"`` that chose trees: the budgets it may move
-            between as it learns this engine's acceptance (``online_budget.py``); empty for a
-            fixed budget.
+            between as it learns this engine's acceptance (``online_budget.py``; V1: up to its
+            choice, V2: those of its per-batch-size schedule); empty for a fixed budget.
         cost_profile: the cost profile "auto" read (None: the runner's packaged one).
     """
 
@@ -549,9 +549,12 @@ def split_speculative_config(
             return config, None
         if runner == "v2" and not gives_batch_size_schedule(config):
             schedule = _automatic_schedule(profile, max_num_seqs)
-            if len({budget for _, _, budget in schedule}) > 1:
+            scheduled = sorted({budget for _, _, budget in schedule})
+            if len(scheduled) > 1:
                 config[SCHEDULE_KEY] = [list(entry) for entry in schedule]
-            tree_budget = max(budget for _, _, budget in schedule)
+                # vLLM captures graphs for every width of the schedule: "auto" moves among them.
+                online_budgets = tuple(scheduled)
+            tree_budget = scheduled[-1]
         elif runner == "v1":
             online_budgets = online_candidates(tree_budget)
     tree_budget = _check_int("tree_budget", tree_budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
@@ -575,10 +578,11 @@ def split_speculative_config(
 
 
 def online_candidates(tree_budget: int) -> tuple[int, ...]:
-    """The budgets an online "auto" engine of ``tree_budget`` moves between: the cost
-    model's candidates below it, and itself. On the V1 runner only (its verify batches have
-    one CUDA-graph width; ``online_budget.py`` moves only engines without graphs); the V2
-    runner's per-batch-size schedule is not moved online yet."""
+    """The budgets an online "auto" engine of ``tree_budget`` on the V1 runner moves between:
+    the cost model's candidates below it, and itself (its verify batches have one CUDA-graph
+    width: ``online_budget.py`` moves a V1 engine only without graphs). On the V2 runner
+    "auto" moves among the budgets of its per-batch-size schedule, whose widths all have
+    graphs."""
     from vllm_ddtree.cost_model import BUDGET_CANDIDATES
 
     return tuple(sorted({b for b in BUDGET_CANDIDATES if b < tree_budget} | {tree_budget}))

@@ -12,9 +12,11 @@ scheduled is learned for free; one above it only while it is scheduled, so once 
 its estimate fades back to the profile's (``OnlineAcceptance``'s decay), which may schedule
 it again.
 
-Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets (V1 runner,
-"auto" chose trees) and whose verify batches run without CUDA graphs (a V1 engine's graphs
-have one verify width). Every change goes to the log.
+Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets: on the V2 runner
+the budgets of "auto"'s per-batch-size schedule (vLLM captures FULL graphs for each of their
+widths; a verify batch is never given more tokens than the largest graph), on the V1 runner
+the candidates up to "auto"'s choice when its verify batches run without CUDA graphs (a V1
+engine's graphs have one verify width). Every change goes to the log.
 """
 
 from __future__ import annotations
@@ -39,22 +41,38 @@ def worker_acceptance(worker) -> dict[int, tuple[float, float]] | None:
     from vllm_ddtree.spec_decode.step_state import HANDLE
 
     worker = getattr(worker, "worker", worker)  # vLLM's wrapper around the worker
-    state = getattr(getattr(worker, "model_runner", None), HANDLE, None)
+    runner = getattr(worker, "model_runner", None)
+    state = getattr(runner, HANDLE, None)  # V1: the runner's handle
+    if state is None:  # V2: the speculator's
+        state = getattr(getattr(runner, "speculator", None), "state", None)
     tracker = getattr(state, "acceptance", None)
     return tracker.snapshot() if tracker is not None else None
 
 
 def moves_online(vllm_config) -> bool:
     """Whether this engine's "auto" moves its budget online: several budgets to move between
-    (``DDTreeConfig.online_budgets``) and verify batches without CUDA graphs."""
+    (``DDTreeConfig.online_budgets``), each with its verify graphs (V2: the schedule's widths)
+    or without graphs at all (V1: its graphs have one width)."""
     from vllm.config import CUDAGraphMode
 
     ddtree = get_ddtree_config(vllm_config.speculative_config)
+    if ddtree is None or len(ddtree.online_budgets) < 2:
+        return False
     return (
-        ddtree is not None
-        and len(ddtree.online_budgets) > 1
-        and vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+        ddtree.runner == "v2" or vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     )
+
+
+def max_verify_tokens(vllm_config) -> int:
+    """The widest verify batch a budget may be given: the step's token budget, and with CUDA
+    graphs the largest graph (a wider batch would run without a FULL one)."""
+    from vllm.config import CUDAGraphMode
+
+    limit = vllm_config.scheduler_config.max_num_batched_tokens
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode != CUDAGraphMode.NONE:
+        limit = min(limit, compilation.max_cudagraph_capture_size)
+    return limit
 
 
 def make_tracker(vllm_config, device: torch.device):
@@ -78,7 +96,7 @@ class OnlineBudget:
         self.profile = profile
         config = engine_core.vllm_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
-        self.max_verify_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_verify_tokens = max_verify_tokens(config)
         self.steps = 0
         self.schedule: list[tuple[int, int, int]] | None = None
 

@@ -17,6 +17,7 @@ import torch
 
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
 from vllm_ddtree.config import oracle_path
+from vllm_ddtree.online_budget import make_tracker
 from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees
@@ -55,7 +56,8 @@ def ddtree_speculator_class():
             # The last proposals, per batch row (written inside the drafter's graph) and per
             # request state (vLLM's req_state index), read at each request's next step.
             self.proposals = ProposalStore(rows, tree_budget, ddtree.depth, device)
-            self.state = StepState()  # the step's hand-overs (step_state.py)
+            # The step's hand-overs (step_state.py); an online "auto" engine's acceptance.
+            self.state = StepState(acceptance=make_tracker(vllm_config, torch.device(device)))
             self.oracle = None
             if oracle_path():  # a test switch (testing/oracle.py)
                 from vllm_ddtree.testing.oracle import DeviceOracle

@@ -45,6 +45,7 @@ from vllm_ddtree.spec_decode.tree_step import (
     TreeStep,
     check_ranks_agree,
     commit_step_kv,
+    observe_acceptance,
     set_tree_step_inputs,
 )
 from vllm_ddtree.tree import DDTreeBatch
@@ -215,6 +216,7 @@ def _wrap_sample(original):
             )
         step.accepted, step.num_accepted = accepted, num_accepted
         check_ranks_agree(step)  # tensor parallel: every rank built and walked these trees
+        observe_acceptance(speculator.state, step)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled,
             input_batch.seq_lens,
