@@ -581,3 +581,23 @@ def test_auto_on_v1_moves_between_budgets_online_and_a_fixed_budget_does_not(tmp
         {budget for _, _, budget in vllm_part["num_speculative_tokens_per_batch_size"]}
     )
     assert len(scheduled) > 1 and v2.online_budgets == tuple(scheduled)
+
+
+def test_the_live_schedule_keeps_larger_budgets_no_worse_and_explores_the_next_one():
+    """A budget without a live estimate is judged no worse than a smaller one's (its tree holds
+    the smaller tree); exploring serves the next larger unmeasured budget where predicted
+    within EXPLORE_MARGIN of the fastest, and nothing once it is measured."""
+    from vllm_ddtree.cost_model import choose_live_schedule
+
+    cheap = profile(2.0)  # the profile's acceptance: 2.5 at 16 and below
+    candidates = [4, 8, 16, 32]
+    live = {4: (4.0, 50.0), 8: (5.0, 50.0)}  # budget 8 served: 16 and 32 unmeasured
+    schedule, used = choose_live_schedule(cheap, live, candidates, 2, 2048, 16.0)
+    assert used[16] == 5.0 and used[32] >= 5.0  # not the profile's 2.5
+    assert schedule == [(1, 2, 8)]
+    explored, _ = choose_live_schedule(cheap, live, candidates, 2, 2048, 16.0, explore=True)
+    assert explored == [(1, 2, 16)]
+    measured = {**live, 16: (5.1, 50.0)}
+    assert choose_live_schedule(cheap, measured, candidates, 2, 2048, 16.0, explore=True)[0] == [
+        (1, 2, 8)
+    ]

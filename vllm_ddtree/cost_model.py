@@ -55,6 +55,9 @@ NEAR_TIE = 0.05
 # then 16 tokens) give a FULL graph in its V2 manager; narrower trees leave some batch sizes
 # piecewise there.
 SCHEDULE_CANDIDATES = tuple(b for b in BUDGET_CANDIDATES if b >= 16)
+# An online "auto" tries the next larger budget of a batch size, when it has no live estimate,
+# if predicted at most this much slower than the fastest (cost_model.choose_live_schedule).
+EXPLORE_MARGIN = 0.10
 # The largest CUDA graph (tokens) the plugin asks for when the user chose none: every verify
 # batch up to this many tokens replays a FULL graph; beyond it graphs cost memory and start-up
 # time (vLLM's own default stops at 512). "auto" schedules no wider verify batch.
@@ -248,18 +251,39 @@ def choose_live_schedule(
     max_num_seqs: int,
     max_verify_tokens: int,
     min_trees: float,
+    explore: bool = False,
 ) -> tuple[list[tuple[int, int, int]], dict[int, float]]:
     """``choose_schedule`` over ``candidates`` with the acceptance this engine reached
     (``live``: ``{budget: (tokens per verify step, decayed trees behind it)}``,
     ``OnlineAcceptance.snapshot``) where at least ``min_trees`` trees stand behind it, the
-    profile's elsewhere; the profile's step costs. Returns the schedule and the tokens per
-    step it used by budget."""
-    acceptance = {
-        b: live[b][0] if b in live and live[b][1] >= min_trees else profile.acceptance(b)
-        for b in candidates
-    }
+    profile's elsewhere, never below a smaller budget's (a larger best-first tree holds the
+    smaller one); the profile's step costs. With ``explore``, a batch size whose next larger
+    fitting budget has no live estimate is given it when predicted within ``EXPLORE_MARGIN``
+    of its fastest (so a budget above the one served is measured again). Returns the schedule
+    and the tokens per step it used by budget."""
+    acceptance: dict[int, float] = {}
+    known: set[int] = set()
+    floor = 0.0
+    for b in sorted(candidates):
+        if b in live and live[b][1] >= min_trees:
+            acceptance[b] = live[b][0]
+            known.add(b)
+        else:
+            acceptance[b] = max(profile.acceptance(b), floor)
+        floor = acceptance[b]
     judged = replace(profile, tree_acceptance=acceptance)
-    return choose_schedule(judged, max_num_seqs, max_verify_tokens, candidates), acceptance
+
+    def budget_at(batch: int) -> int:
+        fitting = [b for b in candidates if batch * (1 + b) <= max_verify_tokens]
+        predicted = _predicted_trees(judged, batch, fitting or [min(candidates)])
+        best = _fastest(predicted)
+        larger = sorted(b for b in predicted if b > best)
+        if explore and larger and larger[0] not in known:
+            if predicted[larger[0]] >= (1 - EXPLORE_MARGIN) * predicted[best]:
+                return larger[0]
+        return best
+
+    return _ranges(max_num_seqs, budget_at), acceptance
 
 
 def format_schedule(schedule: list[tuple[int, int, int]]) -> str:

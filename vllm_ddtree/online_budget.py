@@ -9,8 +9,9 @@ vLLM's per-batch-size budget lookup (the scheduler's ``dynamic_sd_lookup``, what
 batch size: the live acceptance where enough trees stand behind it, the profile's elsewhere,
 the profile's step costs (``cost_model.choose_live_schedule``). A budget below the one
 scheduled is learned for free; one above it only while it is scheduled, so once unscheduled
-its estimate fades back to the profile's (``OnlineAcceptance``'s decay), which may schedule
-it again.
+its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a smaller
+budget's), and every ``EXPLORE_EVERY``-th refresh serves it for one refresh where predicted
+close to the fastest, so a workload whose acceptance rose moves the budget up again.
 
 Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets: on the V2 runner
 the budgets of "auto"'s per-batch-size schedule (vLLM captures FULL graphs for each of their
@@ -32,6 +33,7 @@ logger = logging.getLogger("vllm.ddtree")
 REFRESH_STEPS = 32  # engine steps between reads of the workers' acceptance
 HALF_LIFE_STEPS = 256.0  # a verified step's weight halves after this many more steps
 MIN_TREES = 16.0  # decayed trees behind a live estimate before it replaces the profile's
+EXPLORE_EVERY = 8  # every 8th refresh tries the next larger budget without an estimate
 ENGINE_ATTR = "_ddtree_online_budget"  # on vLLM's EngineCore: its OnlineBudget or None
 
 
@@ -98,6 +100,7 @@ class OnlineBudget:
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_verify_tokens = max_verify_tokens(config)
         self.steps = 0
+        self.refreshes = 0
         self.schedule: list[tuple[int, int, int]] | None = None
 
     def before_step(self) -> None:
@@ -114,6 +117,7 @@ class OnlineBudget:
         live = self.engine_core.model_executor.collective_rpc(worker_acceptance)[0]
         if not live:
             return
+        self.refreshes += 1
         schedule, acceptance = choose_live_schedule(
             self.profile,
             live,
@@ -121,6 +125,7 @@ class OnlineBudget:
             self.max_num_seqs,
             self.max_verify_tokens,
             MIN_TREES,
+            explore=self.refreshes % EXPLORE_EVERY == 0,
         )
         if schedule == self.schedule:
             return
