@@ -391,8 +391,8 @@ def test_the_schedule_gives_each_batch_size_its_fastest_tree_within_the_largest_
 
 
 def test_the_cost_model_command_says_what_auto_serves():
-    """``python -m vllm_ddtree.cost_model``: the packaged profiles' choice, and on V2 the
-    budget per batch size the engine gets."""
+    """``python -m vllm_ddtree.cost_model``: the packaged profiles' choice, on V2 the budget
+    per batch size the engine starts with and the budgets it then moves among."""
     import subprocess
     import sys
 
@@ -402,8 +402,10 @@ def test_the_cost_model_command_says_what_auto_serves():
 
     v2 = run("--runner", "v2", "--max-num-seqs", "256")
     assert "choice: trees (budget 16 at 256 requests)" in v2
-    assert "budget per batch size: 1-4: 128," in v2 and v2.rstrip().endswith("-256: 16")
-    assert "choice: the DFlash chain" in run("--runner", "v1", "--max-num-seqs", "8")
+    assert "budget per batch size: 1-4: 128," in v2 and "-256: 16\n" in v2
+    assert v2.rstrip().endswith("moves among budgets [16, 32, 64, 128] as it learns the acceptance")
+    v1 = run("--runner", "v1", "--max-num-seqs", "8")
+    assert "choice: the DFlash chain" in v1 and "moves" not in v1
 
 
 def write_profile(tmp_path, tree_base_ms: float) -> str:

@@ -336,6 +336,16 @@ def describe_automatic(max_num_seqs: int, runner: str, path: str | None = None) 
     if tree_budget is not None and runner.lower() == "v2":
         schedule = choose_schedule(profile, max_num_seqs, VERIFY_GRAPH_TOKENS)
         lines.append("budget per batch size: " + format_schedule(schedule))
+        budgets = sorted({budget for _, _, budget in schedule})
+        if len(budgets) > 1:
+            lines.append(f"then moves among budgets {budgets} as it learns the acceptance")
+    elif tree_budget is not None:
+        from vllm_ddtree.config import online_candidates
+
+        budgets = list(online_candidates(tree_budget))
+        lines.append(
+            f"then, without CUDA graphs, moves among budgets {budgets} as it learns the acceptance"
+        )
     return "\n".join(lines)
 
 
