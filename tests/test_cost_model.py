@@ -558,7 +558,7 @@ def test_the_live_schedule_follows_the_acceptance_the_engine_reached():
 def test_auto_on_v1_moves_between_budgets_online_and_a_fixed_budget_does_not(tmp_path):
     """ "auto" that chose trees on the V1 runner keeps the budgets it may move between (the
     cost model's candidates up to its choice); a fixed budget and the V2 runner keep none."""
-    from vllm_ddtree.config import online_candidates
+    from vllm_ddtree.cost_model import online_candidates
 
     path = write_profile(tmp_path, 3.0)
     _, ddtree = split(auto(tmp_path, 3.0), max_num_seqs=1)

@@ -556,6 +556,8 @@ def split_speculative_config(
                 online_budgets = tuple(scheduled)
             tree_budget = scheduled[-1]
         elif runner == "v1":
+            from vllm_ddtree.cost_model import online_candidates
+
             online_budgets = online_candidates(tree_budget)
     tree_budget = _check_int("tree_budget", tree_budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
     top_k = config.pop("tree_top_k", min(tree_budget, DEFAULT_TOP_K_CAP))
@@ -575,14 +577,3 @@ def split_speculative_config(
         cost_profile=os.path.abspath(cost_profile) if cost_profile else None,
     )
     return config, ddtree
-
-
-def online_candidates(tree_budget: int) -> tuple[int, ...]:
-    """The budgets an online "auto" engine of ``tree_budget`` on the V1 runner moves between:
-    the cost model's candidates below it, and itself (its verify batches have one CUDA-graph
-    width: ``online_budget.py`` moves a V1 engine only without graphs). On the V2 runner
-    "auto" moves among the budgets of its per-batch-size schedule, whose widths all have
-    graphs."""
-    from vllm_ddtree.cost_model import BUDGET_CANDIDATES
-
-    return tuple(sorted({b for b in BUDGET_CANDIDATES if b < tree_budget} | {tree_budget}))

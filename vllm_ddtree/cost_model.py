@@ -244,6 +244,15 @@ def fitting_schedule(
     return _ranges(max_num_seqs, halved_to_fit)
 
 
+def online_candidates(tree_budget: int) -> tuple[int, ...]:
+    """The budgets an online "auto" engine of ``tree_budget`` on the V1 runner moves between:
+    the cost model's candidates below it, and itself (its verify batches have one CUDA-graph
+    width: ``online_budget.py`` moves a V1 engine only without graphs). On the V2 runner
+    "auto" moves among the budgets of its per-batch-size schedule, whose widths all have
+    graphs."""
+    return tuple(sorted({b for b in BUDGET_CANDIDATES if b < tree_budget} | {tree_budget}))
+
+
 def choose_live_schedule(
     profile: CostProfile,
     live: dict[int, tuple[float, float]],
@@ -340,8 +349,6 @@ def describe_automatic(max_num_seqs: int, runner: str, path: str | None = None) 
         if len(budgets) > 1:
             lines.append(f"then moves among budgets {budgets} as it learns the acceptance")
     elif tree_budget is not None:
-        from vllm_ddtree.config import online_candidates
-
         budgets = list(online_candidates(tree_budget))
         lines.append(
             f"then, without CUDA graphs, moves among budgets {budgets} as it learns the acceptance"
