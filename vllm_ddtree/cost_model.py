@@ -209,10 +209,18 @@ def choose_schedule(
     that)."""
 
     def fastest_fitting(batch: int) -> int:
-        fitting = [b for b in candidates if batch * (1 + b) <= max_verify_tokens]
-        return _fastest(_predicted_trees(profile, batch, fitting or [min(candidates)]))
+        return _fastest(_fitting_predictions(profile, batch, candidates, max_verify_tokens))
 
     return _ranges(max_num_seqs, fastest_fitting)
+
+
+def _fitting_predictions(
+    profile: CostProfile, batch: int, candidates, max_verify_tokens: int
+) -> dict[int, float]:
+    """``_predicted_trees`` at ``batch`` of the candidates whose verify batch, ``batch x
+    (1 + budget)`` tokens, is at most ``max_verify_tokens`` (the narrowest when none is)."""
+    fitting = [b for b in candidates if batch * (1 + b) <= max_verify_tokens]
+    return _predicted_trees(profile, batch, fitting or [min(candidates)])
 
 
 def _ranges(max_num_seqs: int, budget_at) -> list[tuple[int, int, int]]:
@@ -283,8 +291,7 @@ def choose_live_schedule(
     judged = replace(profile, tree_acceptance=acceptance)
 
     def budget_at(batch: int) -> int:
-        fitting = [b for b in candidates if batch * (1 + b) <= max_verify_tokens]
-        predicted = _predicted_trees(judged, batch, fitting or [min(candidates)])
+        predicted = _fitting_predictions(judged, batch, candidates, max_verify_tokens)
         best = _fastest(predicted)
         larger = sorted(b for b in predicted if b > best)
         if explore and larger and larger[0] not in known:
