@@ -100,3 +100,22 @@ def test_a_worker_without_a_tracker_leaves_the_budgets_alone(tmp_path):
     core.model_executor = SimpleNamespace(collective_rpc=lambda fn: [fn(worker)])
     online_budget.online_budget(core).refresh()
     assert core.scheduler.dynamic_sd_lookup is None
+
+
+def test_device_times_measured_at_start_decide_where_the_profile_would_not(tmp_path, caplog):
+    """Deep paths make budget 32 the profile's fastest; once the engine measured a verify of
+    33 tokens at 10 ms on its device (17 tokens: 0.1 ms), 16 is."""
+    from vllm_ddtree.step_costs import MeasuredStepCosts
+
+    chosen = {}
+    for measured in (None, MeasuredStepCosts(verify_ms={33: {4: 10.0}, 17: {4: 0.1}})):
+        core, tracker = engine_core(tmp_path, budgets=(16, 32), runner="v2")
+        worker = core.model_executor.collective_rpc(lambda w: w)[0]
+        getattr(worker.model_runner, HANDLE).step_costs = measured
+        with caplog.at_level("INFO", logger="vllm.ddtree"):
+            controller = online_budget.online_budget(core)
+        observe(tracker, 12, steps=200)
+        controller.refresh()
+        chosen[measured is not None] = core.scheduler.dynamic_sd_lookup[1]
+    assert chosen == {False: 32, True: 16}
+    assert "device times measured at start" in caplog.text

@@ -7,7 +7,9 @@ every smaller budget (``online_acceptance.py``, kept by each worker). Every
 vLLM's per-batch-size budget lookup (the scheduler's ``dynamic_sd_lookup``, what
 ``num_speculative_tokens_per_batch_size`` configures) to the budget predicted fastest at each
 batch size: the live acceptance where enough trees stand behind it, the profile's elsewhere,
-the profile's step costs (``cost_model.choose_live_schedule``). A budget below the one
+and the step costs of this engine: on V2 the device time of each verify width and drafter
+pass, timed from its CUDA graphs at start (``step_costs.py``), plus the profile's host cost;
+elsewhere the profile's (``cost_model.choose_live_schedule``). A budget below the one
 scheduled is learned for free; one above it only while it is scheduled, so once unscheduled
 its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a smaller
 budget's), and every ``EXPLORE_EVERY``-th refresh serves it for one refresh where predicted
@@ -23,6 +25,7 @@ engine's graphs have one verify width). Every change goes to the log.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -37,18 +40,29 @@ EXPLORE_EVERY = 8  # every 8th refresh tries the next larger budget without an e
 ENGINE_ATTR = "_ddtree_online_budget"  # on vLLM's EngineCore: its OnlineBudget or None
 
 
-def worker_acceptance(worker) -> dict[int, tuple[float, float]] | None:
-    """Run in each worker (``collective_rpc``): its ``OnlineAcceptance`` snapshot, or None
-    when it keeps none."""
+def _worker_step_state(worker):
+    """A worker's ``StepState`` (V1: the runner's handle; V2: the speculator's), or None."""
     from vllm_ddtree.spec_decode.step_state import HANDLE
 
     worker = getattr(worker, "worker", worker)  # vLLM's wrapper around the worker
     runner = getattr(worker, "model_runner", None)
-    state = getattr(runner, HANDLE, None)  # V1: the runner's handle
-    if state is None:  # V2: the speculator's
+    state = getattr(runner, HANDLE, None)
+    if state is None:
         state = getattr(getattr(runner, "speculator", None), "state", None)
-    tracker = getattr(state, "acceptance", None)
+    return state
+
+
+def worker_acceptance(worker) -> dict[int, tuple[float, float]] | None:
+    """Run in each worker (``collective_rpc``): its ``OnlineAcceptance`` snapshot, or None
+    when it keeps none."""
+    tracker = getattr(_worker_step_state(worker), "acceptance", None)
     return tracker.snapshot() if tracker is not None else None
+
+
+def worker_step_costs(worker):
+    """Run in each worker (``collective_rpc``): the ``step_costs.MeasuredStepCosts`` it timed
+    at start, or None (V1, no graphs, or the timing failed)."""
+    return getattr(_worker_step_state(worker), "step_costs", None)
 
 
 def moves_online(vllm_config) -> bool:
@@ -92,10 +106,16 @@ class OnlineBudget:
     """One engine core's online budget: reads the workers' acceptance, sets the scheduler's
     per-batch-size budgets."""
 
-    def __init__(self, engine_core, ddtree, profile):
+    def __init__(self, engine_core, ddtree, profile, measured=None):
         self.engine_core = engine_core
         self.candidates = list(ddtree.online_budgets)
+        # The profile's step costs for the host, plus what this engine's device measured at
+        # start (step_costs.py) where it did.
         self.profile = profile
+        if measured is not None:
+            from vllm_ddtree.step_costs import TreeStepCost
+
+            self.profile = replace(profile, tree=TreeStepCost(profile.tree, measured))
         config = engine_core.vllm_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_verify_tokens = max_verify_tokens(config)
@@ -157,11 +177,15 @@ def online_budget(engine_core) -> OnlineBudget | None:
 
         ddtree = get_ddtree_config(config.speculative_config)
         profile = load_profile(ddtree.cost_profile, runner=ddtree.runner.upper())
-        made = OnlineBudget(engine_core, ddtree, profile)
+        measured = engine_core.model_executor.collective_rpc(worker_step_costs)[0]
+        made = OnlineBudget(engine_core, ddtree, profile, measured)
         logger.info(
             "vllm-ddtree: tree_budget 'auto' moves between budgets %s as it learns this "
-            "engine's acceptance",
+            "engine's acceptance, judging step costs by %s",
             made.candidates,
+            "the profile's host costs and this engine's device times measured at start"
+            if measured is not None
+            else "its cost profile",
         )
     setattr(engine_core, ENGINE_ATTR, made)
     return made

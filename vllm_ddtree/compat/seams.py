@@ -314,6 +314,12 @@ SEAMS: tuple[Seam, ...] = (
     ),
     # The V2 model runner and what DDTree's speculator builds on.
     _runner(
+        "capture_model",
+        f"{_V2}:_wrap_capture_model",
+        module=V2_RUNNER_MODULE,
+        group=V2_RUNNER,
+    ),
+    _runner(
         "prepare_attn",
         f"{_V2}:_wrap_prepare_attn",
         "input_batch",

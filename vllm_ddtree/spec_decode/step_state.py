@@ -43,6 +43,7 @@ class StepState:
     seeds: Any = None  # request_seeds.RequestSeeds: each request's sampling seed (V1)
     thinking_budget: Any = None  # tree_thinking_budget.TreeThinkingBudget (V1)
     acceptance: Any = None  # online_acceptance.OnlineAcceptance: an online "auto" engine's
+    step_costs: Any = None  # step_costs.MeasuredStepCosts: an online "auto" V2 engine's
     tree_layers: tuple | None = None  # (forward context, its size, the TREE_ATTN layers)
     kv_layers: tuple | None = None  # (quick key, the TREE_ATTN caches as launch tables)
     bound_builders: list = field(default_factory=list)  # the TREE_ATTN builders handed self

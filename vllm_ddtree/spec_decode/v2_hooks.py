@@ -28,6 +28,8 @@ v2``. Request features are refused per request as on V1 (``config.check_sampling
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -48,7 +50,10 @@ from vllm_ddtree.spec_decode.tree_step import (
     observe_acceptance,
     set_tree_step_inputs,
 )
+from vllm_ddtree.step_costs import measure_v2_graphs
 from vllm_ddtree.tree import DDTreeBatch
+
+logger = logging.getLogger("vllm.ddtree")
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
@@ -91,6 +96,35 @@ def _wrap_init_speculator(original):
         return original(vllm_config, device)
 
     return init_speculator
+
+
+def _wrap_capture_model(original):
+    """An online "auto" engine times its just-captured graphs (``step_costs.py``) before it
+    serves: the step costs it judges budgets by."""
+
+    def capture_model(self):
+        captured = original(self)
+        speculator = _ddtree_speculator(self)
+        if speculator is not None and speculator.state.acceptance is not None:
+            _measure_step_costs(self, speculator.state)
+        return captured
+
+    return capture_model
+
+
+def _measure_step_costs(runner, state) -> None:
+    try:
+        state.step_costs = measure_v2_graphs(runner, torch.cuda.synchronize)
+    except Exception as error:  # the profile's costs serve instead; the engine starts
+        logger.warning(
+            "vllm-ddtree: timing the CUDA graphs failed (%s); tree_budget 'auto' judges "
+            "budgets by its cost profile's step costs",
+            error,
+        )
+        return
+    logger.info(
+        "vllm-ddtree: step costs measured at start (device): %s", state.step_costs.describe()
+    )
 
 
 def _ddtree_speculator(runner):

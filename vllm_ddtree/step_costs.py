@@ -1,0 +1,138 @@
+"""Step costs of this engine, measured at start-up: what a verify batch and a drafter pass cost
+the device on this target and this GPU.
+
+A cost profile (``cost_model.py``) was measured on one pair (SmolLM2-135M, whose step waits on
+the host) and cannot say what a verify of 65 or 129 nodes costs an 8B target. An online
+``"auto"`` engine on vLLM's V2 runner therefore times, right after vLLM captured its FULL CUDA
+graphs, a few replays of each: every verify graph (one per uniform width ``1 + budget`` and
+padded batch size, the widths its per-batch-size schedule may serve) and every drafter graph
+(one per padded batch size). Replays then read the inputs the capture left, whose slot
+mappings all point nowhere (vLLM's ``PAD_SLOT_ID``), so they write no KV cache.
+
+``TreeStepCost`` is the step cost ``online_budget.py`` then judges budgets by: the profile's
+step cost for the host's work (on the profiled 135M pair the device is a small part of a
+step), plus the device time measured here for the verify width and the drafter pass at that
+batch size (an upper bound: vLLM's asynchronous scheduling overlaps part of the two). Where a
+width was not measured it is the profile's alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("vllm.ddtree")
+
+REPLAYS = 3  # timed replays per graph, after one untimed
+
+
+@dataclass(frozen=True)
+class MeasuredStepCosts:
+    """Device milliseconds of this engine's captured graphs.
+
+    Attributes:
+        verify_ms: ``{tokens per request: {padded batch size: ms}}`` of the target's uniform
+            verify graphs (``1 + budget`` tokens per request).
+        draft_ms: ``{padded batch size: ms}`` of the drafter's graphs (its pass and, for
+            DDTree, the tree build).
+    """
+
+    verify_ms: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
+    draft_ms: Mapping[int, float] = field(default_factory=dict)
+
+    def device_ms(self, batch: int, tree_budget: int) -> float | None:
+        """The device time of a step of ``batch`` trees of ``tree_budget`` nodes: the verify
+        graph and the drafter graph vLLM pads that batch to (the smallest measured batch at
+        least as large), or None when the verify width was not measured."""
+        verify = _padded(self.verify_ms.get(1 + tree_budget, {}), batch)
+        if verify is None:
+            return None
+        return verify + (_padded(self.draft_ms, batch) or 0.0)
+
+    def describe(self) -> str:
+        """One line per measured width: ``b64: 1 req 3.9 ms, 4 reqs 4.4 ms, ...``."""
+        lines = [
+            f"b{width - 1}: "
+            + ", ".join(f"{n} req {ms:.2f} ms" for n, ms in sorted(by_batch.items()))
+            for width, by_batch in sorted(self.verify_ms.items())
+        ]
+        if self.draft_ms:
+            lines.append(
+                "drafter: "
+                + ", ".join(f"{n} req {ms:.2f} ms" for n, ms in sorted(self.draft_ms.items()))
+            )
+        return "; ".join(lines)
+
+
+def _padded(by_batch: Mapping[int, float], batch: int) -> float | None:
+    """``by_batch`` at the smallest measured batch size of at least ``batch``."""
+    sizes = [n for n in by_batch if n >= batch]
+    return by_batch[min(sizes)] if sizes else None
+
+
+@dataclass(frozen=True)
+class TreeStepCost:
+    """A DDTree step's cost on this engine (``cost_model.StepCost``'s interface): the
+    profile's ``host`` cost plus the ``measured`` device time where the width was measured."""
+
+    host: object  # cost_model.StepCost
+    measured: MeasuredStepCosts
+
+    def step_ms(self, tokens: int, batch: int = 1, nodes: int = 0) -> float:
+        host = self.host.step_ms(tokens, batch, nodes)
+        device = self.measured.device_ms(batch, nodes)
+        return host if device is None else host + device
+
+
+def time_replays(
+    graphs: Mapping[object, object],
+    synchronize: Callable[[], None],
+    replays: int = REPLAYS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[object, float]:
+    """Milliseconds per replay of each graph (objects with ``replay()``): one untimed replay,
+    then the mean of ``replays`` back to back, ``synchronize`` (the device's) around them."""
+    timed = {}
+    for key, graph in graphs.items():
+        graph.replay()
+        synchronize()
+        start = clock()
+        for _ in range(replays):
+            graph.replay()
+        synchronize()
+        timed[key] = 1e3 * (clock() - start) / replays
+    return timed
+
+
+def _full_graphs(manager) -> dict:
+    """A vLLM graph manager's captured FULL graphs by their ``BatchExecutionDescriptor``."""
+    from vllm.config import CUDAGraphMode
+
+    graphs = getattr(manager, "graphs", None) or {}
+    return {desc: g for desc, g in graphs.items() if desc.cg_mode == CUDAGraphMode.FULL}
+
+
+def measure_v2_graphs(
+    runner, synchronize: Callable[[], None], clock: Callable[[], float] = time.perf_counter
+) -> MeasuredStepCosts:
+    """Time the FULL graphs vLLM's V2 ``runner`` just captured: its uniform verify graphs
+    (``cudagraph_manager``) and its speculator's drafter graphs (``query_cudagraph_manager``).
+    Call it right after the capture, before any request: the replays read the capture's
+    inputs."""
+    verify: dict[int, dict[int, float]] = {}
+    uniform = {
+        desc: g
+        for desc, g in _full_graphs(runner.cudagraph_manager).items()
+        if desc.uniform_token_count and desc.num_reqs
+    }
+    for desc, ms in time_replays(uniform, synchronize, clock=clock).items():
+        verify.setdefault(desc.uniform_token_count, {})[desc.num_reqs] = ms
+    draft: dict[int, float] = {}
+    manager = getattr(getattr(runner, "speculator", None), "query_cudagraph_manager", None)
+    if manager is not None:
+        for desc, ms in time_replays(_full_graphs(manager), synchronize, clock=clock).items():
+            if desc.num_reqs:
+                draft[desc.num_reqs] = min(ms, draft.get(desc.num_reqs, ms))
+    return MeasuredStepCosts(verify_ms=verify, draft_ms=draft)
