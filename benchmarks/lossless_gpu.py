@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.common import ROOT, module_command
 
@@ -54,6 +55,11 @@ def run_engine(job: dict) -> dict:
         os.environ["VLLM_DDTREE_TEST_ORACLE"] = job["oracle"]
     kwargs = dict(job["kwargs"])
     budget = (kwargs.get("speculative_config") or {}).get("tree_budget", 0)
+    if budget == "auto":  # its widest verify: the cost profile's largest measured budget
+        from vllm_ddtree.cost_model import load_profile
+
+        path = kwargs["speculative_config"].get("cost_profile")
+        budget = load_profile(path).measured_range()[1]
     llm = LLM(
         model=job["target"],
         skip_tokenizer_init=True,
@@ -159,6 +165,17 @@ def run_jobs(
     return results
 
 
+def auto_log_lines(log_path: str) -> list[str]:
+    """The lines an online "auto" engine logged about its step costs and budgets."""
+    try:
+        with open(log_path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    marks = ("tree_budget 'auto'", "step costs measured at start", "timing the CUDA graphs")
+    return [line.split("vllm-ddtree: ", 1)[-1] for line in lines if any(m in line for m in marks)]
+
+
 def safe_logit_gap(target: str, prompt: list[int], prefix: list[int]) -> float | str:
     """The target's float32 top-2 logit gap after ``prompt + prefix`` (transformers), or why it
     could not be computed (e.g. a multimodal checkpoint ``AutoModelForCausalLM`` cannot load)."""
@@ -244,7 +261,11 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=6, help="engines at once")
     parser.add_argument("--prompts", type=int, help="override the number of prompts")
     parser.add_argument("--max-tokens", type=int, help="override the tokens per prompt")
-    parser.add_argument("--budgets", help="comma-separated budgets (default: the grid)")
+    parser.add_argument(
+        "--budgets",
+        help='comma-separated budgets (default: the grid); "auto": "tree_budget": "auto" on a '
+        "test profile under which it moves between budgets 16 and 32 as it runs",
+    )
     parser.add_argument("--modes", help="comma-separated: eager, graphs (default: both)")
     parser.add_argument("--no-sampling", action="store_true", help="greedy grid only")
     parser.add_argument(
@@ -377,7 +398,7 @@ def main() -> int:
     if not args.quick:
         modes = {"eager": {"enforce_eager": True}, **modes}
     if args.budgets:
-        budgets = [int(b) for b in args.budgets.split(",")]
+        budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",")]
     if args.modes:
         all_modes = {"eager": {"enforce_eager": True}, "graphs": {"enforce_eager": False}}
         modes = {m: all_modes[m] for m in args.modes.split(",")}
@@ -462,6 +483,12 @@ def main() -> int:
     for budget in budgets:
         for mode, mode_kwargs in modes.items():
             speculative = {"method": "ddtree", "model": drafter, "tree_budget": budget, **schedule}
+            if budget == "auto":
+                # A profile under which "auto" chooses trees and moves between budgets 16
+                # and 32 online, judged by the step costs its engine measures.
+                from tests.profiles import write_cheap_tree_profile
+
+                speculative["cost_profile"] = write_cheap_tree_profile(Path(args.work))
             kwargs = {"speculative_config": speculative, **mode_kwargs, **engine_extra}
             jobs[f"b{budget}_{mode}"] = {
                 **base,
@@ -508,7 +535,8 @@ def main() -> int:
     for name, result in results.items():
         if name in ("sampling_ddtree", "sampling_dflash"):
             continue
-        budget, mode = int(name.split("_")[0][1:]), name.split("_")[1]
+        budget, mode = name.split("_")[0][1:], name.split("_")[1]
+        budget = budget if budget == "auto" else int(budget)
         if "error" in result:
             for batch in (16, 1):
                 row = {"budget": budget, "batch": batch, "mode": mode, "identical": False}
@@ -553,6 +581,8 @@ def main() -> int:
                     and (budget == 1 or mean_length > 1.5),
                 }
             )
+            if budget == "auto":  # what it measured at start and where it moved (its log)
+                rows[-1]["auto_log"] = auto_log_lines(os.path.join(args.work, f"{name}.log"))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "divergences"}))
 
     sampled = {
@@ -603,7 +633,7 @@ def main() -> int:
         "reference": "target alone, TREE_ATTN, CUDA graphs, at the row's batch size (16 "
         "requests at once, or each prompt alone)",
         "target_alone_batch_1_vs_16": target_alone_batch_shapes,
-        "runs": sorted(rows, key=lambda r: (r["budget"], r["mode"], r["batch"])),
+        "runs": sorted(rows, key=lambda r: (str(r["budget"]).zfill(4), r["mode"], r["batch"])),
         "sampling": {
             "test": "chi-square homogeneity of generated-token histograms, target alone vs "
             "DDTree (budget 64, oracle drafter), one prompt, seeds 0..N-1",

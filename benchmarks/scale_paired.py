@@ -291,6 +291,9 @@ def write_report(summary: dict, out: str) -> None:
                 f"{same['identical']}/{same['requests']} | {row['on_reference'][name]:.2f} | "
                 f"{roof['step_ms']:.2f} | {roof['percent_of_limit']:.0f} |"
             )
+    auto = auto_table(summary)
+    if auto:
+        lines += ["", '## DDTree "auto" (one engine, every batch)', "", *auto]
     if summary.get("splits"):
         from benchmarks.step_split import host_profile_table, split_table
 
@@ -331,8 +334,7 @@ def headline(summary: dict, link: str) -> str:
     for (_, dataset, batch), phases in rows.items():
         engines = {k: v for row in phases for k, v in row["engines"].items()}
         over = {k: v for row in phases for k, v in row["over_chain"].items()}
-        trees = [name for name in engines if name.startswith("ddtree")]
-        best = max(trees, key=lambda name: over[name]["median"]) if trees else None
+        best = fastest_fixed(engines, over)
         lines.append(
             f"| {dataset} | {batch} | {phases[0]['temperature']:g} | "
             f"{cell(engines['ar']) if 'ar' in engines else '-'} | {cell(engines[CHAIN])} | "
@@ -340,6 +342,48 @@ def headline(summary: dict, link: str) -> str:
             f"{ratio(over.get(best))} | {ratio(over.get('ar'))} |"
         )
     return "\n".join(lines)
+
+
+def fastest_fixed(engines: dict, over_chain: dict) -> str | None:
+    """The DDTree engine of a fixed budget with the highest median ratio to the chain."""
+    trees = [n for n in engines if n.startswith("ddtree") and n != AUTO and n in over_chain]
+    return max(trees, key=lambda name: over_chain[name]["median"]) if trees else None
+
+
+def paired_ratio(own: list[float], other: list[float]) -> dict:
+    """Median, min and max of the per-round ratios ``own[r] / other[r]``."""
+    paired = [a / b for a, b in zip(own, other, strict=True)]
+    return {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
+
+
+def auto_table(summary: dict) -> list[str]:
+    """Markdown lines: per row, what DDTree ``"auto"`` served against the chain and against
+    the fastest fixed budget of the same phase (per-round ratios, by turns); none without an
+    auto engine."""
+    lines = [
+        '| mode | dataset | batch | chain tok/s | fastest fixed budget | "auto" tok/s '
+        '(acceptance) | "auto" / chain | "auto" / fastest fixed |',
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in summary["rows"]:
+        engines, over = row["engines"], row["over_chain"]
+        if AUTO not in engines:
+            continue
+        best = fastest_fixed(engines, over)
+        auto = engines[AUTO]
+        versus = (
+            ratio_text(paired_ratio(auto["runs_tok_per_s"], engines[best]["runs_tok_per_s"]))
+            if best
+            else "-"
+        )
+        lines.append(
+            f"| {row['mode']} | {row['dataset']} | {row['batch']} | "
+            f"{engines[CHAIN]['tok_per_s']:.0f} | "
+            f"{'b' + best.rsplit('_b', 1)[-1] if best else '-'} | "
+            f"{auto['tok_per_s']:.0f} ({auto['mean_acceptance_length']:.2f}) | "
+            f"{ratio_text(over.get(AUTO), '-')} | {versus} |"
+        )
+    return lines if len(lines) > 2 else []
 
 
 def update_readme(readme: str, source: str) -> None:
@@ -384,6 +428,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="a DDTree budget runs at the batches whose verify has at most this many tokens "
         "(2048: every verify in a FULL graph; 0: every batch)",
+    )
+    parser.add_argument(
+        "--auto-max-seqs",
+        type=int,
+        default=0,
+        help='also run DDTree "tree_budget": "auto" on an engine of this max_num_seqs, every '
+        "batch of the grid on it, its CUDA graphs the plugin's (0: no auto engine)",
     )
     parser.add_argument("--start-timeout", type=int, default=420)
     parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
@@ -449,19 +500,28 @@ def main(argv: list[str] | None = None) -> int:
             job["width"], job["max_seqs"], job["drafter_width"]
         )
     overrides = engine_overrides(model, args, budgets, batches)
+    if args.auto_max_seqs:
+        job = auto_job(drafter, model.block_size - 1, args.auto_max_seqs, runner)
+        jobs.append(job)
+        served[job["name"]] = list(batches)
+        # vLLM asks a DFlash engine's token budget to cover max_num_seqs whole verify batches.
+        overrides["max_num_batched_tokens"] = max(
+            overrides["max_num_batched_tokens"], job["width"] * job["max_seqs"]
+        )
 
     def compile_config(job):  # FULL graphs of every decode/verify batch, no torch.compile
-        return {
-            "mode": 0,
-            "cudagraph_mode": "FULL_DECODE_ONLY",
-            "cudagraph_capture_sizes": job["cudagraph_capture_sizes"],
-        }
+        config = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+        if job["cudagraph_capture_sizes"]:  # else the plugin's sizes ("auto")
+            config["cudagraph_capture_sizes"] = job["cudagraph_capture_sizes"]
+        return config
 
     for job in jobs:
+        kv_bytes = kv_cache_bytes(model, job, job["max_seqs"], args.kv_cache_gb)
+        if job["name"] == AUTO:  # the grid's largest batch with its widest trees: no preemption
+            tokens = max(batches) * overrides["max_model_len"]
+            kv_bytes = max(kv_bytes, int(1.2 * tokens * kv_bytes_per_token(model)))
         job["kwargs"] = dict(
-            job["kwargs"],
-            compilation_config=compile_config(job),
-            kv_cache_memory_bytes=kv_cache_bytes(model, job, job["max_seqs"], args.kv_cache_gb),
+            job["kwargs"], compilation_config=compile_config(job), kv_cache_memory_bytes=kv_bytes
         )
     ar_job, spec_jobs = jobs[0], jobs[1:]
 
@@ -559,6 +619,29 @@ def main(argv: list[str] | None = None) -> int:
 # What the split of each engine measures (``bench_paired.SPLITS``): the phases under
 # torch.profiler, their own timers without it, and a cProfile of the host's Python.
 SPLIT_KINDS = ("step_split", "host_phases", "host_profile")
+
+
+AUTO = "ddtree_v2_auto"
+
+
+def auto_job(drafter: str, depth: int, max_seqs: int, runner: str) -> dict:
+    """An engine of DDTree ``"tree_budget": "auto"`` at ``max_num_seqs`` = ``max_seqs``, its
+    CUDA graphs sized by the plugin (``cudagraph_capture_sizes`` None), its width the widest
+    budget "auto" may serve."""
+    from vllm_ddtree.cost_model import load_profile
+
+    widest = load_profile(runner=runner.upper()).measured_range()[1]
+    return {
+        "name": AUTO,
+        "kwargs": {
+            "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": "auto"}
+        },
+        "width": 1 + widest,
+        "drafter_width": 1 + depth,
+        "env": {"VLLM_DDTREE_RUNNER": runner},
+        "max_seqs": max_seqs,
+        "cudagraph_capture_sizes": None,
+    }
 
 
 def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dict:

@@ -320,3 +320,32 @@ def test_a_hybrid_tree_engines_kv_cache_passes_the_plugins_state_check():
             job = jobs[name]
             available = kv_cache_bytes(QWEN3_6_27B, job, batch, 1.0)
             check_slot_layout_fits(shapes, batch, job["width"] - 1, available)
+
+
+def test_an_auto_engine_serves_every_batch_with_the_plugins_graphs(tmp_path, monkeypatch):
+    """``--auto-max-seqs 64``: one "auto" engine of 64 requests beside the fixed budgets at
+    every batch, its graphs left to the plugin, the token budget raised to cover its widest
+    verify batch; the report sets it against the chain and the fastest fixed budget."""
+    from benchmarks.scale_paired import AUTO
+
+    started = []
+    original = _FakeEngines.__init__
+
+    def remember(self, jobs, target, overrides, timeout, engine_core_process):
+        started.extend((job, overrides) for job in jobs)
+        original(self, jobs, target, overrides, timeout, engine_core_process)
+
+    monkeypatch.setattr(_FakeEngines, "__init__", remember)
+    argv = ["--budgets", "16,32", "--batches", "1,4", "--repeats", "2", "--max-tokens", "8"]
+    argv += ["--prompt-len", "4", "--auto-max-seqs", "64", "--split-batches", ""]
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv)
+    assert all(AUTO in row["engines"] for row in summary["rows"])
+    assert summary["batches_served"][AUTO] == [1, 4]
+    job, overrides = next((j, o) for j, o in started if j["name"] == AUTO)
+    assert job["max_seqs"] == 64 and job["kwargs"]["speculative_config"]["tree_budget"] == "auto"
+    assert "cudagraph_capture_sizes" not in job["kwargs"]["compilation_config"]
+    assert overrides["max_num_batched_tokens"] >= 64 * job["width"]
+    table = (tmp_path / "out" / "scale_paired.md").read_text()
+    section = table.split('## DDTree "auto"')[1]
+    assert section.count("| greedy |") == 4 and section.count("| sampling |") == 4
+    assert "| b16 |" in section or "| b32 |" in section
