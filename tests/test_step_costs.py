@@ -60,14 +60,15 @@ def test_the_tree_step_is_the_profiles_host_cost_plus_the_measured_device_time()
     assert cost.step_ms(33, 1, 32) == pytest.approx(2.33)  # unmeasured: the profile's alone
 
 
-def test_the_v2_runners_full_graphs_fill_the_table():
+def test_each_full_graph_is_timed_as_vllm_stores_it_and_fills_the_table():
     """vLLM's own descriptors: uniform FULL verify graphs by width and padded batch, the
-    speculator's drafter graphs by batch; PIECEWISE graphs are not timed."""
+    speculator's drafter graphs by batch, each timed when stored (right after its capture,
+    its inputs still its own); PIECEWISE graphs are not timed."""
     pytest.importorskip("vllm")
     from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-    from vllm_ddtree.step_costs import measure_v2_graphs
+    from vllm_ddtree.step_costs import measured_step_costs, time_graphs_as_captured
 
     clock = Clock()
 
@@ -75,23 +76,50 @@ def test_the_v2_runners_full_graphs_fill_the_table():
         return BatchExecutionDescriptor(mode, tokens, reqs, uniform)
 
     full, piecewise = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE
-    verify = {
-        desc(full, 17, 1, 17): FakeGraph(clock, 3.0),
-        desc(full, 34, 2, 17): FakeGraph(clock, 3.5),
-        desc(full, 65, 1, 65): FakeGraph(clock, 4.0),
-        desc(piecewise, 64, None): FakeGraph(clock, 9.0),
-    }
-    draft = {
-        desc(full, 16, 1, 16): FakeGraph(clock, 1.0),
-        desc(full, 32, 2, 16): FakeGraph(clock, 1.2),
-    }
     runner = SimpleNamespace(
-        cudagraph_manager=SimpleNamespace(graphs=verify),
-        speculator=SimpleNamespace(query_cudagraph_manager=SimpleNamespace(graphs=draft)),
+        cudagraph_manager=SimpleNamespace(graphs={}),
+        speculator=SimpleNamespace(query_cudagraph_manager=SimpleNamespace(graphs={})),
     )
-    measured = measure_v2_graphs(runner, lambda: None, clock=clock)
+    timers = time_graphs_as_captured(runner, lambda: None, clock=clock)
+    stored = []  # what the replays read: the inputs of the graph captured last
+
+    def capture(manager, key, ms):
+        graph = FakeGraph(clock, ms)
+        replay = graph.replay
+        graph.replay = lambda: (stored.append((key, current[0])), replay())
+        current[0] = key  # vLLM prepares this graph's inputs, captures, then stores it
+        manager.graphs[key] = graph
+        return graph
+
+    current = [None]
+    verify, draft = runner.cudagraph_manager, runner.speculator.query_cudagraph_manager
+    capture(verify, desc(full, 17, 1, 17), 3.0)
+    capture(verify, desc(full, 34, 2, 17), 3.5)
+    capture(verify, desc(full, 65, 1, 65), 4.0)
+    untimed = capture(verify, desc(piecewise, 64, None), 9.0)
+    capture(draft, desc(full, 16, 1, 16), 1.0)
+    capture(draft, desc(full, 32, 2, 16), 1.2)
+    assert all(key == inputs for key, inputs in stored)  # each replayed on its own inputs
+    assert untimed.replays == 0 and len(runner.cudagraph_manager.graphs) == 4
+    measured = measured_step_costs(*timers)
     assert measured.verify_ms[17] == pytest.approx({1: 3.0, 2: 3.5})
     assert measured.verify_ms[65] == pytest.approx({1: 4.0})
     assert sorted(measured.verify_ms) == [17, 65]
     assert measured.draft_ms == pytest.approx({1: 1.0, 2: 1.2})
-    assert list(verify.values())[-1].replays == 0
+
+
+def test_a_failed_timing_is_kept_and_the_capture_goes_on():
+    from collections import namedtuple
+
+    from vllm_ddtree.step_costs import TimedGraphs
+
+    class Broken:
+        def replay(self):
+            raise RuntimeError("no device")
+
+    desc, mode = namedtuple("Desc", "cg_mode num_reqs"), namedtuple("Mode", "name")
+    timer = TimedGraphs(lambda: None)
+    timer[desc(mode("FULL"), 1)] = Broken()
+    timer[desc(mode("FULL"), 2)] = Broken()
+    assert len(timer) == 2 and not timer.timed_ms
+    assert "no device" in str(timer.failure)

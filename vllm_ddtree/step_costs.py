@@ -3,11 +3,12 @@ the device on this target and this GPU.
 
 A cost profile (``cost_model.py``) was measured on one pair (SmolLM2-135M, whose step waits on
 the host) and cannot say what a verify of 65 or 129 nodes costs an 8B target. An online
-``"auto"`` engine on vLLM's V2 runner therefore times, right after vLLM captured its FULL CUDA
-graphs, a few replays of each: every verify graph (one per uniform width ``1 + budget`` and
-padded batch size, the widths its per-batch-size schedule may serve) and every drafter graph
-(one per padded batch size). Replays then read the inputs the capture left, whose slot
-mappings all point nowhere (vLLM's ``PAD_SLOT_ID``), so they write no KV cache.
+``"auto"`` engine on vLLM's V2 runner therefore times a few replays of each FULL CUDA graph
+vLLM captures: every verify graph (one per uniform width ``1 + budget`` and padded batch
+size, the widths its per-batch-size schedule may serve) and every drafter graph (one per
+padded batch size). Each is timed as vLLM stores it, right after its capture
+(``TimedGraphs``): its replays read the inputs prepared for that capture, whose slot mappings
+all point nowhere (vLLM's ``PAD_SLOT_ID``), so they write no KV cache.
 
 ``TreeStepCost`` is the step cost ``online_budget.py`` then judges budgets by: the profile's
 step cost for the host's work (on the profiled 135M pair the device is a small part of a
@@ -106,33 +107,57 @@ def time_replays(
     return timed
 
 
-def _full_graphs(manager) -> dict:
-    """A vLLM graph manager's captured FULL graphs by their ``BatchExecutionDescriptor``."""
-    from vllm.config import CUDAGraphMode
+class TimedGraphs(dict):
+    """A vLLM graph manager's ``graphs`` (``{BatchExecutionDescriptor: CUDAGraph}``) that
+    times each FULL graph as vLLM stores it: right after its capture, while the inputs in the
+    runner's buffers are still the ones prepared for that very graph (replayed later, a graph
+    would read whatever the last capture left: on the H200 an engine timing its graphs after
+    the whole capture never finished starting)."""
 
-    graphs = getattr(manager, "graphs", None) or {}
-    return {desc: g for desc, g in graphs.items() if desc.cg_mode == CUDAGraphMode.FULL}
+    def __init__(self, synchronize, clock=time.perf_counter, replays: int = REPLAYS):
+        super().__init__()
+        self.synchronize, self.clock, self.replays = synchronize, clock, replays
+        self.timed_ms: dict = {}
+        self.failure: Exception | None = None  # the first timing that failed; none after it
+
+    def __setitem__(self, desc, graph) -> None:
+        super().__setitem__(desc, graph)
+        full = getattr(getattr(desc, "cg_mode", None), "name", None) == "FULL"
+        if not full or not desc.num_reqs or self.failure is not None:
+            return
+        try:
+            timed = time_replays({desc: graph}, self.synchronize, self.replays, self.clock)
+        except Exception as error:  # the capture goes on; the profile's costs serve
+            self.failure = error
+            return
+        self.timed_ms[desc] = timed[desc]
 
 
-def measure_v2_graphs(
-    runner, synchronize: Callable[[], None], clock: Callable[[], float] = time.perf_counter
-) -> MeasuredStepCosts:
-    """Time the FULL graphs vLLM's V2 ``runner`` just captured: its uniform verify graphs
-    (``cudagraph_manager``) and its speculator's drafter graphs (``query_cudagraph_manager``).
-    Call it right after the capture, before any request: the replays read the capture's
-    inputs."""
-    verify: dict[int, dict[int, float]] = {}
-    uniform = {
-        desc: g
-        for desc, g in _full_graphs(runner.cudagraph_manager).items()
-        if desc.uniform_token_count and desc.num_reqs
-    }
-    for desc, ms in time_replays(uniform, synchronize, clock=clock).items():
-        verify.setdefault(desc.uniform_token_count, {})[desc.num_reqs] = ms
-    draft: dict[int, float] = {}
-    manager = getattr(getattr(runner, "speculator", None), "query_cudagraph_manager", None)
-    if manager is not None:
-        for desc, ms in time_replays(_full_graphs(manager), synchronize, clock=clock).items():
-            if desc.num_reqs:
-                draft[desc.num_reqs] = min(ms, draft.get(desc.num_reqs, ms))
-    return MeasuredStepCosts(verify_ms=verify, draft_ms=draft)
+def time_graphs_as_captured(runner, synchronize, clock=time.perf_counter) -> list[TimedGraphs]:
+    """Before vLLM's V2 ``runner`` captures: its graph managers (the target's and its
+    speculator's drafter's) time each graph as they store it; returns their ``TimedGraphs``."""
+    managers = [
+        runner.cudagraph_manager,
+        getattr(getattr(runner, "speculator", None), "query_cudagraph_manager", None),
+    ]
+    timers = []
+    for manager in managers:
+        timer = TimedGraphs(synchronize, clock)
+        if manager is not None:
+            timer.update(manager.graphs)
+            manager.graphs = timer
+        timers.append(timer)
+    return timers
+
+
+def measured_step_costs(verify: TimedGraphs, draft: TimedGraphs) -> MeasuredStepCosts:
+    """The table of what ``time_graphs_as_captured``'s timers timed: uniform verify graphs by
+    width and batch, drafter graphs by batch."""
+    verify_ms: dict[int, dict[int, float]] = {}
+    for desc, ms in verify.timed_ms.items():
+        if desc.uniform_token_count:
+            verify_ms.setdefault(desc.uniform_token_count, {})[desc.num_reqs] = ms
+    draft_ms: dict[int, float] = {}
+    for desc, ms in draft.timed_ms.items():
+        draft_ms[desc.num_reqs] = min(ms, draft_ms.get(desc.num_reqs, ms))
+    return MeasuredStepCosts(verify_ms=verify_ms, draft_ms=draft_ms)

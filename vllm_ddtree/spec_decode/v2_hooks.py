@@ -50,7 +50,7 @@ from vllm_ddtree.spec_decode.tree_step import (
     observe_acceptance,
     set_tree_step_inputs,
 )
-from vllm_ddtree.step_costs import measure_v2_graphs
+from vllm_ddtree.step_costs import measured_step_costs, time_graphs_as_captured
 from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")
@@ -99,29 +99,35 @@ def _wrap_init_speculator(original):
 
 
 def _wrap_capture_model(original):
-    """An online "auto" engine times its just-captured graphs (``step_costs.py``) before it
-    serves: the step costs it judges budgets by."""
+    """An online "auto" engine times each graph as vLLM captures it (``step_costs.py``): the
+    step costs it judges budgets by."""
 
     def capture_model(self):
-        captured = original(self)
         speculator = _ddtree_speculator(self)
-        if speculator is not None and speculator.state.acceptance is not None:
-            _measure_step_costs(self, speculator.state)
+        if speculator is None or speculator.state.acceptance is None:
+            return original(self)
+        timers = time_graphs_as_captured(self, _synchronize_stream)
+        captured = original(self)
+        _keep_step_costs(speculator.state, timers)
         return captured
 
     return capture_model
 
 
-def _measure_step_costs(runner, state) -> None:
-    try:
-        state.step_costs = measure_v2_graphs(runner, torch.cuda.synchronize)
-    except Exception as error:  # the profile's costs serve instead; the engine starts
+def _synchronize_stream() -> None:
+    torch.cuda.current_stream().synchronize()
+
+
+def _keep_step_costs(state, timers) -> None:
+    failure = next((t.failure for t in timers if t.failure is not None), None)
+    if failure is not None:
         logger.warning(
             "vllm-ddtree: timing the CUDA graphs failed (%s); tree_budget 'auto' judges "
             "budgets by its cost profile's step costs",
-            error,
+            failure,
         )
         return
+    state.step_costs = measured_step_costs(*timers)
     logger.info(
         "vllm-ddtree: step costs measured at start (device): %s", state.step_costs.describe()
     )
