@@ -630,6 +630,34 @@ def test_an_explicit_budget_past_the_largest_graph_is_cut_to_fit_it_on_v2(
 
 
 @pytest.mark.parametrize("max_num_seqs", [8, 64])
+def test_every_drafter_batch_of_a_scheduled_v2_engine_replays_a_full_graph(
+    tiny_target_path, tiny_drafter_path, max_num_seqs, monkeypatch
+):
+    """ "auto" on V2 serves a per-batch-size schedule of budgets; its drafter still drafts
+    depth + 1 query tokens per request at every batch size, and vLLM's V2 graph manager,
+    built from the config DDTree's speculator is made with, has a FULL graph for each
+    (the schedule's widths are the verify's, not the drafter's)."""
+    from vllm.config import CUDAGraphMode
+
+    from tests.vllm_graphs import vllm_v2_drafter_modes
+    from vllm_ddtree.spec_decode.speculator import drafter_vllm_config
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    spec = {"method": "ddtree", "model": tiny_drafter_path}
+    args = engine_args(tiny_target_path, spec, max_num_seqs=max_num_seqs)
+    config = args.create_engine_config()
+    ddtree = get_ddtree_config(config.speculative_config)
+    assert config.speculative_config.num_speculative_tokens_per_batch_size
+    sizes = vllm_default_sizes(max_num_seqs, ddtree.tree_budget, args.max_cudagraph_capture_size)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.compilation_config.max_cudagraph_capture_size = max(sizes)
+    drafter = drafter_vllm_config(config, ddtree.depth)
+    modes = vllm_v2_drafter_modes(sizes, drafter, width=ddtree.depth + 1)
+    assert set(modes.values()) == {"FULL"}, modes
+    assert config.speculative_config.num_speculative_tokens == ddtree.tree_budget  # untouched
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 64])
 def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     tiny_target_path, tiny_drafter_path, max_num_seqs, monkeypatch
 ):

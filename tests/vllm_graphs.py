@@ -32,11 +32,19 @@ def vllm_default_sizes(max_num_seqs: int, num_speculative_tokens: int, largest=N
     return compilation.cudagraph_capture_sizes
 
 
-def _graph_manager(sizes: list[int], max_num_seqs: int, width: int, mode_name: str, schedule=None):
+def _graph_manager(
+    sizes: list[int],
+    max_num_seqs: int,
+    width: int,
+    mode_name: str,
+    schedule=None,
+    vllm_config=None,
+):
     """A stand-in for vLLM 0.26.0's V2 ``CudaGraphManager`` (graphs in ``mode_name``, capture
     ``sizes``, ``width`` query tokens per request in a uniform decode; with vLLM's
     per-batch-size ``schedule`` of draft tokens, ``width`` is the widest) with its candidates
-    built by its own ``_init_candidates``: no GPU, no graphs captured."""
+    built by its own ``_init_candidates``: no GPU, no graphs captured. ``vllm_config``: a
+    real engine config in place of the stand-in (its speculative config decides)."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
@@ -54,9 +62,8 @@ def _graph_manager(sizes: list[int], max_num_seqs: int, width: int, mode_name: s
         cudagraph_mode=CUDAGraphMode[mode_name],
         max_num_reqs=max_num_seqs,
         decode_query_len=width,
-        vllm_config=SimpleNamespace(
-            speculative_config=speculative, num_speculative_tokens=width - 1
-        ),
+        vllm_config=vllm_config
+        or SimpleNamespace(speculative_config=speculative, num_speculative_tokens=width - 1),
         lora_capture_cases=[0],
         _candidates={},
         _capture_descs={},
@@ -76,6 +83,23 @@ def vllm_v2_drafter_graphs(sizes: list[int], max_num_seqs: int, width: int = 16)
 
     manager = _graph_manager(sizes, max_num_seqs, width, "FULL_DECODE_ONLY")
     return sorted(d.num_reqs for d in manager._capture_descs.get(CUDAGraphMode.FULL, []))
+
+
+def vllm_v2_drafter_modes(sizes: list[int], drafter_config, width: int = 16) -> dict[int, str]:
+    """The mode vLLM 0.26.0's V2 DFlash speculator dispatches a drafter batch of ``b``
+    requests x ``width`` query tokens to (its graph manager built from ``drafter_config``,
+    the config the speculator was made with, in FULL_DECODE_ONLY as DFlash asks), for every
+    ``b`` up to its ``max_num_seqs``. ``{b: "FULL" | "NONE"}``."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    max_num_seqs = drafter_config.scheduler_config.max_num_seqs
+    manager = _graph_manager(
+        sizes, max_num_seqs, width, "FULL_DECODE_ONLY", vllm_config=drafter_config
+    )
+    return {
+        b: CudaGraphManager.dispatch(manager, b, b * width, width, 0).cg_mode.name
+        for b in range(1, max_num_seqs + 1)
+    }
 
 
 def vllm_v2_verify_modes(sizes: list[int], max_num_seqs: int, width: int) -> dict[int, str]:

@@ -26,6 +26,22 @@ from vllm_ddtree.spec_decode.proposal_store import ProposalStore
 from vllm_ddtree.spec_decode.step_state import StepState
 
 
+def drafter_vllm_config(vllm_config, depth: int):
+    """The config DDTree's drafter is built from: ``vllm_config`` with the drafter's ``depth``
+    as ``num_speculative_tokens`` and no per-batch-size schedule. The drafter drafts
+    ``depth`` mask queries per request whatever tree budget a batch size is served; with the
+    schedule, vLLM's V2 graph manager captured its graphs at the schedule's verify widths
+    (``1 + budget`` tokens per request) and no drafter batch ever replayed one (an 8B "auto"
+    engine's step at batch 1 took 12 ms where fixed budgets took 8). Shallow copies: no
+    config validation runs again, and the model configs and everything else are shared."""
+    drafter_spec = copy.copy(vllm_config.speculative_config)
+    drafter_spec.num_speculative_tokens = depth
+    drafter_spec.num_speculative_tokens_per_batch_size = None
+    drafter_config = copy.copy(vllm_config)
+    drafter_config.speculative_config = drafter_spec
+    return drafter_config
+
+
 def ddtree_speculator_class():
     """``DDTreeSpeculator`` (made on first use: it subclasses vLLM's V2 DFlash speculator,
     imported only where the V2 runner runs)."""
@@ -44,13 +60,7 @@ def ddtree_speculator_class():
         def __init__(self, vllm_config, device: torch.device):
             ddtree = get_ddtree_config(vllm_config.speculative_config)
             assert ddtree is not None
-            # Shallow copies: no config validation runs again, the drafter's model config and
-            # everything else are shared; only the drafter's depth differs.
-            drafter_spec = copy.copy(vllm_config.speculative_config)
-            drafter_spec.num_speculative_tokens = ddtree.depth
-            drafter_config = copy.copy(vllm_config)
-            drafter_config.speculative_config = drafter_spec
-            super().__init__(drafter_config, device)
+            super().__init__(drafter_vllm_config(vllm_config, ddtree.depth), device)
             self.ddtree = ddtree
             rows, tree_budget = self.max_num_reqs, ddtree.tree_budget
             # The last proposals, per batch row (written inside the drafter's graph) and per
