@@ -603,3 +603,23 @@ def test_the_live_schedule_keeps_larger_budgets_no_worse_and_explores_the_next_o
     assert choose_live_schedule(cheap, measured, candidates, 2, 2048, 16.0, explore=True)[0] == [
         (1, 2, 8)
     ]
+
+
+def test_a_stale_estimate_below_a_smaller_budgets_is_explored_again():
+    """A workload shift: budget 8 was measured while trees accepted little, then the engine
+    served budget 4 and its trees began to accept deeply. A best-first tree of 8 holds the tree
+    of 4, so an estimate of 8 below 4's is stale: it is judged at 4's (not its stale value) and
+    explored again, where a stale estimate above 4's would stand."""
+    from vllm_ddtree.cost_model import choose_live_schedule
+
+    cheap = profile(2.0)
+    candidates = [4, 8, 16]
+    shifted = {4: (4.8, 50.0), 8: (1.2, 50.0), 16: (1.3, 50.0)}
+    schedule, used = choose_live_schedule(cheap, shifted, candidates, 2, 2048, 16.0)
+    assert used[8] >= used[4] and used[16] >= used[8]
+    explored, _ = choose_live_schedule(cheap, shifted, candidates, 2, 2048, 16.0, explore=True)
+    assert explored == [(1, 2, 8)], explored
+    current = {4: (4.8, 50.0), 8: (4.9, 50.0), 16: (4.95, 50.0)}
+    assert choose_live_schedule(cheap, current, candidates, 2, 2048, 16.0, explore=True)[0] == [
+        (1, 2, 4)
+    ]

@@ -274,15 +274,19 @@ def choose_live_schedule(
     (``live``: ``{budget: (tokens per verify step, decayed trees behind it)}``,
     ``OnlineAcceptance.snapshot``) where at least ``min_trees`` trees stand behind it, the
     profile's elsewhere, never below a smaller budget's (a larger best-first tree holds the
-    smaller one); the profile's step costs. With ``explore``, a batch size whose next larger
-    fitting budget has no live estimate is given it when predicted within ``EXPLORE_MARGIN``
-    of its fastest (so a budget above the one served is measured again). Returns the schedule
+    smaller one: a live estimate below a smaller budget's is stale, from before a workload
+    shift, and judged as unmeasured); the profile's step costs. With ``explore``, a batch
+    size whose next larger fitting budget has no live estimate is given it when predicted
+    within ``EXPLORE_MARGIN`` of its fastest (so a budget above the one served is measured
+    again). Returns the schedule
     and the tokens per step it used by budget."""
     acceptance: dict[int, float] = {}
     known: set[int] = set()
     floor = 0.0
     for b in sorted(candidates):
-        if b in live and live[b][1] >= min_trees:
+        # A live estimate below a smaller budget's is stale (a larger best-first tree holds
+        # the smaller one): measured before the workload shifted, it is judged as unmeasured.
+        if b in live and live[b][1] >= min_trees and live[b][0] >= floor:
             acceptance[b] = live[b][0]
             known.add(b)
         else:
