@@ -622,3 +622,44 @@ def test_auto_moves_its_budget_online_and_stays_the_target_alones(
     assert oracle["vllm:spec_decode_num_draft_tokens"] / oracle["vllm:spec_decode_num_drafts"] > (
         nodes_per_tree
     )
+
+
+@pytest.mark.vllm_engine
+def test_auto_follows_a_workload_shift_down_and_back_up(
+    tiny_target_path, tiny_drafter_path, tmp_path
+):
+    """One "auto" engine, two workloads: first prompts whose drafts are noise (trees accept
+    nothing: it moves down to budget 4), then prompts the oracle drafts deeply: it moves up
+    again within the second workload and verifies larger trees there; every output is the
+    target alone's. The engine's cadence is scaled down eightfold (a refresh
+    every 4 steps, half-life 32 steps, an exploring refresh every 4th) so that CPU runs are
+    short."""
+    import re
+
+    from tests.profiles import write_cheap_tree_profile
+
+    shallow = [[7 + i, 300 + i] for i in range(4)]
+    deep = [[20 + i, 500 + 3 * i, 9] for i in range(12)]
+    oracle = {"from": "target", "p_top": 0.9, "skip_first": len(shallow)}
+    run = ddtree_run("auto", tiny_drafter_path, "auto", oracle=oracle)
+    run["kwargs"]["speculative_config"]["cost_profile"] = write_cheap_tree_profile(tmp_path)
+    run["phases"] = [len(shallow), len(deep)]
+    run["online_budget"] = {"REFRESH_STEPS": 4, "HALF_LIFE_STEPS": 32.0, "EXPLORE_EVERY": 4}
+    results, log = run_engines(tiny_target_path, [TARGET_ALONE, run], shallow + deep, 96)
+    assert results["auto"]["tokens"] == results["target"]["tokens"]
+    served = []  # the budget served at 4 requests after each change, in order
+    for schedule in re.findall(r"now serves \(requests: budget\) ([^;]+);", log):
+        for part in schedule.split(", "):
+            sizes, budget = part.split(": ")
+            low, _, high = sizes.partition("-")
+            if int(low) <= 4 <= int(high or low):
+                served.append(int(budget))
+    assert 4 in served and served[-1] > 4, served  # down in the first, up in the second
+    first, both = results["auto"]["phase_metrics"]
+    counters = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_drafts")
+    second = {name: both[name] - first[name] for name in counters}
+
+    def nodes_per_tree(metrics) -> float:
+        return metrics[counters[0]] / metrics[counters[1]]
+
+    assert nodes_per_tree(second) > nodes_per_tree(first), (first, second)

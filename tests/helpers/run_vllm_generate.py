@@ -14,8 +14,12 @@ continuations an earlier run produced (see ``vllm_ddtree.spec_decode.proposer``)
 (other keys, e.g. ``top_k``/``top_p``, go to ``SamplingParams``), and ``"params": {...}``: extra
 ``SamplingParams`` of a greedy run (e.g. ``min_tokens``, ``stop_token_ids``; ``structured_outputs``
 as a dict of ``StructuredOutputsParams``), ``"prompt_params":
-[{...}, ...]``: more of them per prompt (e.g. ``extra_args``), and ``"env": {...}``: environment
-variables set for that run only.
+[{...}, ...]``: more of them per prompt (e.g. ``extra_args``), ``"env": {...}``: environment
+variables set for that run only, and ``"phases": [n1, n2, ...]``: the prompts in consecutive
+groups, each generated after the last in the same engine (the counters after each phase in
+``"phase_metrics"``). An oracle's ``"skip_first": n`` leaves the first ``n`` prompts out of
+its sequences (the drafter's logits are noise for them). ``"online_budget": {NAME: value}``
+sets constants of ``vllm_ddtree.online_budget`` for that run (its refresh cadence).
 Prints one line
 ``RESULT {name: {"tokens": [...], "logprobs": [...], "metrics": {...}, "ddtree": {...},
 "backend": ...}}``.
@@ -27,6 +31,16 @@ import os
 import sys
 
 
+def spec_decode_metrics(llm) -> dict:
+    """vLLM's spec-decode counters now (a per-position counter as its vector of values)."""
+    metrics = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            values = getattr(metric, "values", None)
+            metrics[metric.name] = values if values is not None else getattr(metric, "value", None)
+    return metrics
+
+
 def generate(
     target: str,
     kwargs: dict,
@@ -35,6 +49,7 @@ def generate(
     sampling=None,
     params=None,
     prompt_params=None,
+    phases=None,
 ) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -87,13 +102,15 @@ def generate(
             params_of_one.structured_outputs = StructuredOutputsParams(
                 **params_of_one.structured_outputs
             )
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params)
-    metrics = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode"):
-            # Counters have a value; the per-position counter is a vector of values.
-            values = getattr(metric, "values", None)
-            metrics[metric.name] = values if values is not None else getattr(metric, "value", None)
+    outputs, phase_metrics, start = [], [], 0
+    for count in phases or [len(prompts)]:  # one generate call per phase, one engine
+        outputs += llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts[start : start + count]],
+            sampling_params[start : start + count],
+        )
+        start += count
+        phase_metrics.append(spec_decode_metrics(llm))
+    metrics = phase_metrics[-1]
     config = llm.llm_engine.vllm_config
     ddtree = getattr(config.speculative_config, "ddtree_config", None)
     backend = config.attention_config.backend
@@ -122,6 +139,7 @@ def generate(
             for o in outputs
         ],
         "metrics": metrics,
+        "phase_metrics": phase_metrics,  # the counters after each phase
         "ddtree": ddtree.to_dict() if ddtree else None,
         "backend": backend.name if backend is not None else None,
     }
@@ -143,7 +161,7 @@ if __name__ == "__main__":
 
             sequences = [
                 p + t for p, t in zip(prompts, results[oracle["from"]]["tokens"], strict=True)
-            ]
+            ][oracle.get("skip_first", 0) :]
             path = os.path.join(tempfile.mkdtemp(), "oracle.json")
             with open(path, "w") as f:
                 spec = {"p_top": oracle.get("p_top", 1.0), "seed": 0, "sequences": sequences}
@@ -156,6 +174,14 @@ if __name__ == "__main__":
         run_env = run.get("env", {})
         saved_env = {key: os.environ.get(key) for key in run_env}
         os.environ.update(run_env)
+        # The engine core runs in this process: an online "auto" engine's cadence, scaled
+        # down so that a short run sees several refreshes (online_budget's constants).
+        from vllm_ddtree import online_budget
+
+        cadence = run.get("online_budget", {})
+        saved_cadence = {name: getattr(online_budget, name) for name in cadence}
+        for name, value in cadence.items():
+            setattr(online_budget, name, value)
         results[run["name"]] = generate(
             target,
             run["kwargs"],
@@ -164,7 +190,10 @@ if __name__ == "__main__":
             run.get("sampling"),
             run.get("params"),
             run.get("prompt_params"),
+            run.get("phases"),
         )
+        for name, value in saved_cadence.items():
+            setattr(online_budget, name, value)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
