@@ -12,13 +12,18 @@ TREE_ATTN_ACTIVE = "TREE_ATTN: tree attention backend active"
 
 
 def run_helper(
-    script: str, *args: str, timeout: int = 900, rerun_after_interpreter_crash: bool = False
+    script: str,
+    *args: str,
+    timeout: int = 900,
+    rerun_after_interpreter_crash: bool = False,
+    env: dict[str, str] | None = None,
 ) -> tuple[dict, str]:
     """Run a script that prints one ``RESULT {json}`` line: a helper in ``tests/helpers/`` by
     name, or a module (``-m benchmarks.lifecycle_fuzz``). With
     ``rerun_after_interpreter_crash``, a run the interpreter itself died in (a signal or a
     fatal Python error, never a failed check: those exit with a traceback) is run once more,
-    its crash reported as a warning; a second crash fails.
+    its crash reported as a warning; a second crash fails. ``env``: variables set for the
+    subprocess.
 
     Returns (the parsed result, the subprocess's whole log)."""
     command = script.split() if script.startswith("-m ") else [HELPER_DIR + os.sep + script]
@@ -30,7 +35,7 @@ def run_helper(
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
 
     proc = run_once()
