@@ -34,7 +34,10 @@ def test_replays_are_timed_after_one_untimed_and_synchronized():
     clock = Clock()
     graphs = {"a": FakeGraph(clock, 2.0), "b": FakeGraph(clock, 5.0)}
     syncs = []
-    timed = time_replays(graphs, lambda: syncs.append(clock.now), replays=4, clock=clock)
+    timed = {
+        name: time_replays(g, lambda: syncs.append(clock.now), replays=4, clock=clock)
+        for name, g in graphs.items()
+    }
     assert timed == pytest.approx({"a": 2.0, "b": 5.0})
     assert [g.replays for g in graphs.values()] == [5, 5]
     assert len(syncs) == 4  # before and after each graph's timed replays

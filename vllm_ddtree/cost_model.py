@@ -278,8 +278,7 @@ def choose_live_schedule(
     shift, and judged as unmeasured); the profile's step costs. With ``explore``, a batch
     size whose next larger fitting budget has no live estimate is given it when predicted
     within ``EXPLORE_MARGIN`` of its fastest (so a budget above the one served is measured
-    again). Returns the schedule
-    and the tokens per step it used by budget."""
+    again). Returns the schedule and the tokens per step it used by budget."""
     acceptance: dict[int, float] = {}
     known: set[int] = set()
     floor = 0.0

@@ -88,23 +88,20 @@ class TreeStepCost:
 
 
 def time_replays(
-    graphs: Mapping[object, object],
+    graph,
     synchronize: Callable[[], None],
     replays: int = REPLAYS,
     clock: Callable[[], float] = time.perf_counter,
-) -> dict[object, float]:
-    """Milliseconds per replay of each graph (objects with ``replay()``): one untimed replay,
+) -> float:
+    """Milliseconds per replay of ``graph`` (an object with ``replay()``): one untimed replay,
     then the mean of ``replays`` back to back, ``synchronize`` (the device's) around them."""
-    timed = {}
-    for key, graph in graphs.items():
+    graph.replay()
+    synchronize()
+    start = clock()
+    for _ in range(replays):
         graph.replay()
-        synchronize()
-        start = clock()
-        for _ in range(replays):
-            graph.replay()
-        synchronize()
-        timed[key] = 1e3 * (clock() - start) / replays
-    return timed
+    synchronize()
+    return 1e3 * (clock() - start) / replays
 
 
 class TimedGraphs(dict):
@@ -126,11 +123,9 @@ class TimedGraphs(dict):
         if not full or not desc.num_reqs or self.failure is not None:
             return
         try:
-            timed = time_replays({desc: graph}, self.synchronize, self.replays, self.clock)
+            self.timed_ms[desc] = time_replays(graph, self.synchronize, self.replays, self.clock)
         except Exception as error:  # the capture goes on; the profile's costs serve
             self.failure = error
-            return
-        self.timed_ms[desc] = timed[desc]
 
 
 def time_graphs_as_captured(runner, synchronize, clock=time.perf_counter) -> list[TimedGraphs]:
