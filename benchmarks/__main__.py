@@ -12,6 +12,10 @@ import sys
 # command -> (module in benchmarks/, what it measures)
 COMMANDS = {
     "lossless": ("lossless_gpu", "DDTree against the target alone: the oracle grid (GPU)"),
+    "lossless-options": (
+        "lossless_options",
+        "request options (penalties, bad words, grammars, logprobs) vs target (GPU)",
+    ),
     "lossless-pair": ("lossless_pair", "the real SmolLM2 pair against the target alone (GPU)"),
     "lifecycle": ("lifecycle_fuzz", "request lifecycles (joins, aborts, preemption) vs target"),
     "serve-check": ("serve_check", "the OpenAI server answers like the target alone"),

@@ -62,7 +62,7 @@ def run_engine(job: dict) -> dict:
         budget = load_profile(path).measured_range()[1]
     llm = LLM(
         model=job["target"],
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not job.get("tokenizer"),
         dtype=job.get("dtype", "float32"),
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=job["max_num_seqs"],
@@ -90,6 +90,12 @@ def run_engine(job: dict) -> dict:
         ]
         outputs = llm.generate(prompts[:1] * sampling["repeats"], params, use_tqdm=False)
         result["sampled"] = [list(o.outputs[0].token_ids) for o in outputs]
+    elif job.get("prompt_params"):  # greedy, each prompt with its own request options
+        params = [prompt_sampling_params(own, job["max_tokens"]) for own in job["prompt_params"]]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        result["batched"] = [list(o.outputs[0].token_ids) for o in outputs]
+        result["logprobs"] = [emitted_logprobs(o.outputs[0].logprobs) for o in outputs]
+        result["batched_seconds"] = time.time() - start
     else:
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -114,6 +120,28 @@ def run_engine(job: dict) -> dict:
     del llm
     torch.cuda.empty_cache()
     return result
+
+
+def prompt_sampling_params(own: dict, max_tokens: int):
+    """Greedy ``SamplingParams`` with a prompt's own request options (JSON: a
+    ``structured_outputs`` dict becomes vLLM's ``StructuredOutputsParams``)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    own = dict(own)
+    if isinstance(own.get("structured_outputs"), dict):
+        own["structured_outputs"] = StructuredOutputsParams(**own["structured_outputs"])
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, **own
+    )
+
+
+def emitted_logprobs(logprobs) -> list[dict] | None:
+    """Per emitted token: {token id: [logprob, rank]} as vLLM reported them (None: none
+    asked)."""
+    if logprobs is None:
+        return None
+    return [{str(k): [v.logprob, v.rank] for k, v in position.items()} for position in logprobs]
 
 
 def run_jobs(

@@ -5,10 +5,12 @@ DFlash drafter, then starts the OpenAI server twice (target alone, then DDTree) 
 same greedy requests to /v1/completions and /v1/chat/completions, streamed and not, a
 completion with its own DDTree options (``vllm_xargs``: ``tree_budget`` 4, ``ddtree_stats``)
 and, unless ``--no-options``, request options: a chat completion with a JSON-schema
-``response_format``, a completion with ``logprobs`` and a chat completion with
-``top_logprobs``. The answers must be identical (logprobs within 1e-4); /metrics of the DDTree
-server must show the spec-decode counters, its log one statistics line per request that asked,
-and an out-of-range ``tree_budget`` must get a 400. Writes JSON; exits non-zero otherwise.
+``response_format``, a completion with ``logprobs``, a chat completion with
+``top_logprobs``, a completion with presence / frequency / repetition penalties and one with
+``allowed_token_ids`` and ``bad_words``. The answers must be identical (logprobs within 1e-4);
+/metrics of the DDTree server must show the spec-decode counters, its log one statistics line
+per request that asked, and an out-of-range ``tree_budget`` must get a 400. Writes JSON;
+exits non-zero otherwise.
 
     python -m benchmarks.serve_check --out benchmarks/results [--port 8711] [--dtype float32]
 """
@@ -128,6 +130,18 @@ def ask_options(port: int, model: str, prompt: str):
     answer = json.loads(request(port, "/v1/chat/completions", {**chat, "top_logprobs": 2}))
     choice = answer["choices"][0]
     yield "chat_logprobs", {"text": choice["message"]["content"], "logprobs": choice["logprobs"]}
+    plain = {**common, "prompt": prompt, "ignore_eos": True}
+    penalised = {
+        **plain,
+        "presence_penalty": 0.6,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.4,
+    }
+    answer = json.loads(request(port, "/v1/completions", penalised))
+    yield "completion_penalties", answer["choices"][0]["text"]
+    masked = {**plain, "allowed_token_ids": list(range(0, 900, 3)), "bad_words": ["w3 w6", "w9"]}
+    answer = json.loads(request(port, "/v1/completions", masked))
+    yield "completion_allowed_ids_bad_words", answer["choices"][0]["text"]
 
 
 def same_answer(a, b, tolerance: float = 1e-4) -> bool:
@@ -207,7 +221,7 @@ def main() -> int:
     parser.add_argument(
         "--no-options",
         action="store_true",
-        help="leave out the request options (a DDTree server on the V2 runner refuses them)",
+        help="leave out the request options",
     )
     parser.add_argument(
         "--server-args", default="", help="more `vllm serve` arguments, e.g. memory limits"

@@ -184,8 +184,9 @@ def test_a_schedule_of_speculative_tokens_is_seen_in_either_spelling():
 
 
 def test_options_are_refused_where_the_tree_step_cannot_apply_them():
-    """Served on the V1 runner (logprobs in vLLM's raw modes); the V2 runner and the processed
-    modes are refused naming what to use."""
+    """Both runners serve penalties, allowed ids, bad words and structured outputs; the V1
+    runner logprobs in vLLM's raw modes (not the whole vocabulary), the V2 runner every mode;
+    the V2 runner refuses thinking_token_budget (as vLLM's does), naming what to use."""
     from types import SimpleNamespace
 
     from vllm_ddtree.config import unsupported_sampling_params
@@ -193,21 +194,23 @@ def test_options_are_refused_where_the_tree_step_cannot_apply_them():
     asks = SimpleNamespace(logprobs=3)
     assert unsupported_sampling_params(asks, "v1", "raw_logprobs") == []
     assert unsupported_sampling_params(asks, "v1", "raw_logits") == []
-    assert "VLLM_DDTREE_RUNNER=v1" in unsupported_sampling_params(asks, "v2")[0]
+    assert unsupported_sampling_params(asks, "v2", "processed_logprobs") == []
     assert "processed_logprobs" in unsupported_sampling_params(asks, "v1", "processed_logprobs")[0]
+    everything = SimpleNamespace(logprobs=-1)
+    assert "whole vocabulary" in unsupported_sampling_params(everything, "v1")[0]
+    assert unsupported_sampling_params(everything, "v2") == []
     assert unsupported_sampling_params(SimpleNamespace(logprobs=None), "v2") == []
-    penalised = SimpleNamespace(logprobs=None, repetition_penalty=1.2, presence_penalty=0.5)
-    assert unsupported_sampling_params(penalised, "v1") == []
-    assert unsupported_sampling_params(penalised, "v2") == [
-        "presence_penalty",
-        "repetition_penalty",
-    ]
-    masked = SimpleNamespace(logprobs=None, allowed_token_ids=[1, 2], bad_words=["w1"])
-    assert unsupported_sampling_params(masked, "v1") == []
-    assert unsupported_sampling_params(masked, "v2") == ["allowed_token_ids", "bad_words"]
-    grammar = SimpleNamespace(logprobs=None, structured_outputs=object())
-    assert unsupported_sampling_params(grammar, "v1") == []
-    assert "VLLM_DDTREE_RUNNER=v1" in unsupported_sampling_params(grammar, "v2")[0]
+    options = SimpleNamespace(
+        logprobs=None,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        allowed_token_ids=[1, 2],
+        bad_words=["w1"],
+        structured_outputs=object(),
+    )
+    for runner in ("v1", "v2"):
+        assert unsupported_sampling_params(options, runner) == []
     thinking = SimpleNamespace(logprobs=None, thinking_token_budget=16)
     assert unsupported_sampling_params(thinking, "v1") == []
     assert "VLLM_DDTREE_RUNNER=v1" in unsupported_sampling_params(thinking, "v2")[0]

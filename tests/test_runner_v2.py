@@ -196,8 +196,12 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     )
     runner.model = SimpleNamespace(compute_logits=lambda h: h)
     runner.sampler = SimpleNamespace(
-        sample=lambda logits, *a: (logits, None),
+        sample=lambda logits, *a, **options: (logits, None),
         req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=None)),
+        returns_logprobs=lambda idx_mapping_np: False,
+        # No request has penalties or bad words.
+        penalties_state=SimpleNamespace(use_penalty=np.zeros(4, dtype=bool)),
+        bad_words_state=SimpleNamespace(num_bad_words=SimpleNamespace(np=np.zeros(4, np.int32))),
     )
     runner.compilation_config = SimpleNamespace(static_forward_context={})  # no KV layers
     sample = v2_hooks._wrap_sample(lambda *a: pytest.fail("the tree path must run"))

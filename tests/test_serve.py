@@ -46,9 +46,10 @@ def test_serve_answers_like_the_target_alone(tmp_path):
     )
     summary = json.loads((tmp_path / "serve_check.json").read_text())
     assert proc.returncode == 0, (summary, proc.stdout[-2000:], proc.stderr[-2000:])
-    # Per prompt (3): 4 plain answers, a completion with its own tree budget and 3 request
-    # options (a JSON-schema response_format, completion logprobs, chat top_logprobs).
-    assert summary["identical"] and summary["answers_checked"] == 24, summary["differences"]
+    # Per prompt (3): 4 plain answers, a completion with its own tree budget and 5 request
+    # options (a JSON-schema response_format, completion logprobs, chat top_logprobs,
+    # penalties, allowed token ids with bad words).
+    assert summary["identical"] and summary["answers_checked"] == 30, summary["differences"]
     json_text = summary["example"]["chat_json_schema_0"]
     assert json_text.startswith("{") and '"n"' in json_text, json_text
     # A request's own tree_budget: out of range, a 400; asked-for statistics, one log line each.

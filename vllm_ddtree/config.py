@@ -340,32 +340,21 @@ def unsupported_sampling_params(
     """The request's ``SamplingParams`` fields the tree sampler cannot apply yet (their names;
     empty when the request is fine), on ``runner`` ("v1" or "v2") with the engine's
     ``logprobs_mode``. Checked when vLLM validates a request, so such a request gets an error
-    of its own and never reaches the engine."""
+    of its own and never reaches the engine.
+
+    Both runners apply penalties, ``allowed_token_ids``, ``bad_words`` and structured outputs
+    along each node's own path, and report logprobs from the rows of the accepted path. The V1
+    runner reports vLLM's raw logprobs modes only, and not the whole vocabulary; the V2 runner
+    refuses ``thinking_token_budget``, as vLLM's V2 runner does for every method."""
     names = []
-    if runner != "v1":  # penalties, allowed ids, bad words on tree rows: the V1 runner's
-        if getattr(params, "presence_penalty", 0.0):
-            names.append("presence_penalty")
-        if getattr(params, "frequency_penalty", 0.0):
-            names.append("frequency_penalty")
-        if getattr(params, "repetition_penalty", 1.0) not in (None, 1.0):
-            names.append("repetition_penalty")
-        for name in ("allowed_token_ids", "bad_words"):
-            if getattr(params, name, None):
-                names.append(name)
     logprobs = getattr(params, "logprobs", None)
-    if logprobs is not None:
-        if runner != "v1":
-            names.append("logprobs (served on the V1 model runner: VLLM_DDTREE_RUNNER=v1)")
-        elif logprobs_mode not in TREE_LOGPROBS_MODES:
-            names.append(f"logprobs with logprobs_mode {logprobs_mode!r}")
+    if logprobs is not None and runner == "v1":
+        if logprobs_mode not in TREE_LOGPROBS_MODES:
+            names.append(f"logprobs with logprobs_mode {logprobs_mode!r} (V1 model runner)")
         elif logprobs < 0:
-            names.append("logprobs=-1 (the whole vocabulary)")
+            names.append("logprobs=-1 (the whole vocabulary, V1 model runner)")
     if runner != "v1" and getattr(params, "thinking_token_budget", None) is not None:
         names.append("thinking_token_budget (served on the V1 model runner: VLLM_DDTREE_RUNNER=v1)")
-    # Each tree node's grammar bitmask along its own path: the V1 runner's
-    # (structured_outputs.py); the V2 runner's bitmask rows do not follow trees yet.
-    if runner != "v1" and getattr(params, "structured_outputs", None) is not None:
-        names.append("structured_outputs (served on the V1 model runner: VLLM_DDTREE_RUNNER=v1)")
     return names
 
 
@@ -377,11 +366,10 @@ def check_sampling_params(
     names = unsupported_sampling_params(params, runner, logprobs_mode)
     if names:
         raise DDTreeConfigError(
-            f"speculative method 'ddtree' does not support {', '.join(names)} yet (supported: "
-            "temperature, top_k, top_p, min_tokens, stop, max_tokens, seed, and on the V1 model "
-            "runner penalties, allowed_token_ids, bad_words, structured outputs, "
-            "thinking_token_budget and logprobs with logprobs_mode "
-            f"{' or '.join(TREE_LOGPROBS_MODES)}); send this "
+            f"speculative method 'ddtree' does not support {', '.join(names)} yet (the V1 "
+            "model runner serves logprobs >= 0 with logprobs_mode "
+            f"{' or '.join(TREE_LOGPROBS_MODES)}, and thinking_token_budget; the V2 model "
+            "runner every logprobs mode and count, and no thinking_token_budget); send this "
             "request to a server without DDTree or leave these unset"
         )
 

@@ -336,6 +336,12 @@ SEAMS: tuple[Seam, ...] = (
         group=V2_RUNNER,
     ),
     _runner(
+        "take_draft_token_ids",
+        f"{_V2}:_wrap_take_draft_token_ids",
+        module=V2_RUNNER_MODULE,
+        group=V2_RUNNER,
+    ),
+    _runner(
         "get_kv_cache_spec",
         f"{_KV}:wrap_get_kv_cache_spec",
         module=V2_RUNNER_MODULE,

@@ -24,6 +24,7 @@ from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode.proposal_store import ProposalStore
 from vllm_ddtree.spec_decode.step_state import StepState
+from vllm_ddtree.structured_outputs import ParentsToHost
 
 
 def drafter_vllm_config(vllm_config, depth: int):
@@ -68,6 +69,8 @@ def ddtree_speculator_class():
             self.proposals = ProposalStore(rows, tree_budget, ddtree.depth, device)
             # The step's hand-overs (step_state.py); an online "auto" engine's acceptance.
             self.state = StepState(acceptance=make_tracker(vllm_config, torch.device(device)))
+            # The parents of the trees just proposed, for the scheduler's grammar bitmask.
+            self.parents_to_host = ParentsToHost()
             self.oracle = None
             if oracle_path():  # a test switch (testing/oracle.py)
                 from vllm_ddtree.testing.oracle import DeviceOracle
@@ -126,12 +129,15 @@ def ddtree_speculator_class():
             with step_range("ddtree::draft"):  # the drafter's graph: its pass and the trees
                 super().propose(input_batch, *args, **kwargs)
             num_reqs = input_batch.num_reqs
+            self.parents_to_host.clear()
             if not dummy_run:
                 self.proposals.proposed(
                     input_batch.idx_mapping_np[:num_reqs],
                     input_batch.idx_mapping[:num_reqs],
                     input_batch.req_ids[:num_reqs],
                 )
+                if input_batch.has_structured_output_reqs:  # vLLM copies the drafts too
+                    self.parents_to_host.start(self.proposals.batch.parents[:num_reqs])
             return self.proposals.batch.token_ids[:num_reqs].clamp(min=0)
 
     return DDTreeSpeculator

@@ -1,14 +1,16 @@
-"""Logprobs of the tokens a tree step emits, in the layout vLLM's V1 runner reads.
+"""Logprobs of the tokens a tree step emits, in the layouts vLLM's V1 and V2 runners read.
 
 vLLM's V1 runner reads a speculative step's logprobs as ``R x W`` rows (``W``: the width of
 the sampled tokens), row ``(r, j)`` belonging to request ``r``'s ``j``-th emitted token, and
-keeps the rows whose token is not -1 (``RejectionSampler.parse_output``). A chain's token
-``j`` is chosen at logits row ``start[r] + j``; a tree's at the row of the ``j``-th node of the
-accepted path (the root first, the bonus token at the last accepted node), so those rows are
-gathered. The logprobs are vLLM's "raw" ones (``config.TREE_LOGPROBS_MODES``; the processed
-modes are refused per request): of the target's logits
-before temperature, top-k / top-p and ``min_tokens`` (whose stop-token ban the caller undoes
-first), as vLLM's sampler reports them for the target alone.
+keeps the rows whose token is not -1 (``RejectionSampler.parse_output``); its V2 runner reads
+one row per logits row and keeps each request's first ``num_sampled``
+(``tree_step_logprobs_v2``). A chain's token ``j`` is chosen at logits row ``start[r] + j``; a
+tree's at the row of the ``j``-th node of the accepted path (the root first, the bonus token at
+the last accepted node), so those rows are gathered. On V1 the logprobs are vLLM's "raw" ones
+(``config.TREE_LOGPROBS_MODES``; the processed modes are refused per request there): of the
+target's logits before temperature, top-k / top-p and ``min_tokens`` (whose stop-token ban the
+caller undoes first), as vLLM's sampler reports them for the target alone. On V2 every mode is
+vLLM's own sampler's.
 """
 
 from __future__ import annotations
@@ -57,3 +59,69 @@ def tree_step_logprobs(
     logprobs = raw_logprobs(sampler, logits.index_select(0, rows))
     tokens = sampled.reshape(-1).long().clamp(min=0)  # -1 past the path: filtered by vLLM
     return sampler.gather_logprobs(logprobs, max_num_logprobs, tokens)
+
+
+def emitted_logit_rows(
+    first_row: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+    requests: torch.Tensor,
+    local: torch.Tensor,
+) -> torch.Tensor:
+    """V2 layout: long ``[rows]``, for each logits row (request ``requests[t]``, its
+    ``local[t]``-th) the row that chose the request's ``local[t]``-th emitted token,
+    ``first_row[r] + accepted[r, j]`` while ``j <= num_accepted[r]``; the request's root row
+    past its path (read by nobody: vLLM keeps the first ``num_sampled`` rows)."""
+    on_path = local <= num_accepted.long()[requests]
+    node = accepted.long()[requests, local.clamp(max=accepted.shape[1] - 1)].clamp(min=0)
+    return first_row.long()[requests] + torch.where(on_path, node, 0)
+
+
+def tree_step_logprobs_v2(
+    sampler,
+    logits: torch.Tensor,
+    processed_logits: torch.Tensor,
+    input_batch,
+    requests: torch.Tensor,
+    first_row: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+    sampled: torch.Tensor,
+):
+    """vLLM's V2 ``LogprobsTensors`` of a tree step, or None when no request asked.
+
+    vLLM's V2 runner reads a speculative step's logprobs one row per logits row, request
+    ``r``'s ``j``-th emitted token at row ``cu_num_logits[r] + j`` (``num_sampled[r]`` of
+    them). Here row ``cu_num_logits[r] + j`` holds the scores of the row that chose that token
+    (``emitted_logit_rows``), computed as vLLM's sampler computes a target-alone step's: in its
+    ``logprobs_mode`` (raw: ``logits`` as the model gave them, the grammar bitmask applied;
+    processed: ``processed_logits`` after every sampling parameter), its top ``logprobs`` and
+    each request's own ``logprob_token_ids``. ``requests`` long ``[rows]``: each logits row's
+    request; ``sampled`` ``[R, W]``: the emitted tokens, then -1.
+    """
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+    idx_mapping_np = input_batch.idx_mapping_np
+    if not sampler.returns_logprobs(idx_mapping_np):
+        return None
+    processed = sampler.logprobs_mode in ("processed_logprobs", "processed_logits")
+    scored = processed_logits if processed else logits
+    num_rows = scored.shape[0]
+    local = torch.arange(num_rows, device=scored.device) - first_row.long()[requests]
+    rows = emitted_logit_rows(first_row, accepted, num_accepted, requests, local)
+    column = local.clamp(max=sampled.shape[1] - 1)
+    tokens = sampled.long()[requests, column].clamp(min=0)
+    max_num_logprobs = sampler.sampling_states.max_num_logprobs(idx_mapping_np)
+    max_per_req_token_ids = sampler.logprob_token_ids_state.max_num_token_ids(idx_mapping_np)
+    expanded = num_rows != idx_mapping_np.shape[0]
+    return compute_topk_scores(
+        scored.index_select(0, rows),
+        max_num_logprobs if max_num_logprobs != NO_LOGPROBS else 0,
+        tokens,
+        input_batch.cu_num_logits_np.tolist() if expanded else None,
+        logprob_token_ids_state=sampler.logprob_token_ids_state,
+        expanded_idx_mapping=input_batch.expanded_idx_mapping,
+        max_per_req_token_ids=max_per_req_token_ids,
+        logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"),
+    )

@@ -35,6 +35,7 @@ import torch
 
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import oracle_path
+from vllm_ddtree.ops.row_paths import row_path_tokens, row_requests
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode import step_checks
@@ -42,6 +43,8 @@ from vllm_ddtree.spec_decode.speculator import (
     chain_oracle_speculator_class,
     ddtree_speculator_class,
 )
+from vllm_ddtree.spec_decode.tree_logprobs import tree_step_logprobs_v2
+from vllm_ddtree.spec_decode.tree_rows_v2 import RowPaths, reads_row_paths, tree_rows
 from vllm_ddtree.spec_decode.tree_step import (
     StepTableUpload,
     TreeStep,
@@ -51,6 +54,7 @@ from vllm_ddtree.spec_decode.tree_step import (
     set_tree_step_inputs,
 )
 from vllm_ddtree.step_costs import measured_step_costs, time_graphs_as_captured
+from vllm_ddtree.structured_outputs import TREE_PARENTS_ATTR
 from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")
@@ -228,27 +232,44 @@ def _wrap_sample(original):
         step = speculator.state.step if speculator is not None else None
         if step is None or input_batch.num_draft_tokens == 0:
             return original(self, hidden_states, input_batch, grammar_output)
-        if grammar_output is not None:
-            raise NotImplementedError(
-                "vllm-ddtree: structured outputs are not supported with method 'ddtree' yet"
-            )
         from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
         logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
-        with step_range("ddtree::target_tokens"):
+        if grammar_output is not None:
+            # The scheduler filled each tree row's bitmask along the row's own path
+            # (structured_outputs.py); the rows are laid out as a chain's.
+            self.structured_outputs_worker.apply_grammar_bitmask(
+                logits,
+                input_batch,
+                grammar_output.structured_output_request_ids,
+                grammar_output.grammar_bitmask,
+            )
+        num_reqs = input_batch.num_reqs
+        first_row = input_batch.cu_num_logits[:num_reqs].long()
+        paths = None
+        if reads_row_paths(self.sampler, input_batch.idx_mapping_np):
+            tokens, lengths = row_path_tokens(
+                step.trees,
+                input_batch.cu_num_logits[: num_reqs + 1],
+                logits.shape[0],
+                speculator.ddtree.depth,
+            )
+            paths = RowPaths(tokens, lengths)
+        returns_logprobs = self.sampler.returns_logprobs(input_batch.idx_mapping_np)
+        with step_range("ddtree::target_tokens"), tree_rows(self.sampler, paths):
             # One draw per logits row, keyed by its (depth) position: a node's token is the one
-            # target-alone decoding would draw there.
-            chosen, _ = self.sampler.sample(
+            # target-alone decoding would draw there, after the sampling parameters of its own
+            # path.
+            chosen, processed_logits = self.sampler.sample(
                 logits,
                 input_batch.expanded_idx_mapping,
                 input_batch.idx_mapping_np,
                 input_batch.positions[input_batch.logits_indices],
                 input_batch.input_ids[input_batch.logits_indices],
                 input_batch.expanded_local_pos,
+                return_logprobs=returns_logprobs,
             )
-        num_reqs = input_batch.num_reqs
-        first_row = input_batch.cu_num_logits[:num_reqs].long()
         out_width = step.trees.tree_budget + 1
         with step_range("ddtree::follow_tree"):
             sampled, num_sampled, accepted, num_accepted = tree_sampler_output(
@@ -257,6 +278,20 @@ def _wrap_sample(original):
         step.accepted, step.num_accepted = accepted, num_accepted
         check_ranks_agree(step)  # tensor parallel: every rank built and walked these trees
         observe_acceptance(speculator.state, step)
+        logprobs = None
+        if returns_logprobs:
+            requests = row_requests(input_batch.cu_num_logits[: num_reqs + 1], logits.shape[0])
+            logprobs = tree_step_logprobs_v2(
+                self.sampler,
+                logits,
+                processed_logits,
+                input_batch,
+                requests,
+                first_row,
+                accepted,
+                num_accepted,
+                sampled,
+            )
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled,
             input_batch.seq_lens,
@@ -268,7 +303,7 @@ def _wrap_sample(original):
             commit_step_kv(self, speculator.state, step)
         output = SamplerOutput(
             sampled_token_ids=sampled,
-            logprobs_tensors=None,
+            logprobs_tensors=logprobs,
             num_nans=None,
             num_sampled=num_sampled,
             num_rejected=num_rejected,
@@ -276,6 +311,23 @@ def _wrap_sample(original):
         return output, output.num_sampled, output.num_rejected
 
     return sample
+
+
+def _wrap_take_draft_token_ids(original):
+    """vLLM's ``DraftTokenIds`` for the scheduler (steps with structured outputs) also carries
+    the trees' parents (``structured_outputs.TREE_PARENTS_ATTR``), for its grammar bitmask."""
+
+    def take_draft_token_ids(self):
+        taken = original(self)
+        speculator = _ddtree_speculator(self)
+        if taken is None or speculator is None:
+            return taken
+        parents = speculator.parents_to_host.take(len(taken.req_ids))
+        if parents is not None:
+            setattr(taken, TREE_PARENTS_ATTR, parents)
+        return taken
+
+    return take_draft_token_ids
 
 
 __all__ = ["tree_sampler_output"]
