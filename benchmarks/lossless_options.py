@@ -39,7 +39,7 @@ def option_mix(plain_outputs: list[list[int]]) -> list[dict]:
         if kind == 0:
             own = {}
         elif kind == 1:
-            own = {"presence_penalty": 0.6, "frequency_penalty": 0.5}
+            own = {"presence_penalty": 1.5, "frequency_penalty": 1.5}
         elif kind == 2:
             own = {"repetition_penalty": 1.6}
         elif kind == 3:
@@ -79,7 +79,13 @@ def main() -> int:
     parser.add_argument("--modes", default="eager,graphs")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--runner", choices=("auto", "v1", "v2"), default="auto")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="logprobs, absolute")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-3,
+        help="logprobs, absolute: float32 logits of the verify's GEMM shapes and the target "
+        "alone's part at about 1e-4 on an H200 (a logprob from a wrong row parts at about 1)",
+    )
     parser.add_argument("--deadline", type=float, default=480, help="seconds for the grid")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -194,6 +200,15 @@ def main() -> int:
         "logprob_tolerance": args.tolerance,
         "options": mix,
         "options_change_the_answer": bites,
+        "max_logprob_gap": max(
+            (
+                p["logprob_gap"]
+                for r in rows
+                for p in r.get("prompts", [])
+                if p["logprob_gap"] is not None
+            ),
+            default=None,
+        ),
         "runs": rows,
         "seconds": time.time() - started,
     }
