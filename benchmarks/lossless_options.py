@@ -71,6 +71,34 @@ def logprob_gap(got: list[dict] | None, want: list[dict] | None) -> float | None
     return gap
 
 
+def markdown(summary: dict) -> str:
+    """The run as a table: per engine, whether every prompt's tokens and logprobs equal the
+    target alone's, and per option whether it changed the target alone's answer."""
+    lines = [
+        f"Commit {summary['commit']}, {summary['gpu']}; logprob tolerance "
+        f"{summary['logprob_tolerance']}, largest logprob difference seen "
+        f"{summary['max_logprob_gap']}.",
+        "",
+        "| engine | runner | CUDA graphs | tokens checked | acceptance length | identical |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in summary["runs"]:
+        if "error" in row:
+            lines.append(f"| {row['engine']} | | | | | error: {row['error'][:200]} |")
+            continue
+        lines.append(
+            f"| {row['engine']} | {row['runner']} | {row['cudagraph_mode']} | "
+            f"{row['tokens_checked']} | {row['mean_acceptance_length']:.2f} | "
+            f"{'yes' if row['identical'] else 'no'} |"
+        )
+    lines += ["", "| prompt's options | change the target alone's answer |", "| --- | --- |"]
+    for options, bites in summary["options_change_the_answer"].items():
+        shown = options if len(options) < 120 else options[:117] + "..."
+        shown = shown.replace("|", "\\|")  # a regex's alternation inside a table cell
+        lines.append(f"| `{shown}` | {'yes' if bites else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
@@ -87,7 +115,14 @@ def main() -> int:
         "alone's part at about 1e-4 on an H200 (a logprob from a wrong row parts at about 1)",
     )
     parser.add_argument("--deadline", type=float, default=480, help="seconds for the grid")
+    parser.add_argument(
+        "--report", metavar="JSON", help="only print the markdown table of a run's JSON"
+    )
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(markdown(json.load(f)), end="")
+        return 0
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # Float32 Triton dots in IEEE precision in every engine: logprobs compare across kernel
     # shapes (the verify's and the target alone's).
@@ -215,6 +250,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "lossless_options.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    with open(os.path.join(args.out, "lossless_options.md"), "w") as f:
+        f.write(markdown(summary))
     passed = bool(rows) and all(r["identical"] for r in rows) and all(bites.values())
     print(json.dumps({"passed": passed, "options_change_the_answer": bites}))
     return 0 if passed else 1
