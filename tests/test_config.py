@@ -184,20 +184,19 @@ def test_a_schedule_of_speculative_tokens_is_seen_in_either_spelling():
 
 
 def test_options_are_refused_where_the_tree_step_cannot_apply_them():
-    """Both runners serve penalties, allowed ids, bad words and structured outputs; the V1
-    runner logprobs in vLLM's raw modes (not the whole vocabulary), the V2 runner every mode;
-    the V2 runner refuses thinking_token_budget (as vLLM's does), naming what to use."""
+    """Both runners serve penalties, allowed ids, bad words, structured outputs and logprobs
+    in every mode; the V1 runner refuses the whole vocabulary's logprobs, the V2 runner
+    thinking_token_budget (as vLLM's does), naming where each is served."""
     from types import SimpleNamespace
 
     from vllm_ddtree.config import unsupported_sampling_params
 
     asks = SimpleNamespace(logprobs=3)
-    assert unsupported_sampling_params(asks, "v1", "raw_logprobs") == []
-    assert unsupported_sampling_params(asks, "v1", "raw_logits") == []
-    assert unsupported_sampling_params(asks, "v2", "processed_logprobs") == []
-    assert "processed_logprobs" in unsupported_sampling_params(asks, "v1", "processed_logprobs")[0]
+    for runner in ("v1", "v2"):
+        for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+            assert unsupported_sampling_params(asks, runner, mode) == []
     everything = SimpleNamespace(logprobs=-1)
-    assert "whole vocabulary" in unsupported_sampling_params(everything, "v1")[0]
+    assert "V2 model runner" in unsupported_sampling_params(everything, "v1")[0]
     assert unsupported_sampling_params(everything, "v2") == []
     assert unsupported_sampling_params(SimpleNamespace(logprobs=None), "v2") == []
     options = SimpleNamespace(

@@ -386,3 +386,36 @@ def test_v2_logprobs_come_from_the_rows_of_the_accepted_path(monkeypatch):
     assert torch.equal(got.logits, processed[rows]) and got.logits_mode
     sampler.returns_logprobs = lambda idx: False
     assert tree_step_logprobs_v2(sampler, raw, processed, *args) is None
+
+
+def test_v1_processed_logits_are_vllms_sampler_ones():
+    """V1's tree sampler hands back the rows' processed logits as vLLM's V1 sampler reports
+    them in a processed logprobs mode: the logits themselves in a greedy batch; in a batch
+    that samples, every row after temperature (1 for a greedy row) and its top-k."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from vllm_ddtree.spec_decode.v1_hooks import _target_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    rows = torch.tensor([0, 0, 1, 1])
+    greedy = SimpleNamespace(all_greedy=True)
+    chosen, processed = _target_tokens(logits, greedy, lambda: rows, None)
+    assert processed is logits and torch.equal(chosen, logits.argmax(-1))
+
+    mixed = SimpleNamespace(
+        all_greedy=False,
+        temperature=torch.tensor([0.0, 0.5]),
+        top_k=torch.tensor([VOCAB, 5]),
+        top_p=None,
+    )
+
+    def seeds_and_keys(request_of_row):
+        return torch.tensor([7, 7, 9, 9]), torch.tensor([10, 11, 10, 11])
+
+    chosen, processed = _target_tokens(logits, mixed, lambda: rows, seeds_and_keys)
+    temperature = torch.tensor([1.0, 1.0, 0.5, 0.5]).unsqueeze(1)
+    want = apply_top_k_top_p(logits / temperature, torch.tensor([VOCAB, VOCAB, 5, 5]), None)
+    assert torch.equal(processed, want)
+    assert torch.equal(chosen[:2], logits[:2].argmax(-1))  # greedy rows
+    assert torch.isfinite(processed[2:]).sum(1).tolist() == [5, 5]

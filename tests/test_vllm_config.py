@@ -113,9 +113,10 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
 ):
     """vLLM validates each request against the engine's config before it reaches the engine:
     with DDTree, what the tree sampler cannot honour is refused there, naming the field
-    (logprobs in vLLM's processed modes); plain sampling (temperature, top-k/top-p,
+    (the whole vocabulary's logprobs on the V1 runner); plain sampling (temperature, top-k/top-p,
     min_tokens) and, on the V1 runner (this CPU engine's), logprobs, penalties, allowed token
-    ids, structured outputs and thinking token budgets pass; DFlash alone is unaffected."""
+    ids, structured outputs, thinking token budgets and logprobs in a processed mode pass;
+    DFlash alone is unaffected."""
     from vllm import SamplingParams
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
@@ -132,8 +133,10 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
     verify(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
     verify(SamplingParams(thinking_token_budget=16))
     processed = engine_config(tiny_target_path, spec, logprobs_mode="processed_logprobs")
-    with pytest.raises(DDTreeConfigError, match="processed_logprobs"):
-        verify(SamplingParams(logprobs=2), processed)
+    verify(SamplingParams(logprobs=2), processed)
+    whole_vocabulary = engine_config(tiny_target_path, spec, max_logprobs=-1)
+    with pytest.raises(DDTreeConfigError, match="logprobs=-1"):
+        verify(SamplingParams(logprobs=-1), whole_vocabulary)
     chain = engine_config(
         tiny_target_path,
         {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},

@@ -403,6 +403,27 @@ def test_ddtree_logprobs_are_the_target_alones(tiny_target_path, tiny_drafter_pa
 
 
 @pytest.mark.vllm_engine
+def test_ddtree_processed_logprobs_are_the_target_alones(tiny_target_path, tiny_drafter_path):
+    """``logprobs_mode="processed_logprobs"`` with presence / repetition penalties on trees of
+    budget 8 (greedy): each emitted token's top 3 are the target alone's after the penalties
+    its own path gave it, which differ from the raw ones."""
+    asked = {"logprobs": 3, "repetition_penalty": 1.4, "presence_penalty": 0.8}
+    processed = {"logprobs_mode": "processed_logprobs"}
+    raw = {**TARGET_ALONE, "name": "raw", "params": asked}
+    target = {
+        "name": "target",
+        "kwargs": {**TARGET_ALONE["kwargs"], **processed},
+        "params": asked,
+    }
+    tree = {**ddtree_run("ddtree", tiny_drafter_path, 8, **processed), "params": asked}
+    results, _ = run_engines(tiny_target_path, [raw, target, tree], PROMPTS, max_tokens=24)
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    assert_same_logprobs(results["ddtree"]["logprobs"], results["target"]["logprobs"])
+    assert results["target"]["logprobs"] != results["raw"]["logprobs"]
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.vllm_engine
 def test_ddtree_sampled_tokens_logprobs_are_the_targets_raw_ones(
     tiny_target_path, tiny_drafter_path
 ):

@@ -330,10 +330,6 @@ def check_engine_is_supported(
         )
 
 
-# vLLM's logprobs modes the tree step reports (spec_decode/tree_logprobs.py).
-TREE_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
-
-
 def unsupported_sampling_params(
     params: Any, runner: str = "v1", logprobs_mode: str = "raw_logprobs"
 ) -> list[str]:
@@ -343,16 +339,15 @@ def unsupported_sampling_params(
     of its own and never reaches the engine.
 
     Both runners apply penalties, ``allowed_token_ids``, ``bad_words`` and structured outputs
-    along each node's own path, and report logprobs from the rows of the accepted path. The V1
-    runner reports vLLM's raw logprobs modes only, and not the whole vocabulary; the V2 runner
-    refuses ``thinking_token_budget``, as vLLM's V2 runner does for every method."""
+    along each node's own path, and report logprobs in every ``logprobs_mode`` from the rows
+    of the accepted path. The V1 runner does not report the whole vocabulary
+    (``logprobs=-1``); the V2 runner refuses ``thinking_token_budget``, as vLLM's V2 runner
+    does for every method."""
+    del logprobs_mode  # every mode is served
     names = []
     logprobs = getattr(params, "logprobs", None)
-    if logprobs is not None and runner == "v1":
-        if logprobs_mode not in TREE_LOGPROBS_MODES:
-            names.append(f"logprobs with logprobs_mode {logprobs_mode!r} (V1 model runner)")
-        elif logprobs < 0:
-            names.append("logprobs=-1 (the whole vocabulary, V1 model runner)")
+    if runner == "v1" and logprobs is not None and logprobs < 0:
+        names.append("logprobs=-1 (the whole vocabulary; served on the V2 model runner)")
     if runner != "v1" and getattr(params, "thinking_token_budget", None) is not None:
         names.append("thinking_token_budget (served on the V1 model runner: VLLM_DDTREE_RUNNER=v1)")
     return names
@@ -366,10 +361,7 @@ def check_sampling_params(
     names = unsupported_sampling_params(params, runner, logprobs_mode)
     if names:
         raise DDTreeConfigError(
-            f"speculative method 'ddtree' does not support {', '.join(names)} yet (the V1 "
-            "model runner serves logprobs >= 0 with logprobs_mode "
-            f"{' or '.join(TREE_LOGPROBS_MODES)}, and thinking_token_budget; the V2 model "
-            "runner every logprobs mode and count, and no thinking_token_budget); send this "
+            f"speculative method 'ddtree' does not support {', '.join(names)} yet; send this "
             "request to a server without DDTree or leave these unset"
         )
 

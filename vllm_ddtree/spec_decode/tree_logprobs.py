@@ -6,11 +6,11 @@ keeps the rows whose token is not -1 (``RejectionSampler.parse_output``); its V2
 one row per logits row and keeps each request's first ``num_sampled``
 (``tree_step_logprobs_v2``). A chain's token ``j`` is chosen at logits row ``start[r] + j``; a
 tree's at the row of the ``j``-th node of the accepted path (the root first, the bonus token at
-the last accepted node), so those rows are gathered. On V1 the logprobs are vLLM's "raw" ones
-(``config.TREE_LOGPROBS_MODES``; the processed modes are refused per request there): of the
-target's logits before temperature, top-k / top-p and ``min_tokens`` (whose stop-token ban the
-caller undoes first), as vLLM's sampler reports them for the target alone. On V2 every mode is
-vLLM's own sampler's.
+the last accepted node), so those rows are gathered. Each runner reports them in vLLM's
+``logprobs_mode``, as its sampler does for the target alone: raw (the target's logits before
+the sampling parameters; on V1 the caller undoes ``min_tokens``' stop-token ban first) or
+processed (V1: after the logits processors and, in a batch that samples, temperature and top-k
+/ top-p; V2: vLLM's own sampler's).
 """
 
 from __future__ import annotations
@@ -18,11 +18,17 @@ from __future__ import annotations
 import torch
 
 
-def raw_logprobs(sampler, logits: torch.Tensor) -> torch.Tensor:
+def processed_logprobs_mode(sampler) -> bool:
+    """Whether vLLM ``sampler`` reports logprobs of the processed logits (after the sampling
+    parameters) rather than of the raw ones."""
+    return sampler.logprobs_mode in ("processed_logprobs", "processed_logits")
+
+
+def mode_logprobs(sampler, logits: torch.Tensor) -> torch.Tensor:
     """float32 ``[rows, V]`` in vLLM ``sampler``'s logprobs mode: its ``compute_logprobs`` of
-    ``logits`` (``raw_logprobs``) or the logits themselves (``raw_logits``), a new tensor
-    either way."""
-    if sampler.logprobs_mode == "raw_logits":
+    ``logits`` (``*_logprobs``) or the logits themselves (``*_logits``), a new tensor either
+    way. ``logits``: the raw or the processed ones, as the mode says."""
+    if sampler.logprobs_mode.endswith("_logits"):
         return logits.to(torch.float32, copy=True)
     return sampler.compute_logprobs(logits)
 
@@ -56,7 +62,7 @@ def tree_step_logprobs(
     logprob and rank at the logits row that chose it (``path_logit_rows``)."""
     width = sampled.shape[1]
     rows = path_logit_rows(first_row, accepted, num_accepted, width)
-    logprobs = raw_logprobs(sampler, logits.index_select(0, rows))
+    logprobs = mode_logprobs(sampler, logits.index_select(0, rows))
     tokens = sampled.reshape(-1).long().clamp(min=0)  # -1 past the path: filtered by vLLM
     return sampler.gather_logprobs(logprobs, max_num_logprobs, tokens)
 

@@ -40,7 +40,11 @@ from vllm_ddtree.spec_decode.tree_logits_processors import (
     apply_tree_processors,
     needs_tree_processors,
 )
-from vllm_ddtree.spec_decode.tree_logprobs import raw_logprobs, tree_step_logprobs
+from vllm_ddtree.spec_decode.tree_logprobs import (
+    mode_logprobs,
+    processed_logprobs_mode,
+    tree_step_logprobs,
+)
 from vllm_ddtree.spec_decode.tree_step import (
     StepTableUpload,
     TreeStep,
@@ -241,9 +245,13 @@ def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_
     (``ops/keyed_gumbel.py``; an exact sample per row, the one target-alone decoding with that
     noise draws at the row's position). ``request_of_row()``: long ``[rows]``, each row's
     request; ``row_seeds_and_keys(request_of_row)``: int64 ``[rows]`` twice, each row's seed
-    and key (``_keyed_rows``); both called only when sampling."""
+    and key (``_keyed_rows``); both called only when sampling.
+
+    Also returns the rows' processed logits as vLLM's V1 sampler reports them in a processed
+    logprobs mode: ``logits`` in a greedy batch; in a batch that samples, every row after
+    temperature (1 for greedy rows) and its top-k / top-p."""
     if sampling_metadata.all_greedy:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1), logits
     rows = request_of_row()
     temperature = sampling_metadata.temperature.index_select(0, rows)
     greedy = temperature <= 0
@@ -266,7 +274,7 @@ def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_
         seeds[sampled_rows], keys[sampled_rows].unsqueeze(1), logits.shape[-1]
     ).squeeze(1)
     chosen[sampled_rows] = (scaled[sampled_rows] + noise).argmax(dim=-1)
-    return chosen
+    return chosen, scaled
 
 
 def _ban_stop_tokens_before_min_tokens(
@@ -339,9 +347,10 @@ def _sample_without_trees(runner, original, logits):
 
     runner.input_batch.update_async_output_token_ids()
     max_num_logprobs = sampling_metadata.max_num_logprobs
+    processed_mode = processed_logprobs_mode(runner.sampler)
     raw = None  # before the processors, as vLLM's sampler reports "raw" logprobs
-    if max_num_logprobs is not None:
-        raw = raw_logprobs(runner.sampler, logits)
+    if max_num_logprobs is not None and not processed_mode:
+        raw = mode_logprobs(runner.sampler, logits)
     # vLLM's own: allowed token ids, bad words, min_tokens and the other processors, penalties.
     logits = runner.sampler.apply_logits_processors(
         logits.to(torch.float32),
@@ -359,11 +368,12 @@ def _sample_without_trees(runner, original, logits):
 
     with step_range("ddtree::target_tokens"):
         keyed_rows = _keyed_rows(runner, num_reqs)
-        chosen = _target_tokens(logits, sampling_metadata, request_of_row, keyed_rows)
+        chosen, processed = _target_tokens(logits, sampling_metadata, request_of_row, keyed_rows)
     sampled = chosen.to(torch.int32).view(num_reqs, 1)
     logprobs_tensors = None
-    if raw is not None:
-        logprobs_tensors = runner.sampler.gather_logprobs(raw, max_num_logprobs, chosen.long())
+    if max_num_logprobs is not None:
+        scores = mode_logprobs(runner.sampler, processed) if processed_mode else raw
+        logprobs_tensors = runner.sampler.gather_logprobs(scores, max_num_logprobs, chosen.long())
     return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
 
@@ -399,6 +409,7 @@ def _wrap_sample(original):
         if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
             gdn.watch("in the target's forward after its last GDN layer, or its logits")
         max_num_logprobs = sampling_metadata.max_num_logprobs
+        processed_mode = processed_logprobs_mode(self.sampler)
         with step_range("ddtree::target_tokens"):
             unban = _ban_stop_tokens_before_min_tokens(
                 logits, sampling_metadata, trees, first_row, step.num_draft
@@ -423,9 +434,13 @@ def _wrap_sample(original):
                     trees.parents.tolist(),
                     num_draft,
                 )
-            chosen = _target_tokens(processed, sampling_metadata, request_of_row, keyed_rows)
-            if unban is not None and max_num_logprobs is not None:
-                unban()  # raw logprobs: the target's logits as they came
+            chosen, scored = _target_tokens(
+                processed, sampling_metadata, request_of_row, keyed_rows
+            )
+            if not processed_mode:
+                scored = logits  # raw: the target's logits as they came
+                if unban is not None and max_num_logprobs is not None:
+                    unban()
         if gdn is not None:
             gdn.watch("in choosing the target's tokens")
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
@@ -447,7 +462,7 @@ def _wrap_sample(original):
         logprobs_tensors = None
         if max_num_logprobs is not None:
             logprobs_tensors = tree_step_logprobs(
-                self.sampler, logits, first_row, accepted, num_accepted, sampled, max_num_logprobs
+                self.sampler, scored, first_row, accepted, num_accepted, sampled, max_num_logprobs
             )
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
