@@ -169,9 +169,13 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
         tokens, seconds, before, after = timed_generate(
             llm, prompts, temperature, one_at_a_time, max_tokens
         )
-        drafts, accepted = (
+        drafts, accepted, draft_tokens = (
             after.get(key, 0) - before.get(key, 0)
-            for key in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+            for key in (
+                "vllm:spec_decode_num_drafts",
+                "vllm:spec_decode_num_accepted_tokens",
+                "vllm:spec_decode_num_draft_tokens",
+            )
         )
         conn.send(
             {
@@ -179,6 +183,7 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
                 "seconds": seconds,
                 "drafts": drafts,
                 "accepted": accepted,
+                "draft_tokens": draft_tokens,  # tree nodes verified (DDTree)
             }
         )
 

@@ -59,6 +59,7 @@ from benchmarks.bench_paired import (
     ratio_text,
     row_groups,
     summarize_row,
+    turn_order,
 )
 from benchmarks.common import ROOT, module_command
 from vllm_ddtree.config import HYBRID_ENGINE_ARGS
@@ -294,6 +295,9 @@ def write_report(summary: dict, out: str) -> None:
     auto = auto_table(summary)
     if auto:
         lines += ["", '## DDTree "auto" (one engine, every batch)', "", *auto]
+    if summary.get("shift"):
+        lines += ["", '## Workload shift (one "auto" engine, chunks in order)', ""]
+        lines += shift_table(summary["shift"])
     if summary.get("splits"):
         from benchmarks.step_split import host_profile_table, split_table
 
@@ -439,6 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=int, default=420)
     parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
     parser.add_argument(
+        "--shift",
+        help="a workload shift instead of the grid: these datasets one after another (e.g. "
+        "humaneval,mtbench), each in --shift-chunks chunks of --shift-batch requests, every "
+        'engine by turns per chunk (greedy; the "auto" engine sees the chunks in order)',
+    )
+    parser.add_argument("--shift-chunks", type=int, default=12)
+    parser.add_argument("--shift-batch", type=int, default=1)
+    parser.add_argument(
         "--per-phase",
         type=int,
         default=0,
@@ -451,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.calibration and args.out):
         parser.error("--calibration and --out are required to measure")
+    if args.shift and not args.auto_max_seqs:
+        parser.error('--shift measures the "auto" engine: give --auto-max-seqs')
     started = time.time()
 
     from vllm_ddtree.testing.scale_models import SCALE_MODELS
@@ -483,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     pool_size = max(max(batches), args.batch1_prompts)
+    if args.shift:  # every chunk's prompts its own
+        pool_size = max(pool_size, args.shift_chunks * args.shift_batch)
     pools = {
         (mode, dataset): token_prompts(mode, dataset, pool_size, args.prompt_len, model.vocab_size)
         for mode in modes
@@ -595,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
             live.update({job["name"]: engines for job in starting})
             summary["engines"].update(engines.ready)
             summary["phases"].append({"engines": names, "start_seconds": time.time() - start})
+            if args.shift:
+                run_shift(summary, names, run, pools, reference_of, args, started)
+                continue
             run_phase(
                 summary,
                 phase,
@@ -727,6 +746,94 @@ def run_phase(
                 summary["wall_seconds"] = time.time() - started
                 write_report(summary, args.out)
                 print(json.dumps({"row": [mode, dataset, batch], **row["over_chain"]}), flush=True)
+
+
+def run_shift(summary, names, run, pools, reference_of, args, started) -> None:
+    """``--shift``: the datasets one after another, each in ``--shift-chunks`` chunks of
+    ``--shift-batch`` greedy requests (its pool's next prompts), every engine of ``names`` by
+    turns per chunk (AR left out: outputs are checked against the references). Per chunk and
+    engine: tok/s, acceptance, tree nodes verified per request and step (the budget "auto"
+    served), whether every output equals its reference. Appended to ``summary["shift"]``; the
+    report is rewritten after each chunk."""
+    here = [n for n in names if n != "ar"]
+    shift = summary.setdefault("shift", [])
+    for dataset in args.shift.split(","):
+        pool = pools[("greedy", dataset)]
+        for chunk in range(args.shift_chunks):
+            if time.time() - started > args.deadline:
+                print(f"deadline: skipped {dataset} chunk {chunk}", flush=True)
+                continue
+            first = chunk * args.shift_batch
+            prompts = [pool[(first + i) % len(pool)] for i in range(args.shift_batch)]
+            for name in turn_order(here, chunk):
+                answer = run(name, prompts, 0.0, args.shift_batch == 1)
+                tokens = sum(map(len, answer["tokens"]))
+                drafts = answer["drafts"]
+                shift.append(
+                    {
+                        "dataset": dataset,
+                        "chunk": chunk,
+                        "engine": name,
+                        "tok_per_s": tokens / answer["seconds"],
+                        "acceptance": 1 + answer["accepted"] / drafts if drafts else 1.0,
+                        "nodes_per_tree": answer.get("draft_tokens", 0) / drafts if drafts else 0,
+                        "equals_reference": all(
+                            t == reference_of[tuple(p)]
+                            for t, p in zip(answer["tokens"], prompts, strict=True)
+                        ),
+                        "clock": time.strftime("%H:%M:%S"),
+                    }
+                )
+            summary["wall_seconds"] = time.time() - started
+            write_report(summary, args.out)
+
+
+def shift_phases(shift: list[dict]) -> dict[str, dict]:
+    """Per dataset of a shift run: ``auto / best fixed`` per chunk (the fastest fixed budget
+    of that chunk), and from which chunk on "auto" stayed within 5% of it (None: it did not
+    by the last chunk)."""
+    phases: dict[str, dict] = {}
+    for dataset in dict.fromkeys(r["dataset"] for r in shift):
+        ratios = []
+        for chunk in sorted({r["chunk"] for r in shift if r["dataset"] == dataset}):
+            rows = {r["engine"]: r for r in shift if (r["dataset"], r["chunk"]) == (dataset, chunk)}
+            fixed = [r for n, r in rows.items() if n.startswith("ddtree") and n != AUTO]
+            if AUTO not in rows or not fixed:
+                continue
+            best = max(fixed, key=lambda r: r["tok_per_s"])
+            ratios.append(rows[AUTO]["tok_per_s"] / best["tok_per_s"])
+        settled = next((i for i in range(len(ratios)) if all(r >= 0.95 for r in ratios[i:])), None)
+        phases[dataset] = {"auto_over_best_fixed": ratios, "within_5_percent_from_chunk": settled}
+    return phases
+
+
+def shift_table(shift: list[dict]) -> list[str]:
+    """Markdown lines: per chunk, each engine's tok/s, "auto"'s tree nodes per request and
+    step and its ratio to the fastest fixed budget; then per dataset where it settled."""
+    engines = list(dict.fromkeys(r["engine"] for r in shift))
+    lines = [
+        "| dataset | chunk | "
+        + " | ".join(f"{e} tok/s" for e in engines)
+        + ' | "auto" nodes per tree | "auto" / fastest fixed | = reference |',
+        "| --- | --- | " + " | ".join("---" for _ in engines) + " | --- | --- | --- |",
+    ]
+    phases = shift_phases(shift)
+    for dataset, phase in phases.items():
+        chunks = sorted({r["chunk"] for r in shift if r["dataset"] == dataset})
+        for chunk, ratio in zip(chunks, phase["auto_over_best_fixed"], strict=False):
+            rows = {r["engine"]: r for r in shift if (r["dataset"], r["chunk"]) == (dataset, chunk)}
+            rates = " | ".join(f"{rows[e]['tok_per_s']:.0f}" if e in rows else "-" for e in engines)
+            same = all(r["equals_reference"] for r in rows.values())
+            lines.append(
+                f"| {dataset} | {chunk} | {rates} | {rows[AUTO]['nodes_per_tree']:.1f} | "
+                f"{ratio:.2f} | {'yes' if same else 'no'} |"
+            )
+    lines.append("")
+    for dataset, phase in phases.items():
+        settled = phase["within_5_percent_from_chunk"]
+        where = "not by its last chunk" if settled is None else f"from chunk {settled} on"
+        lines.append(f'- {dataset}: "auto" within 5% of the fastest fixed budget {where}.')
+    return lines
 
 
 if __name__ == "__main__":

@@ -349,3 +349,43 @@ def test_an_auto_engine_serves_every_batch_with_the_plugins_graphs(tmp_path, mon
     section = table.split('## DDTree "auto"')[1]
     assert section.count("| greedy |") == 4 and section.count("| sampling |") == 4
     assert "| b16 |" in section or "| b32 |" in section
+
+
+def test_a_workload_shift_runs_its_datasets_in_order_on_every_engine(tmp_path, monkeypatch):
+    """``--shift humaneval,mtbench``: each dataset's chunks in order, every engine but AR by
+    turns per chunk (outputs checked against the references), the "auto" engine's nodes per
+    tree recorded, and the report's shift section written."""
+    from benchmarks.scale_paired import AUTO
+
+    argv = ["--budgets", "16,32", "--batches", "1", "--max-tokens", "8", "--prompt-len", "4"]
+    argv += ["--auto-max-seqs", "4", "--split-batches", "", "--shift", "humaneval,mtbench"]
+    argv += ["--shift-chunks", "3", "--shift-batch", "2"]
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv)
+    shift = summary["shift"]
+    assert not summary["rows"]
+    engines = {"dflash", "ddtree_v2_b16", "ddtree_v2_b32", AUTO}
+    assert len(shift) == 2 * 3 * len(engines)
+    assert {r["engine"] for r in shift} == engines
+    assert [r["dataset"] for r in shift] == ["humaneval"] * 12 + ["mtbench"] * 12
+    assert all(r["equals_reference"] for r in shift)
+    table = (tmp_path / "out" / "scale_paired.md").read_text()
+    assert "## Workload shift" in table and '- mtbench: "auto" within 5%' in table
+
+
+def test_a_shift_phase_settles_where_auto_stays_within_5_percent():
+    from benchmarks.scale_paired import AUTO, shift_phases
+
+    def rows(dataset, chunk, auto, b16, b32):
+        rates = {AUTO: auto, "ddtree_v2_b16": b16, "ddtree_v2_b32": b32, "dflash": 999}
+        return [
+            {"dataset": dataset, "chunk": chunk, "engine": e, "tok_per_s": v}
+            for e, v in rates.items()
+        ]
+
+    shift = rows("humaneval", 0, 80, 90, 100) + rows("humaneval", 1, 97, 90, 100)
+    shift += rows("humaneval", 2, 99, 90, 100) + rows("mtbench", 0, 90, 100, 80)
+    shift += rows("mtbench", 1, 99, 100, 80) + rows("mtbench", 2, 90, 100, 80)
+    phases = shift_phases(shift)
+    assert phases["humaneval"]["auto_over_best_fixed"] == [0.8, 0.97, 0.99]
+    assert phases["humaneval"]["within_5_percent_from_chunk"] == 1
+    assert phases["mtbench"]["within_5_percent_from_chunk"] is None  # fell back at the end
