@@ -78,14 +78,15 @@ def test_each_step_verifies_every_requests_latest_proposal(schedule):
         trees = step_trees(store, rows, num_draft)
         steady_steps += trees.token_ids.data_ptr() == store.batch.token_ids.data_ptr()
         want = expected(latest, rows, num_draft)
-        for name in TREE_FIELDS:
+        assert torch.equal(trees.num_nodes, want.num_nodes), (schedule, rows)
+        kept = want.valid_mask()  # a tree's slots past its nodes are read by nobody
+        for name in TREE_FIELDS[:-1]:
             got, ref = getattr(trees, name), getattr(want, name)
-            drafted = torch.tensor(num_draft) > 0  # rows without drafts verify no tree
-            assert torch.equal(got[drafted], ref[drafted]), (schedule, rows, name)
-        if pending is not None and list(pending) == rows and set(num_draft) == {BUDGET}:
+            assert torch.equal(got[kept], ref[kept]), (schedule, rows, name)
+        if pending is not None and list(pending) == rows:  # whole trees or cut ones
             assert trees.token_ids.data_ptr() == store.batch.token_ids.data_ptr()
         latest.update(propose(store, rows, gen))
-    if schedule == "steady":
+    if schedule in ("steady", "cut_tree"):
         assert steady_steps == len(steps), "steady steps verify the drafter's rows in place"
 
 
@@ -154,3 +155,39 @@ def test_v1_a_steady_step_verifies_the_proposal_in_place():
 
 def tables(taken) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(taken.source), torch.from_numpy(taken.num_nodes)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_tree_cut_in_place_verifies_as_its_cleaned_selection(seed):
+    """The steady step's cut keeps the drafted nodes past each tree's cut: every reader of a
+    step's trees (the verify's positions and ancestor rows, the walk, each row's path tokens)
+    reads only a tree's first ``num_nodes`` slots, so it gives what the cleaned selection
+    (``select_trees``) gives."""
+    from vllm_ddtree.ops.row_paths import row_path_tokens
+    from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref
+    from vllm_ddtree.ops.tree_walk import walk_and_emit_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    budget, depth, num_reqs = 24, 5, 3
+    trees = build_trees(torch.randn(num_reqs, depth, 9, generator=gen) * 2, budget)
+    cut = torch.tensor([5, 0, 17])
+    in_place = DDTreeBatch(
+        **{name: getattr(trees, name) for name in TREE_FIELDS[:-1]},
+        num_nodes=torch.minimum(trees.num_nodes, cut),
+        max_depth=depth,
+    )
+    cleaned = select_trees(trees, torch.arange(num_reqs), cut)
+    num_scheduled = 1 + cut
+    query_start = torch.cumsum(num_scheduled, 0) - num_scheduled
+    total = int(num_scheduled.sum())
+    outputs = []
+    for step_trees in (in_place, cleaned):
+        positions = torch.arange(total) + 50
+        mask = tree_step_inputs_ref(step_trees, query_start, cut, num_scheduled, positions, total)
+        chosen = torch.randint(0, 9, (total,), generator=torch.Generator().manual_seed(seed))
+        walked = walk_and_emit_ref(step_trees, chosen, query_start, cut, budget + 1)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(num_scheduled, 0)])
+        paths = row_path_tokens(step_trees, cu, total, depth)
+        outputs.append((positions, mask, *walked, *paths))
+    for got, want in zip(*outputs, strict=True):
+        assert torch.equal(got, want)

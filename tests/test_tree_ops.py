@@ -75,6 +75,48 @@ def test_kernel_whole_tree_rows_match_reference(case):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_trees_cut_in_place_match_their_cleaned_selection(case):
+    """The V2 proposal store cuts a steady step's trees by their node counts alone, the
+    drafted nodes left past the cut: the step-inputs and walk kernels read only each tree's
+    first ``num_nodes`` slots, so they give what the references give on the cleaned
+    selection (``select_trees``)."""
+    needs_kernel()
+    from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
+    from vllm_ddtree.ops.tree_walk import walk_and_emit_ref, walk_and_emit_triton
+    from vllm_ddtree.tree import DDTreeBatch, select_trees
+
+    tree, target = walked_batch(*case, seed=4)
+    num_reqs, width = tree.token_ids.shape
+    cut = (tree.num_nodes + 1) // 2
+    in_place = DDTreeBatch(
+        token_ids=tree.token_ids,
+        parents=tree.parents,
+        depths=tree.depths,
+        scores=tree.scores,
+        num_nodes=torch.minimum(tree.num_nodes, cut),
+        max_depth=tree.max_depth,
+    )
+    cleaned = select_trees(tree, torch.arange(num_reqs), cut)
+    num_scheduled = 1 + cut
+    query_start = torch.cumsum(num_scheduled, 0) - num_scheduled
+    total = int(num_scheduled.sum())
+    positions = torch.arange(total) + 50
+    want_positions = positions.clone()
+    want = tree_step_inputs_ref(cleaned, query_start, cut, num_scheduled, want_positions, total)
+    on_device = [t.to(DEVICE) for t in (query_start, cut, num_scheduled, positions)]
+    got = tree_step_inputs_triton(in_place.to(DEVICE), *on_device, total)
+    assert torch.equal(got.cpu(), want) and torch.equal(on_device[3].cpu(), want_positions)
+    chosen = torch.cat([target[r, : 1 + int(cut[r])] for r in range(num_reqs)])
+    walked = walk_and_emit_triton(
+        in_place.to(DEVICE), chosen.to(DEVICE), on_device[0], on_device[1], width + 1
+    )
+    reference = walk_and_emit_ref(cleaned, chosen, query_start, cut, width + 1)
+    for got_part, want_part in zip(walked, reference, strict=True):
+        assert torch.equal(got_part.cpu(), want_part)
+
+
+@pytest.mark.interpreter
 def test_kernel_empty_trees_walk_nowhere():
     needs_kernel()
     from vllm_ddtree.ops.tree_walk import walk_and_emit_triton
@@ -95,7 +137,7 @@ def test_kernel_empty_trees_walk_nowhere():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=7 * len(CASES) + 3 + len(BUILD_CASES))
+    run_under_interpreter(__file__, "kernel_", expected=8 * len(CASES) + 3 + len(BUILD_CASES))
 
 
 def step_layout(seed):

@@ -10,8 +10,10 @@ Tree layout (per request, ``N`` = the tensor width = the budget):
   node tensors and does not count against the budget;
 * node ``i`` (0-based in the ``[R, N]`` tensors) has tree index ``i + 1``;
 * ``parents`` holds tree indices (0 = root); a parent always has a smaller index than its child;
-* nodes come in non-increasing score order; slots ``num_nodes[r] .. N-1`` are padding
-  (parent 0, depth 0, token -1, score -inf).
+* nodes come in non-increasing score order; slots ``num_nodes[r] .. N-1`` are padding:
+  every reader reads a tree's first ``num_nodes`` slots only. A tree built here or selected
+  (``select_trees``) holds parent 0, depth 0, token -1 and score -inf there; a tree cut in
+  place (the V2 proposal store's steady step) keeps the drafted nodes past its cut.
 
 Construction (Ringel & Romano 2026, Prop. 2 and Lemma 1): the optimal tree under the drafter's
 factorised distribution is the set of the ``budget`` prefixes with the highest product of

@@ -12,9 +12,12 @@ step may come with other rows (requests joined, left or were not scheduled), so 
 looked up by vLLM's request-state index (``state``). Copying every proposal into ``state``
 and selecting it back costs ~20 small launches per step on the host, the part of a small
 model's step that the GPU waits for. Most steps need neither: when the next step has exactly
-the proposal's rows, each with its whole tree scheduled, it verifies ``batch`` as it is.
-Otherwise the pending proposal is first copied into ``state`` (once, lazily) and the step's
-trees are selected from there, cut to the scheduled nodes.
+the proposal's rows, it verifies ``batch`` as it is, each tree cut to its scheduled nodes by
+its node count alone (one launch; a per-batch-size schedule or a request's own budget
+schedules fewer nodes than the drafter proposed: the first ``b`` nodes of a best-first tree
+are the best-first tree of budget ``b``, and every reader of a tree reads only its first
+``num_nodes`` slots). Otherwise the pending proposal is first copied into ``state`` (once,
+lazily) and the step's trees are selected from there, cut to the scheduled nodes.
 
 V2: Invariant: a request's latest proposal is in ``batch`` (while pending) or in ``state``. A
 steady step consumes every pending row (same rows), so nothing pending is lost; every drafter
@@ -89,22 +92,22 @@ class ProposalStore:
         """The trees this step verifies, ``[R, budget]`` for request states ``rows`` (host;
         ``index`` the same on the device), each cut to ``num_nodes`` nodes (host and device
         long ``[R]``: its scheduled drafts if ``take`` found its proposal, else 0). Views of
-        ``batch`` on a steady step (valid until the next drafter run), else a selection from
+        ``batch`` on a steady step (the proposal's rows; valid until the next drafter run; the
+        slots past a cut tree's nodes keep the drafted ones), else a selection from
         ``state``."""
         pending = self._pending_rows
         steady = (
             pending is not None
             and len(pending) == len(rows)
             and bool(np.array_equal(pending, rows))
-            and bool((num_nodes_np == self.tree_budget).all())
         )
         if steady:
             self._pending_rows = self._pending_index = None  # consumed
             num_reqs = len(rows)
-            return DDTreeBatch(
-                **{name: getattr(self.batch, name)[:num_reqs] for name in TREE_FIELDS},
-                max_depth=self.batch.max_depth,
-            )
+            views = {name: getattr(self.batch, name)[:num_reqs] for name in TREE_FIELDS}
+            if not bool((num_nodes_np == self.tree_budget).all()):
+                views["num_nodes"] = torch.minimum(views["num_nodes"], num_nodes)
+            return DDTreeBatch(**views, max_depth=self.batch.max_depth)
         self.flush()
         return select_trees(self.state, index.long(), num_nodes)
 
