@@ -623,3 +623,31 @@ def test_a_stale_estimate_below_a_smaller_budgets_is_explored_again():
     assert choose_live_schedule(cheap, current, candidates, 2, 2048, 16.0, explore=True)[0] == [
         (1, 2, 4)
     ]
+
+
+def test_the_live_schedule_takes_the_fastest_and_holds_a_served_budget_close_to_it():
+    """Live estimates are of this engine's own workload: a budget predicted 2% faster than a
+    smaller one is taken (the profile's 5% tie toward the smaller budget held "auto" below the
+    fastest fixed budget on the 8B scale model); the budget a batch size is served keeps it
+    while predicted within HOLD_MARGIN of the fastest, and gives way past it."""
+    from vllm_ddtree.cost_model import HOLD_MARGIN, LIVE_NEAR_TIE, NEAR_TIE, choose_live_schedule
+
+    assert LIVE_NEAR_TIE < 0.02 < HOLD_MARGIN < NEAR_TIE
+    flat = CostProfile(  # every budget's step costs the same: tok/s follows acceptance
+        source="test",
+        depth=15,
+        chain=StepCost(3.0, 0.0),
+        tree=StepCost(5.0, 0.0),
+        chain_acceptance=1.8,
+        tree_acceptance={16: 2.5, 32: 2.6},
+        max_batch=4,
+    )
+    candidates = [16, 32]
+    close = {16: (5.0, 50.0), 32: (5.1, 50.0)}
+    assert choose_live_schedule(flat, close, candidates, 2, 2048, 16.0)[0] == [(1, 2, 32)]
+    held = [(1, 1, 16), (2, 2, 32)]
+    assert choose_live_schedule(flat, close, candidates, 2, 2048, 16.0, served=held)[0] == held
+    apart = {16: (5.0, 50.0), 32: (5.3, 50.0)}
+    assert choose_live_schedule(flat, apart, candidates, 2, 2048, 16.0, served=held)[0] == [
+        (1, 2, 32)
+    ]

@@ -50,6 +50,15 @@ MIN_PREDICTED_GAIN = 1.10
 # the same mean speedup over the chain, but on the set where the chain is strongest (sharegpt)
 # budget 16 kept 0.89x / 1.03x of it and budget 32 0.78x / 0.80x.
 NEAR_TIE = 0.05
+# An online "auto" judges budgets by the acceptance this engine reached on its own workload,
+# not by a mean over prompt sets: there a tie is narrower, and a batch size keeps the budget it
+# is served while that is predicted within HOLD_MARGIN of the fastest (so that noise in the
+# live estimates does not move it back and forth, each move a step of another verify width).
+# On the 8B scale model (benchmarks/results/2026-12-03_41c5d93_scale-8b-auto-grid) the 5% tie
+# toward the smaller budget held "auto" at 0.85-0.95x the fastest fixed budget in most batch-1
+# rows, its budget at batch 1 moving between 16, 32 and 64 from one refresh to the next.
+LIVE_NEAR_TIE = 0.01
+HOLD_MARGIN = 0.03
 # What "auto" schedules per batch size on the V2 runner (``choose_schedule``): trees of 17 verify
 # tokens and more, whose every uniform verify batch vLLM's default graph sizes (steps of 8,
 # then 16 tokens) give a FULL graph in its V2 manager; narrower trees leave some batch sizes
@@ -173,10 +182,18 @@ def _predicted_trees(profile: CostProfile, batch: int, candidates) -> dict[int, 
     return {b: profile.tree_tokens_per_s(b, batch) for b in candidates}
 
 
-def _fastest(predicted: dict[int, float]) -> int:
-    """The smallest budget predicted within ``NEAR_TIE`` of the fastest."""
+def _fastest(predicted: dict[int, float], tie: float = NEAR_TIE) -> int:
+    """The smallest budget predicted within ``tie`` of the fastest."""
     fastest = max(predicted.values())
-    return min(b for b, tok_s in predicted.items() if tok_s >= (1 - NEAR_TIE) * fastest)
+    return min(b for b, tok_s in predicted.items() if tok_s >= (1 - tie) * fastest)
+
+
+def served_budget(schedule: list[tuple[int, int, int]] | None, batch: int) -> int | None:
+    """The budget ``schedule`` (vLLM's inclusive ranges) serves at ``batch`` requests."""
+    for first, last, budget in schedule or ():
+        if first <= batch <= last:
+            return budget
+    return None
 
 
 def choose_budget(
@@ -269,6 +286,7 @@ def choose_live_schedule(
     max_verify_tokens: int,
     min_trees: float,
     explore: bool = False,
+    served: list[tuple[int, int, int]] | None = None,
 ) -> tuple[list[tuple[int, int, int]], dict[int, float]]:
     """``choose_schedule`` over ``candidates`` with the acceptance this engine reached
     (``live``: ``{budget: (tokens per verify step, decayed trees behind it)}``,
@@ -278,7 +296,10 @@ def choose_live_schedule(
     shift, and judged as unmeasured); the profile's step costs. With ``explore``, a batch
     size whose next larger fitting budget has no live estimate is given it when predicted
     within ``EXPLORE_MARGIN`` of its fastest (so a budget above the one served is measured
-    again). Returns the schedule and the tokens per step it used by budget."""
+    again). A batch size gets the smallest budget within ``LIVE_NEAR_TIE`` of the fastest,
+    unless the budget ``served`` there (the schedule being served) is predicted within
+    ``HOLD_MARGIN`` of the fastest: then it keeps it. Returns the schedule and the tokens per
+    step it used by budget."""
     acceptance: dict[int, float] = {}
     known: set[int] = set()
     floor = 0.0
@@ -295,7 +316,10 @@ def choose_live_schedule(
 
     def budget_at(batch: int) -> int:
         predicted = _fitting_predictions(judged, batch, candidates, max_verify_tokens)
-        best = _fastest(predicted)
+        best = _fastest(predicted, LIVE_NEAR_TIE)
+        held = served_budget(served, batch)
+        if held in predicted and predicted[held] >= (1 - HOLD_MARGIN) * predicted[best]:
+            best = held
         larger = sorted(b for b in predicted if b > best)
         if explore and larger and larger[0] not in known:
             if predicted[larger[0]] >= (1 - EXPLORE_MARGIN) * predicted[best]:

@@ -146,6 +146,7 @@ class OnlineBudget:
             self.max_verify_tokens,
             MIN_TREES,
             explore=self.refreshes % EXPLORE_EVERY == 0,
+            served=self.schedule,
         )
         if schedule == self.schedule:
             return
