@@ -268,7 +268,8 @@ def write_report(summary: dict, out: str) -> None:
         "acceptance synthetic, calibrated to the DDTree paper's Qwen3-8B DFlash numbers "
         f"({summary['calibration']}). {summary['repeats']} rounds per row after one untimed "
         f"run; {summary['max_tokens']} tokens per request, prompts of {summary['prompt_len']} "
-        f"token ids. Copy bandwidth {summary['bandwidth_gb_s']:.0f} GB/s. Engine starts: AR "
+        f"token ids, {'with' if summary.get('torch_compile') else 'without'} torch.compile. "
+        f"Copy bandwidth {summary['bandwidth_gb_s']:.0f} GB/s. Engine starts: AR "
         f"{summary['ar_start_seconds']:.0f} s; {phase_starts(summary)}. Sampling rows: "
         f"temperature {summary['sampling_temperature']:g} with the T = 1 profiles. `= AR`: "
         "requests whose output equals AR's in the same round (the chain's in a phase without "
@@ -440,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
         help='also run DDTree "tree_budget": "auto" on an engine of this max_num_seqs, every '
         "batch of the grid on it, its CUDA graphs the plugin's (0: no auto engine)",
     )
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="every engine with vLLM's torch.compile (its fused kernels; starts take longer)",
+    )
     parser.add_argument("--start-timeout", type=int, default=420)
     parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
     parser.add_argument(
@@ -525,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
             overrides["max_num_batched_tokens"], job["width"] * job["max_seqs"]
         )
 
-    def compile_config(job):  # FULL graphs of every decode/verify batch, no torch.compile
-        config = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    def compile_config(job):  # FULL graphs of every decode/verify batch
+        # Without torch.compile unless asked (engine starts of minutes): its fused kernels
+        # shorten every engine's forward alike.
+        config = {"mode": 3 if args.torch_compile else 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         if job["cudagraph_capture_sizes"]:  # else the plugin's sizes ("auto")
             config["cudagraph_capture_sizes"] = job["cudagraph_capture_sizes"]
         return config
@@ -587,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_model_len": overrides["max_model_len"],
             "sampling_temperature": args.sampling_temperature,
             "max_verify_tokens": args.max_verify_tokens,
+            "torch_compile": args.torch_compile,
             "batches_served": served,
             "bandwidth_gb_s": floor_bytes["bandwidth"] / 1e9,
             "floor_bytes": floor_bytes,
