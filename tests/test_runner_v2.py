@@ -289,3 +289,26 @@ def test_the_chain_oracle_speculator_drafts_the_oracles_future(tmp_path):
     drafts = draft(speculator, torch.zeros(depth, 8), keys, states, torch.zeros(4), None, 0, None)
     assert drafts.tolist() == sequence[5 : 5 + depth]
     assert heads == [(depth, 8)]
+
+
+def test_the_v2_drafts_for_the_scheduler_carry_the_trees_parents():
+    """Steps with structured outputs: vLLM's V2 runner hands the scheduler its drafts
+    (``take_draft_token_ids``); with DDTree the trees' parents go along, for the grammar
+    bitmask of each node's own path, and nothing is attached when none were proposed."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.spec_decode import v2_hooks
+    from vllm_ddtree.structured_outputs import TREE_PARENTS_ATTR, ParentsToHost
+
+    parents = ParentsToHost()
+    speculator = SimpleNamespace(ddtree=object(), parents_to_host=parents)
+    runner = SimpleNamespace(speculator=speculator)
+    drafts = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[5, 6, 7], [8, 9, 1]])
+    take = v2_hooks._wrap_take_draft_token_ids(lambda self: drafts)
+    parents.start(torch.tensor([[0, 1, 0], [0, 0, 2], [9, 9, 9]]))
+    taken = take(runner)
+    assert getattr(taken, TREE_PARENTS_ATTR) == [[0, 1, 0], [0, 0, 2]]
+    parents.clear()
+    other = SimpleNamespace(req_ids=["a"], draft_token_ids=[[5]])
+    take = v2_hooks._wrap_take_draft_token_ids(lambda self: other)
+    assert not hasattr(take(runner), TREE_PARENTS_ATTR)
