@@ -204,6 +204,17 @@ class ParentsToHost:
         self._parents = None
 
 
+def with_tree_parents(taken, parents_to_host: ParentsToHost):
+    """vLLM's ``DraftTokenIds`` (``taken``; None: none) with the parents of the trees just
+    proposed attached (``TREE_PARENTS_ATTR``), when they were copied for it."""
+    if taken is None:
+        return None
+    parents = parents_to_host.take(len(taken.req_ids))
+    if parents is not None:
+        setattr(taken, TREE_PARENTS_ATTR, parents)
+    return taken
+
+
 def _is_ddtree_engine(vllm_config) -> bool:
     from vllm_ddtree.compat import get_ddtree_config
 

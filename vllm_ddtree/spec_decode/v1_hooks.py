@@ -58,7 +58,7 @@ from vllm_ddtree.spec_decode.tree_thinking_budget import (
     budgeted_requests,
     without_thinking_budget,
 )
-from vllm_ddtree.structured_outputs import TREE_PARENTS_ATTR
+from vllm_ddtree.structured_outputs import with_tree_parents
 from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")
@@ -509,12 +509,7 @@ def _wrap_take_draft_token_ids(original):
     def take_draft_token_ids(self):
         taken = original(self)
         drafter = _ddtree_proposer(self)
-        if taken is None or drafter is None:
-            return taken
-        parents = drafter.parents_to_host.take(len(taken.req_ids))
-        if parents is not None:
-            setattr(taken, TREE_PARENTS_ATTR, parents)
-        return taken
+        return taken if drafter is None else with_tree_parents(taken, drafter.parents_to_host)
 
     return take_draft_token_ids
 

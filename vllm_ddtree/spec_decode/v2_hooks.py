@@ -54,7 +54,7 @@ from vllm_ddtree.spec_decode.tree_step import (
     set_tree_step_inputs,
 )
 from vllm_ddtree.step_costs import measured_step_costs, time_graphs_as_captured
-from vllm_ddtree.structured_outputs import TREE_PARENTS_ATTR
+from vllm_ddtree.structured_outputs import with_tree_parents
 from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")
@@ -320,12 +320,9 @@ def _wrap_take_draft_token_ids(original):
     def take_draft_token_ids(self):
         taken = original(self)
         speculator = _ddtree_speculator(self)
-        if taken is None or speculator is None:
+        if speculator is None:
             return taken
-        parents = speculator.parents_to_host.take(len(taken.req_ids))
-        if parents is not None:
-            setattr(taken, TREE_PARENTS_ATTR, parents)
-        return taken
+        return with_tree_parents(taken, speculator.parents_to_host)
 
     return take_draft_token_ids
 
