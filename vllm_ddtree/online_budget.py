@@ -6,7 +6,8 @@ every smaller budget (``online_acceptance.py``, kept by each worker). Every
 ``REFRESH_STEPS`` engine steps the engine core reads the first worker's estimates and sets
 vLLM's per-batch-size budget lookup (the scheduler's ``dynamic_sd_lookup``, what
 ``num_speculative_tokens_per_batch_size`` configures) to the budget predicted fastest at each
-batch size: the live acceptance where enough trees stand behind it, the profile's elsewhere,
+batch size (a batch size keeps the budget it is served while that is predicted within 3% of the
+fastest: ``cost_model.HOLD_MARGIN``): the live acceptance where enough trees stand behind it, the profile's elsewhere,
 and the step costs of this engine: on V2 the device time of each verify width and drafter
 pass, timed from its CUDA graphs at start (``step_costs.py``), plus the profile's host cost;
 elsewhere the profile's (``cost_model.choose_live_schedule``). A budget below the one
