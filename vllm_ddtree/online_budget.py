@@ -1,19 +1,18 @@
 """``"tree_budget": "auto"`` that follows the acceptance this engine reaches.
 
 At start, "auto" picks a budget from a cost profile measured on another pair
-(``config._automatic_budget``). Once trees run, every verified tree tells the acceptance of
-every smaller budget (``online_acceptance.py``, kept by each worker). Every
-``REFRESH_STEPS`` engine steps the engine core reads the first worker's estimates and sets
-vLLM's per-batch-size budget lookup (the scheduler's ``dynamic_sd_lookup``, what
-``num_speculative_tokens_per_batch_size`` configures) to the budget predicted fastest at each
-batch size (a batch size keeps the budget it is served while that is predicted within 3% of the
-fastest: ``cost_model.HOLD_MARGIN``): the live acceptance where enough trees stand behind it, the profile's elsewhere,
-and the step costs of this engine: on V2 the device time of each verify width and drafter
-pass, timed from its CUDA graphs at start (``step_costs.py``), plus the profile's host cost;
-elsewhere the profile's (``cost_model.choose_live_schedule``). A budget below the one
-scheduled is learned for free; one above it only while it is scheduled, so once unscheduled
-its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a smaller
-budget's), and every ``EXPLORE_EVERY``-th refresh serves it for one refresh where predicted
+(``config._automatic_budget``). Once trees run, every verified tree tells the acceptance of every
+smaller budget (``online_acceptance.py``, kept by each worker). Every ``REFRESH_STEPS`` engine steps
+the engine core reads the first worker's estimates and sets vLLM's per-batch-size budget lookup (the
+scheduler's ``dynamic_sd_lookup``, what ``num_speculative_tokens_per_batch_size`` configures) to the
+budget predicted fastest at each batch size (a batch size keeps the budget it is served while that
+is predicted within 3% of the fastest: ``cost_model.HOLD_MARGIN``): the live acceptance where enough
+trees stand behind it, the profile's elsewhere, and the step costs of this engine: on V2 the device
+time of each verify width and drafter pass, timed from its CUDA graphs at start (``step_costs.py``),
+plus the profile's host cost; elsewhere the profile's (``cost_model.choose_live_schedule``). A
+budget below the one scheduled is learned for free; one above it only while it is scheduled, so once
+unscheduled its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a
+smaller budget's), and every ``EXPLORE_EVERY``-th refresh serves it for one refresh where predicted
 close to the fastest, so a workload whose acceptance rose moves the budget up again.
 
 Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets: on the V2 runner
