@@ -192,9 +192,8 @@ def test_options_are_refused_where_the_tree_step_cannot_apply_them():
     from vllm_ddtree.config import unsupported_sampling_params
 
     asks = SimpleNamespace(logprobs=3)
-    for runner in ("v1", "v2"):
-        for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
-            assert unsupported_sampling_params(asks, runner, mode) == []
+    for runner in ("v1", "v2"):  # whatever the engine's logprobs_mode: it is not asked
+        assert unsupported_sampling_params(asks, runner) == []
     everything = SimpleNamespace(logprobs=-1)
     assert "V2 model runner" in unsupported_sampling_params(everything, "v1")[0]
     assert unsupported_sampling_params(everything, "v2") == []

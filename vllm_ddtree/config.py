@@ -330,20 +330,16 @@ def check_engine_is_supported(
         )
 
 
-def unsupported_sampling_params(
-    params: Any, runner: str = "v1", logprobs_mode: str = "raw_logprobs"
-) -> list[str]:
+def unsupported_sampling_params(params: Any, runner: str = "v1") -> list[str]:
     """The request's ``SamplingParams`` fields the tree sampler cannot apply yet (their names;
-    empty when the request is fine), on ``runner`` ("v1" or "v2") with the engine's
-    ``logprobs_mode``. Checked when vLLM validates a request, so such a request gets an error
-    of its own and never reaches the engine.
+    empty when the request is fine), on ``runner`` ("v1" or "v2"). Checked when vLLM validates
+    a request, so such a request gets an error of its own and never reaches the engine.
 
     Both runners apply penalties, ``allowed_token_ids``, ``bad_words`` and structured outputs
     along each node's own path, and report logprobs in every ``logprobs_mode`` from the rows
     of the accepted path. The V1 runner does not report the whole vocabulary
     (``logprobs=-1``); the V2 runner refuses ``thinking_token_budget``, as vLLM's V2 runner
     does for every method."""
-    del logprobs_mode  # every mode is served
     names = []
     logprobs = getattr(params, "logprobs", None)
     if runner == "v1" and logprobs is not None and logprobs < 0:
@@ -353,12 +349,10 @@ def unsupported_sampling_params(
     return names
 
 
-def check_sampling_params(
-    params: Any, runner: str = "v1", logprobs_mode: str = "raw_logprobs"
-) -> None:
+def check_sampling_params(params: Any, runner: str = "v1") -> None:
     """Raise ``DDTreeConfigError`` naming every field of ``params`` that DDTree cannot honour
     (``unsupported_sampling_params``)."""
-    names = unsupported_sampling_params(params, runner, logprobs_mode)
+    names = unsupported_sampling_params(params, runner)
     if names:
         raise DDTreeConfigError(
             f"speculative method 'ddtree' does not support {', '.join(names)} yet; send this "

@@ -335,9 +335,7 @@ def _wrap_validate_spec_decode(original):
         original(self, speculative_config, *args, **kwargs)
         ddtree = get_ddtree_config(speculative_config)
         if ddtree is not None:
-            target = getattr(speculative_config, "target_model_config", None)
-            logprobs_mode = getattr(target, "logprobs_mode", "raw_logprobs")
-            check_sampling_params(self, ddtree.runner, logprobs_mode)
+            check_sampling_params(self, ddtree.runner)
             check_request_options(self, ddtree.tree_budget)
 
     return _validate_spec_decode
