@@ -376,7 +376,7 @@ def test_v2_logprobs_come_from_the_rows_of_the_accepted_path(monkeypatch):
         cu_num_logits_np=np.array([0, 5, 8]),
         expanded_idx_mapping=torch.tensor([0] * 5 + [1] * 3),
     )
-    args = (batch, requests, first_row, accepted, num_accepted, sampled)
+    args = (batch, requests, local, first_row, accepted, num_accepted, sampled)
     got = tree_step_logprobs_v2(sampler, raw, processed, *args)
     assert torch.equal(got.logits, raw[rows])
     assert got.tokens.tolist() == [11, 12, 13, 0, 0, 21, 0, 0]

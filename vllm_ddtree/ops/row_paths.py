@@ -48,6 +48,14 @@ def row_requests(cu_num_logits: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(cu_num_logits[1:].contiguous(), rows, right=True).long()
 
 
+def row_layout(cu_num_logits: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each logits row's request (batch index) and its place among that request's rows (0:
+    the root), both long ``[num_rows]``."""
+    requests = row_requests(cu_num_logits, num_rows)
+    local = torch.arange(num_rows, device=requests.device) - cu_num_logits.long()[requests]
+    return requests, local
+
+
 def row_path_tokens(
     trees: DDTreeBatch,
     cu_num_logits: torch.Tensor,
@@ -57,8 +65,7 @@ def row_path_tokens(
     """The path tokens of every logits row of a tree step (long ``[num_rows, max_depth]``,
     ``-1`` after the path) and their number (long ``[num_rows]``). A request's rows past its
     tree's nodes (drafts vLLM padded in, never walked) get empty paths."""
-    requests = row_requests(cu_num_logits, num_rows)
-    local = torch.arange(num_rows, device=requests.device) - cu_num_logits.long()[requests]
+    requests, local = row_layout(cu_num_logits, num_rows)
     paths = tree_path_tokens(trees, max_depth)
     tokens = paths[requests, local.clamp(max=trees.tree_budget)]
     return tokens, (tokens >= 0).sum(dim=1)

@@ -89,6 +89,7 @@ def tree_step_logprobs_v2(
     processed_logits: torch.Tensor,
     input_batch,
     requests: torch.Tensor,
+    local: torch.Tensor,
     first_row: torch.Tensor,
     accepted: torch.Tensor,
     num_accepted: torch.Tensor,
@@ -102,8 +103,9 @@ def tree_step_logprobs_v2(
     (``emitted_logit_rows``), computed as vLLM's sampler computes a target-alone step's: in its
     ``logprobs_mode`` (raw: ``logits`` as the model gave them, the grammar bitmask applied;
     processed: ``processed_logits`` after every sampling parameter), its top ``logprobs`` and
-    each request's own ``logprob_token_ids``. ``requests`` long ``[rows]``: each logits row's
-    request; ``sampled`` ``[R, W]``: the emitted tokens, then -1.
+    each request's own ``logprob_token_ids``. ``requests``, ``local`` long ``[rows]``: each
+    logits row's request and its place among that request's rows (``ops/row_paths.row_layout``);
+    ``sampled`` ``[R, W]``: the emitted tokens, then -1.
     """
     from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
     from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
@@ -111,10 +113,8 @@ def tree_step_logprobs_v2(
     idx_mapping_np = input_batch.idx_mapping_np
     if not sampler.returns_logprobs(idx_mapping_np):
         return None
-    processed = sampler.logprobs_mode in ("processed_logprobs", "processed_logits")
-    scored = processed_logits if processed else logits
+    scored = processed_logits if processed_logprobs_mode(sampler) else logits
     num_rows = scored.shape[0]
-    local = torch.arange(num_rows, device=scored.device) - first_row.long()[requests]
     rows = emitted_logit_rows(first_row, accepted, num_accepted, requests, local)
     column = local.clamp(max=sampled.shape[1] - 1)
     tokens = sampled.long()[requests, column].clamp(min=0)
@@ -129,5 +129,5 @@ def tree_step_logprobs_v2(
         logprob_token_ids_state=sampler.logprob_token_ids_state,
         expanded_idx_mapping=input_batch.expanded_idx_mapping,
         max_per_req_token_ids=max_per_req_token_ids,
-        logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"),
+        logits_mode=sampler.logprobs_mode.endswith("_logits"),
     )

@@ -35,7 +35,7 @@ import torch
 
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import oracle_path
-from vllm_ddtree.ops.row_paths import row_path_tokens, row_requests
+from vllm_ddtree.ops.row_paths import row_layout, row_path_tokens
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode import step_checks
@@ -280,13 +280,14 @@ def _wrap_sample(original):
         observe_acceptance(speculator.state, step)
         logprobs = None
         if returns_logprobs:
-            requests = row_requests(input_batch.cu_num_logits[: num_reqs + 1], logits.shape[0])
+            requests, local = row_layout(input_batch.cu_num_logits[: num_reqs + 1], logits.shape[0])
             logprobs = tree_step_logprobs_v2(
                 self.sampler,
                 logits,
                 processed_logits,
                 input_batch,
                 requests,
+                local,
                 first_row,
                 accepted,
                 num_accepted,
