@@ -9,8 +9,8 @@ and, unless ``--no-options``, request options: a chat completion with a JSON-sch
 ``top_logprobs``, a completion with presence / frequency / repetition penalties and one with
 ``allowed_token_ids`` and ``bad_words``. The answers must be identical (logprobs within 1e-4);
 /metrics of the DDTree server must show the spec-decode counters, its log one statistics line
-per request that asked, and an out-of-range ``tree_budget`` must get a 400. Writes JSON;
-exits non-zero otherwise.
+per request that asked and its response the same statistics (``kv_transfer_params``), and an
+out-of-range ``tree_budget`` must get a 400. Writes JSON; exits non-zero otherwise.
 
     python -m benchmarks.serve_check --out benchmarks/results [--port 8711] [--dtype float32]
 """
@@ -86,8 +86,10 @@ def streamed_text(raw: bytes, chat: bool) -> str:
     return "".join(text)
 
 
-def ask_all(port: int, model: str, prompts: list[str], options: bool = True) -> dict:
-    answers = {}
+def ask_all(port: int, model: str, prompts: list[str], options: bool = True) -> tuple[dict, list]:
+    """The answers to compare, and per prompt the ``kv_transfer_params`` of the completion that
+    asked for its own DDTree options (its tree statistics there with DDTree)."""
+    answers, returned_stats = {}, []
     for i, prompt in enumerate(prompts):
         common = {"model": model, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
         completion = json.loads(request(port, "/v1/completions", {**common, "prompt": prompt}))
@@ -107,11 +109,12 @@ def ask_all(port: int, model: str, prompts: list[str], options: bool = True) -> 
             request(port, "/v1/completions", {**common, "prompt": prompt, "vllm_xargs": xargs})
         )
         answers[f"completion_own_budget_{i}"] = own["choices"][0]["text"]
+        returned_stats.append(own.get("kv_transfer_params"))
         if options:
             answers.update(
                 {f"{name}_{i}": answer for name, answer in ask_options(port, model, prompt)}
             )
-    return answers
+    return answers, returned_stats
 
 
 def ask_options(port: int, model: str, prompt: str):
@@ -244,13 +247,15 @@ def main() -> int:
     common = ["--dtype", args.dtype, *args.server_args.split()]
     ddtree = json.dumps({"method": "ddtree", "model": drafter, "tree_budget": 16})
     os.makedirs(args.out, exist_ok=True)
-    results = {}
+    results, returned_stats = {}, {}
     metrics_text = ""
     refused = None  # the DDTree server's status for an out-of-range tree_budget
     for name, extra in (("target", common), ("ddtree", [*common, "--speculative-config", ddtree])):
         proc = serve(target, args.port, extra, os.path.join(args.out, f"serve_{name}.log"))
         try:
-            results[name] = ask_all(args.port, target, prompts, not args.no_options)
+            results[name], returned_stats[name] = ask_all(
+                args.port, target, prompts, not args.no_options
+            )
             if name == "ddtree":
                 metrics_text = request(args.port, "/metrics").decode()
                 bad = {"model": target, "prompt": prompts[0], "max_tokens": 4}
@@ -277,6 +282,11 @@ def main() -> int:
         "ddtree_runner": runner.group(1) if runner else None,
         "out_of_range_tree_budget_status": refused,
         "request_stats_lines": stats_lines,
+        # Per prompt, the statistics the DDTree server returned to the request that asked.
+        "request_stats_returned": [
+            (params or {}).get("ddtree_stats") for params in returned_stats["ddtree"]
+        ],
+        "target_alone_kv_transfer_params": returned_stats["target"],
         "metrics": spec_lines[:20],
         "triton_f32_dots": os.environ.get("TRITON_F32_DEFAULT", "Triton's default"),
         "answers": results,
@@ -289,7 +299,14 @@ def main() -> int:
     with open(os.path.join(args.out, "serve_check.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("metrics", "answers")}))
-    passed = not differences and spec_lines and refused == 400 and len(stats_lines) == len(prompts)
+    returned = [stats for stats in summary["request_stats_returned"] if stats]
+    passed = (
+        not differences
+        and spec_lines
+        and refused == 400
+        and len(stats_lines) == len(prompts)
+        and len(returned) == len(prompts)
+    )
     return 0 if passed else 1
 
 

@@ -52,9 +52,15 @@ def test_serve_answers_like_the_target_alone(tmp_path):
     assert summary["identical"] and summary["answers_checked"] == 30, summary["differences"]
     json_text = summary["example"]["chat_json_schema_0"]
     assert json_text.startswith("{") and '"n"' in json_text, json_text
-    # A request's own tree_budget: out of range, a 400; asked-for statistics, one log line each.
+    # A request's own tree_budget: out of range, a 400; asked-for statistics, one log line each
+    # and in the response's kv_transfer_params (the target alone returns none).
     assert summary["out_of_range_tree_budget_status"] == 400
     assert len(summary["request_stats_lines"]) == 3, summary["request_stats_lines"]
+    assert summary["target_alone_kv_transfer_params"] == [None] * 3
+    for stats in summary["request_stats_returned"]:
+        assert stats["verify_steps"] > 0 and stats["max_tree_nodes_per_step"] <= 4, stats
+        length = 1 + stats["accepted_tokens"] / stats["verify_steps"]
+        assert stats["acceptance_length"] == pytest.approx(length, abs=1e-4)
     drafts = [m for m in summary["metrics"] if m.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
 

@@ -325,13 +325,14 @@ def test_ddtree_drafts_while_the_drafters_own_queries_fit_in_max_model_len(
 
 
 @pytest.mark.vllm_engine
-def test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_logged(
+def test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_returned_and_logged(
     tiny_target_path, tiny_drafter_path
 ):
     """Requests in one batch ask for their own budgets (``extra_args``, the OpenAI server's
     ``vllm_xargs``): 1 node, 3 nodes, the engine's 8 and, without stats, 'auto'. Every output
-    equals the target alone; each request that asked for its statistics logs them when it
-    finishes, and none verified more nodes in a step than it asked for."""
+    equals the target alone; each request that asked for its statistics gets them in its final
+    output's ``kv_transfer_params`` and logs them when it finishes, and none verified more nodes
+    in a step than it asked for."""
     import re
 
     run = ddtree_run("own_budgets", tiny_drafter_path, 8)
@@ -353,6 +354,14 @@ def test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_logged(
     for steps, nodes, most, accepted, length in found:
         assert steps > 0 and nodes <= most * steps and accepted <= nodes
         assert length == pytest.approx(1 + accepted / steps, abs=0.01)
+    returned = results["own_budgets"]["kv_transfer_params"]
+    assert returned[3] is None  # did not ask
+    logged = sorted(found, key=lambda row: row[2])  # by nodes at most in a step: 1, 3, 8
+    for params, (steps, nodes, most, accepted, _) in zip(returned[:3], logged, strict=True):
+        stats = params["ddtree_stats"]
+        assert (stats["verify_steps"], stats["tree_nodes"]) == (steps, nodes)
+        assert (stats["max_tree_nodes_per_step"], stats["accepted_tokens"]) == (most, accepted)
+        assert stats["acceptance_length"] == pytest.approx(1 + accepted / steps, abs=1e-4)
     metrics = results["own_budgets"]["metrics"]
     # The engine's counters saw the cut trees: fewer nodes than 8 a verify step on average.
     assert metrics["vllm:spec_decode_num_draft_tokens"] < 8 * metrics["vllm:spec_decode_num_drafts"]

@@ -8,9 +8,14 @@ A request asks through ``SamplingParams.extra_args`` (the OpenAI server's ``vllm
   model runner cuts the request's tree to the nodes scheduled, as it does for vLLM's
   per-batch-size schedule: the first ``b`` nodes of a best-first tree are the best-first tree
   of budget ``b``, so the request's steps verify the tree an engine of budget ``b`` would.
-* ``"ddtree_stats"``: ``true`` logs the request's tree statistics when it finishes, at INFO
-  (otherwise at DEBUG): verify steps, tree nodes verified (in all and at most in one step),
-  accepted draft tokens and the acceptance length (``RequestTreeStats``).
+* ``"ddtree_stats"``: ``true`` returns the request's tree statistics with its final output and
+  logs them when it finishes, at INFO (otherwise at DEBUG only): verify steps, tree nodes
+  verified (in all and at most in one step), accepted draft tokens and the acceptance length
+  (``RequestTreeStats``). They ride in the one field vLLM carries from the engine core to a
+  finished request's response, ``kv_transfer_params`` (``RequestOutput.kv_transfer_params``
+  offline, ``"kv_transfer_params"`` in the OpenAI server's non-streamed responses), under
+  ``"ddtree_stats"``, beside whatever a KV connector put there. A request the front end stops
+  (a stop string) finishes without a final engine output: its statistics are in the log only.
 
 Both are checked when vLLM validates the request (``check_request_options``): a bad value is
 refused before the request reaches the engine, naming the key and the values allowed.
@@ -51,7 +56,7 @@ def request_tree_budget(params: Any, engine_budget: int) -> int | None:
 
 
 def wants_tree_stats(params: Any) -> bool:
-    """Whether ``params`` asks for its tree statistics in the log (False unset). The OpenAI
+    """Whether ``params`` asks for its tree statistics (False unset). The OpenAI
     server's ``vllm_xargs`` has no booleans: its JSON ``true`` arrives as 1, so 1 / 0 and
     "true" / "false" are read as the booleans."""
     value = _extra_args(params).get(REQUEST_STATS_KEY, False)
@@ -103,6 +108,15 @@ class RequestTreeStats:
         vLLM's mean acceptance length counts them."""
         return 1.0 + self.accepted / self.verify_steps if self.verify_steps else 0.0
 
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "verify_steps": self.verify_steps,
+            "tree_nodes": self.nodes,
+            "max_tree_nodes_per_step": self.max_nodes,
+            "accepted_tokens": self.accepted,
+            "acceptance_length": round(self.acceptance_length, 4),
+        }
+
     def describe(self) -> str:
         return (
             f"{self.verify_steps} verify steps, {self.nodes} tree nodes verified (at most "
@@ -146,20 +160,33 @@ def _wrap_schedule(original):
     return schedule
 
 
+STATS_RESPONSE_KEY = "ddtree_stats"  # in a finished request's kv_transfer_params
+
+
 def _wrap_free_request(original):
-    """``Scheduler._free_request``: a finished request's tree statistics go to the log."""
+    """``Scheduler._free_request``: a finished request's tree statistics go to the log and, when
+    it asked for them, into the ``kv_transfer_params`` of its final output."""
 
     def _free_request(self, request, *args, **kwargs):
         book = stats_book(self)
-        stats = book.finish(request.request_id) if book is not None else None
+        if book is None:  # not a DDTree engine's scheduler
+            return original(self, request, *args, **kwargs)
+        stats = book.finish(request.request_id)
+        try:
+            asked = wants_tree_stats(request.sampling_params)
+        except DDTreeConfigError:  # a request that skipped vLLM's validation: not asked
+            asked = False
+        if asked and stats is None:  # finished before its first tree
+            stats = RequestTreeStats()
         if stats is not None:
-            try:
-                asked = wants_tree_stats(request.sampling_params)
-            except DDTreeConfigError:  # a request that skipped vLLM's validation: not asked
-                asked = False
             level = logging.INFO if asked else logging.DEBUG
             logger.log(level, "vllm-ddtree: request %s: %s", request.request_id, stats.describe())
-        return original(self, request, *args, **kwargs)
+        freed = original(self, request, *args, **kwargs)
+        if asked:
+            kv_params, *rest = freed
+            kv_params = {**(kv_params or {}), STATS_RESPONSE_KEY: stats.as_dict()}
+            freed = (kv_params, *rest)
+        return freed
 
     return _free_request
 

@@ -138,6 +138,9 @@ def generate(
             else None
             for o in outputs
         ],
+        # Per prompt: what the finished request carried in kv_transfer_params (DDTree's
+        # per-request statistics when asked for).
+        "kv_transfer_params": [o.kv_transfer_params for o in outputs],
         "metrics": metrics,
         "phase_metrics": phase_metrics,  # the counters after each phase
         "ddtree": ddtree.to_dict() if ddtree else None,
