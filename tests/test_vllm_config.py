@@ -108,15 +108,14 @@ def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
     assert not getattr(config.speculative_config, DDTREE_CHAIN_ATTR, False)
 
 
-def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
+def test_the_request_options_the_chain_serves_pass_vllms_validation_with_ddtree(
     tiny_target_path, tiny_drafter_path
 ):
     """vLLM validates each request against the engine's config before it reaches the engine:
-    with DDTree, what the tree sampler cannot honour is refused there, naming the field
-    (the whole vocabulary's logprobs on the V1 runner); plain sampling (temperature, top-k/top-p,
-    min_tokens) and, on the V1 runner (this CPU engine's), logprobs, penalties, allowed token
-    ids, structured outputs, thinking token budgets and logprobs in a processed mode pass;
-    DFlash alone is unaffected."""
+    with DDTree on the V1 runner (this CPU engine's), plain sampling (temperature,
+    top-k/top-p, min_tokens), logprobs (the whole vocabulary's and in a processed mode),
+    penalties, allowed token ids, structured outputs and thinking token budgets pass, as they
+    do with DFlash alone (what the V2 runner refuses: test_config)."""
     from vllm import SamplingParams
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
@@ -135,8 +134,7 @@ def test_requests_the_tree_sampler_cannot_honour_are_refused_by_name(
     processed = engine_config(tiny_target_path, spec, logprobs_mode="processed_logprobs")
     verify(SamplingParams(logprobs=2), processed)
     whole_vocabulary = engine_config(tiny_target_path, spec, max_logprobs=-1)
-    with pytest.raises(DDTreeConfigError, match="logprobs=-1"):
-        verify(SamplingParams(logprobs=-1), whole_vocabulary)
+    verify(SamplingParams(logprobs=-1), whole_vocabulary)
     chain = engine_config(
         tiny_target_path,
         {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},

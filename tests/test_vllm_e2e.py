@@ -412,6 +412,36 @@ def test_ddtree_logprobs_are_the_target_alones(tiny_target_path, tiny_drafter_pa
 
 
 @pytest.mark.vllm_engine
+def test_ddtree_whole_vocabulary_logprobs_are_the_target_alones(
+    tiny_target_path, tiny_drafter_path
+):
+    """``logprobs=-1`` with ``max_logprobs=-1`` (the whole vocabulary for each emitted token) on
+    trees of budget 8: every token's logprob and rank, each from the row of its node on the
+    accepted path, as the target alone reports them."""
+    whole = {"max_logprobs": -1}
+    asked = {"logprobs": -1}
+    target = {"name": "target", "kwargs": {**TARGET_ALONE["kwargs"], **whole}, "params": asked}
+    tree = {**ddtree_run("ddtree", tiny_drafter_path, 8, **whole), "params": asked}
+    results, _ = run_engines(tiny_target_path, [target, tree], PROMPTS[:2], max_tokens=16)
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    got, want = results["ddtree"]["logprobs"], results["target"]["logprobs"]
+    # Every token's logprob within 1e-4; ranks of the top 8 equal (further down, float32
+    # near-ties in the tail may order either way between the two forwards' kernel shapes).
+    top = [[[row for row in position if row[2] <= 8] for position in p] for p in want]
+    assert_same_logprobs(
+        [[[row for row in position if row[2] <= 8] for position in p] for p in got], top
+    )
+    for got_prompt, want_prompt in zip(got, want, strict=True):
+        for got_position, want_position in zip(got_prompt, want_prompt, strict=True):
+            assert [t for t, _, _ in got_position] == [t for t, _, _ in want_position]
+            got_values = [lp for _, lp, _ in got_position]
+            assert got_values == pytest.approx([lp for _, lp, _ in want_position], abs=1e-4)
+    vocab = len(want[0][0])
+    assert vocab >= 1000  # the whole vocabulary, not a top-k
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.vllm_engine
 def test_ddtree_processed_logprobs_are_the_target_alones(tiny_target_path, tiny_drafter_path):
     """``logprobs_mode="processed_logprobs"`` with presence / repetition penalties on trees of
     budget 8 (greedy): each emitted token's top 3 are the target alone's after the penalties

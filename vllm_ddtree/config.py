@@ -336,14 +336,10 @@ def unsupported_sampling_params(params: Any, runner: str = "v1") -> list[str]:
     a request, so such a request gets an error of its own and never reaches the engine.
 
     Both runners apply penalties, ``allowed_token_ids``, ``bad_words`` and structured outputs
-    along each node's own path, and report logprobs in every ``logprobs_mode`` from the rows
-    of the accepted path. The V1 runner does not report the whole vocabulary
-    (``logprobs=-1``); the V2 runner refuses ``thinking_token_budget``, as vLLM's V2 runner
-    does for every method."""
+    along each node's own path, and report logprobs (the whole vocabulary's too) in every
+    ``logprobs_mode`` from the rows of the accepted path. The V2 runner refuses
+    ``thinking_token_budget``, as vLLM's V2 runner does for every method."""
     names = []
-    logprobs = getattr(params, "logprobs", None)
-    if runner == "v1" and logprobs is not None and logprobs < 0:
-        names.append("logprobs=-1 (the whole vocabulary; served on the V2 model runner)")
     if runner != "v1" and getattr(params, "thinking_token_budget", None) is not None:
         names.append("thinking_token_budget (served on the V1 model runner: VLLM_DDTREE_RUNNER=v1)")
     return names
