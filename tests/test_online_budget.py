@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 from vllm.config import CUDAGraphMode  # noqa: E402
 
 from tests.profiles import write_cheap_tree_profile  # noqa: E402
-from vllm_ddtree import online_budget  # noqa: E402
+from vllm_ddtree import budget_metrics, online_budget  # noqa: E402
 from vllm_ddtree.compat.wrapping import DDTREE_ATTR  # noqa: E402
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
 from vllm_ddtree.spec_decode.step_state import HANDLE, StepState  # noqa: E402
@@ -68,6 +68,10 @@ def test_the_budgets_follow_the_workers_acceptance_every_refresh(tmp_path, caplo
     for _ in range(online_budget.REFRESH_STEPS):
         step(core)
     assert core.scheduler.dynamic_sd_lookup[1] == 32
+    # What it predicted per budget waits on the scheduler for the metrics (budget_metrics.py).
+    predicted = budget_metrics.predictions(core.scheduler).by_budget
+    assert sorted(predicted) == [4, 8, 16, 32]
+    assert predicted[32] > predicted[16] > predicted[4] >= 1.0
 
 
 def test_a_v2_engine_moves_within_its_largest_graph(tmp_path):

@@ -682,6 +682,14 @@ def test_auto_moves_its_budget_online_and_stays_the_target_alones(
     assert oracle["vllm:spec_decode_num_draft_tokens"] / oracle["vllm:spec_decode_num_drafts"] > (
         nodes_per_tree
     )
+    # /metrics: what "auto" predicted per verify step after its first refresh (the oracle's
+    # requests finish before one), beside what the engine realised: the random drafter's trees
+    # were predicted to accept about nothing, as they did.
+    metrics = results["random_drafter"]["metrics"]
+    steps = metrics["vllm:ddtree_predicted_verify_steps"]
+    assert 0 < steps < metrics["vllm:spec_decode_num_drafts"], metrics
+    assert 1.0 <= metrics["vllm:ddtree_predicted_tokens"] / steps <= 1.5, metrics
+    assert 1 <= metrics["vllm:ddtree_tree_nodes_per_verify"] <= 4  # the budget served
 
 
 @pytest.mark.vllm_engine
@@ -723,3 +731,8 @@ def test_auto_follows_a_workload_shift_down_and_back_up(
         return metrics[counters[0]] / metrics[counters[1]]
 
     assert nodes_per_tree(second) > nodes_per_tree(first), (first, second)
+    # What "auto" predicted per verify step (/metrics) rose with the workload's acceptance.
+    predicted = ("vllm:ddtree_predicted_tokens", "vllm:ddtree_predicted_verify_steps")
+    second_predicted = [both[name] - first[name] for name in predicted]
+    assert first[predicted[1]] > 0 and second_predicted[1] > 0, (first, both)
+    assert second_predicted[0] / second_predicted[1] > first[predicted[0]] / first[predicted[1]]

@@ -19,7 +19,9 @@ Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets: on t
 the budgets of "auto"'s per-batch-size schedule (vLLM captures FULL graphs for each of their
 widths; a verify batch is never given more tokens than the largest graph), on the V1 runner
 the candidates up to "auto"'s choice when its verify batches run without CUDA graphs (a V1
-engine's graphs have one verify width). Every change goes to the log.
+engine's graphs have one verify width). Every change goes to the log; the tokens per verify step it
+predicts, beside those realised, to vLLM's spec-decode log line and /metrics
+(``budget_metrics.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from vllm_ddtree.budget_metrics import set_predictions
 from vllm_ddtree.compat import get_ddtree_config
 
 logger = logging.getLogger("vllm.ddtree")
@@ -148,9 +151,10 @@ class OnlineBudget:
             explore=self.refreshes % EXPLORE_EVERY == 0,
             served=self.schedule,
         )
+        scheduler = self.engine_core.scheduler
+        set_predictions(scheduler, acceptance)  # for the log line and /metrics
         if schedule == self.schedule:
             return
-        scheduler = self.engine_core.scheduler
         scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
             [list(entry) for entry in schedule],
             vllm_max_batch_size=self.max_num_seqs,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+from vllm_ddtree import budget_metrics
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
 from vllm_ddtree.request_options import stats_book
 
@@ -64,6 +65,7 @@ def _wrap_make_spec_decoding_stats(original):
         book = stats_book(self)
         if book is not None:  # the request's own statistics (request_options.py)
             book.observe(bound["request_id"], num_draft_tokens, bound["num_accepted_tokens"])
+        budget_metrics.observe(self, num_draft_tokens)  # what "auto" predicted for it
         if not self.log_stats or not num_draft_tokens:
             return None
         positions = tree_positions(ddtree)
@@ -107,18 +109,32 @@ def _tree_logging_class():
 
     class TreeSpecDecodingLogging(SpecDecodingLogging):
         """vLLM's periodic ``SpecDecoding metrics`` line, ending with the mean tree nodes
-        verified per request and step (draft tokens over drafts) in the interval."""
+        verified per request and step (draft tokens over drafts) in the interval and, where
+        "auto" moved its budget, the tokens per verify step it predicted (beside vLLM's mean
+        acceptance length, the realised ones; ``budget_metrics.py``)."""
+
+        predicted_tokens = 0.0
+        predicted_steps = 0
+
+        def observe_predicted(self, tokens: float, steps: int) -> None:
+            self.predicted_tokens += tokens
+            self.predicted_steps += steps
 
         def log(self, log_fn=None):
             from vllm.v1.spec_decode.metrics import logger as vllm_logger
 
             log_fn = log_fn or vllm_logger.info
             drafts, nodes = sum(self.num_drafts), sum(self.num_draft_tokens)
+            predicted, predicted_steps = self.predicted_tokens, self.predicted_steps
+            self.predicted_tokens, self.predicted_steps = 0.0, 0
 
             def with_nodes(message, *args):
                 if drafts and message.startswith("SpecDecoding metrics"):
                     message += ", Mean tree nodes verified: %.1f"
                     args = (*args, nodes / drafts)
+                    if predicted_steps:
+                        message += ", Predicted acceptance length ('auto'): %.2f"
+                        args = (*args, predicted / predicted_steps)
                 log_fn(message, *args)
 
             return super().log(log_fn=with_nodes)

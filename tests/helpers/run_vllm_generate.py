@@ -32,10 +32,11 @@ import sys
 
 
 def spec_decode_metrics(llm) -> dict:
-    """vLLM's spec-decode counters now (a per-position counter as its vector of values)."""
+    """vLLM's spec-decode counters and DDTree's metrics now (a per-position counter as its
+    vector of values)."""
     metrics = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode"):
+        if metric.name.startswith(("vllm:spec_decode", "vllm:ddtree")):
             values = getattr(metric, "values", None)
             metrics[metric.name] = values if values is not None else getattr(metric, "value", None)
     return metrics

@@ -71,6 +71,7 @@ _METRICS = "vllm_ddtree.spec_metrics"
 _REQUESTS = "vllm_ddtree.request_options"
 _GRAMMAR = "vllm_ddtree.structured_outputs"
 _ONLINE = "vllm_ddtree.online_budget"
+_BUDGET_METRICS = "vllm_ddtree.budget_metrics"
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,31 @@ SEAMS: tuple[Seam, ...] = (
         ENGINE,
         f"{_METRICS}:_wrap_logging_stat_logger_init",
         ("self", "vllm_config"),
+    ),
+    # What "auto" predicted, beside what was realised (budget_metrics.py).
+    Seam(
+        "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
+        ENGINE,
+        f"{_BUDGET_METRICS}:_wrap_make_stats",
+        ("self", "spec_decoding_stats", "kv_connector_stats"),
+    ),
+    Seam(
+        "vllm.v1.metrics.loggers:LoggingStatLogger.record",
+        ENGINE,
+        f"{_BUDGET_METRICS}:_wrap_logging_record",
+        ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
+    ),
+    Seam(
+        "vllm.v1.metrics.loggers:PrometheusStatLogger.__init__",
+        ENGINE,
+        f"{_BUDGET_METRICS}:_wrap_prometheus_init",
+        ("self", "vllm_config", "engine_indexes"),
+    ),
+    Seam(
+        "vllm.v1.metrics.loggers:PrometheusStatLogger.record",
+        ENGINE,
+        f"{_BUDGET_METRICS}:_wrap_prometheus_record",
+        ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
     ),
     Seam(
         "vllm.v1.spec_decode.metrics:SpecDecodingLogging.log",
