@@ -72,6 +72,8 @@ _REQUESTS = "vllm_ddtree.request_options"
 _GRAMMAR = "vllm_ddtree.structured_outputs"
 _ONLINE = "vllm_ddtree.online_budget"
 _BUDGET_METRICS = "vllm_ddtree.budget_metrics"
+# vLLM's stat loggers' record(), front end.
+_STAT_LOGGER_RECORD = ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx")
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,7 @@ SEAMS: tuple[Seam, ...] = (
         "vllm.v1.metrics.loggers:LoggingStatLogger.record",
         ENGINE,
         f"{_BUDGET_METRICS}:_wrap_logging_record",
-        ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
+        _STAT_LOGGER_RECORD,
     ),
     Seam(
         "vllm.v1.metrics.loggers:PrometheusStatLogger.__init__",
@@ -246,7 +248,7 @@ SEAMS: tuple[Seam, ...] = (
         "vllm.v1.metrics.loggers:PrometheusStatLogger.record",
         ENGINE,
         f"{_BUDGET_METRICS}:_wrap_prometheus_record",
-        ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
+        _STAT_LOGGER_RECORD,
     ),
     Seam(
         "vllm.v1.spec_decode.metrics:SpecDecodingLogging.log",
