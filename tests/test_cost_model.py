@@ -651,3 +651,28 @@ def test_the_live_schedule_takes_the_fastest_and_holds_a_served_budget_close_to_
     assert choose_live_schedule(flat, apart, candidates, 2, 2048, 16.0, served=held)[0] == [
         (1, 2, 32)
     ]
+
+
+def test_a_profile_of_another_target_does_not_choose_the_chain_on_v2(caplog):
+    """The packaged V2 profile (SmolLM2-135M) predicts the chain at 16 requests. For SmolLM2
+    itself "auto" serves the chain; for another target on the V2 runner it serves trees from
+    the profile's fastest budget and moves among its schedule's budgets online, saying why;
+    on V1 (whose graphs have one verify width) the profile still decides."""
+    raw = {"method": "ddtree", "model": "d", "tree_budget": "auto"}
+
+    def served(target, runner="v2"):
+        return split_speculative_config(
+            raw, VLLM_FIELDS, DFLASH, max_num_seqs=16, runner=runner, target=target
+        )
+
+    profile = load_profile(runner="V2")
+    assert profile.target_name == "SmolLM2-135M-Instruct"
+    assert choose_budget(profile, 16)[0] is None  # the chain, on its own target
+    assert served("/models/SmolLM2-135M-Instruct/")[1] is None
+    assert served(None)[1] is None  # target unknown: the profile decides
+    with caplog.at_level("WARNING", logger="vllm.ddtree"):
+        vllm_part, ddtree = served("Qwen/Qwen3-8B")
+    assert ddtree is not None and len(ddtree.online_budgets) > 1
+    assert vllm_part["method"] == "dflash" and "num_speculative_tokens_per_batch_size" in vllm_part
+    assert "measured on SmolLM2-135M-Instruct, not this target" in caplog.text
+    assert served("Qwen/Qwen3-8B", runner="v1")[1] is None

@@ -362,12 +362,18 @@ def _automatic_budget(
     depth: int,
     runner: str,
     tensor_parallel_size: int = 1,
+    target: str | None = None,
 ):
     """``"tree_budget": "auto"``: the budget the cost profile (by default the packaged one of
     ``runner``, "v1" or "v2") predicts fastest at ``max_num_seqs`` requests (1 when unset), or
     None when it predicts the DFlash chain at least as fast, and at tensor parallel > 1 without
     a profile of one's own (``cost_model.choose_automatic``; logged either way); with the
-    profile it read (None at tensor parallel > 1 without one)."""
+    profile it read (None at tensor parallel > 1 without one).
+
+    A profile measured on another target than ``target`` (the served model, when known) does
+    not choose the chain on the V2 runner: there "auto" serves trees from the profile's fastest
+    budget and learns this engine's budgets online (``online_budget.py``), where a chain engine
+    could never learn that trees pay; the chain takes a profile measured on this target."""
     from vllm_ddtree.cost_model import choose_automatic
 
     if profile_path is not None and not os.path.isfile(str(profile_path)):
@@ -389,6 +395,15 @@ def _automatic_budget(
         return None, None
     shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
     choice = "the DFlash chain" if tree_budget is None else f"tree_budget {tree_budget}"
+    unmeasured = target is not None and not profile.measured_on(target)
+    if tree_budget is None and unmeasured and runner == "v2":
+        trees = {int(k[1:]): v for k, v in predicted.items() if k != "chain"}
+        tree_budget = max(trees, key=trees.get)
+        choice = (
+            f"tree_budget {tree_budget} (the profile predicts the chain, but it was measured on "
+            f"{profile.target_name or 'another target'}, not this target: trees, whose budgets "
+            "this engine learns online; for the chain, a cost_profile measured on this target)"
+        )
     logger.warning(
         "vllm-ddtree: tree_budget 'auto' at max_num_seqs=%d chose %s (predicted tok/s: %s; "
         "profile: %s, drafter depth there %d, here %d)",
@@ -424,6 +439,7 @@ def split_speculative_config(
     max_num_seqs: int | None = None,
     runner: str | None = None,
     tensor_parallel_size: int = 1,
+    target: str | None = None,
 ) -> tuple[dict[str, Any], DDTreeConfig | None]:
     """Split a user's speculative config into vLLM's part and DDTree's part.
 
@@ -436,6 +452,8 @@ def split_speculative_config(
         runner: the model runner ``choose_runner`` chose for the engine, "v1" or "v2" (its
             cost profile serves "auto"; kept as ``DDTreeConfig.runner``); by default the
             user's ``VLLM_DDTREE_RUNNER``, else "v1".
+        target: the served model (path or hub id) when known: "auto" on V2 does not take the
+            chain from a profile measured on another target (``_automatic_budget``).
 
     Returns:
         ``(vllm_dict, ddtree)``: for ``method == "ddtree"``, ``vllm_dict`` is the request vLLM's
@@ -510,7 +528,7 @@ def split_speculative_config(
     if tree_budget == AUTO_BUDGET:
         cost_profile = config.pop("cost_profile", None)
         tree_budget, profile = _automatic_budget(
-            cost_profile, max_num_seqs, depth, runner, tensor_parallel_size
+            cost_profile, max_num_seqs, depth, runner, tensor_parallel_size, target
         )
         if tree_budget is None:
             config.pop("tree_top_k", None)

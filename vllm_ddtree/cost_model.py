@@ -123,6 +123,20 @@ class CostProfile:
     tree_acceptance: dict[int, float]
     max_batch: int = 1
 
+    @property
+    def target_name(self) -> str | None:
+        """The target the profile was measured on, as its ``source`` names it
+        (``"KIND at COMMIT on GPU: TARGET + DRAFTER"``), or None."""
+        _, colon, pair = self.source.rpartition(": ")
+        target = pair.partition(" + ")[0].strip() if colon else ""
+        return target if target and target != "?" else None
+
+    def measured_on(self, target: str) -> bool:
+        """Whether the profile was measured on ``target`` (a model path or hub id, compared by
+        its last component)."""
+        name = os.path.basename(str(target).rstrip("/"))
+        return self.target_name is not None and name.lower() == self.target_name.lower()
+
     def measured_range(self) -> tuple[int, int]:
         return min(self.tree_acceptance), max(self.tree_acceptance)
 

@@ -151,6 +151,7 @@ def _wrap_create_speculative_config(original):
                 max_num_seqs=_max_num_seqs(self),
                 runner=runner,
                 tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
+                target=getattr(target_model_config, "model", None),
             )
             if parsed is not None:
                 ddtree = parsed
