@@ -15,7 +15,8 @@
 #   * VLLM_DDTREE_COMMIT: the commit every result records (set it when the copied tree's git
 #     metadata is missing or stale; exit 7 if neither says).
 # With --smollm2: the SmolLM2-135M-Instruct checkpoint at /tmp/train/SmolLM2-135M-Instruct,
-# made from the GGUF pieces carried in .gguf-*/ (exit 4 if their sha256 differs), once per lease.
+# made from the GGUF pieces carried in .gguf-*/ (exit 4 if their sha256 differs), once per lease;
+# every call keeps the pieces it carries in /tmp (scripts/make-gguf-pieces.sh makes them).
 set -uo pipefail
 SMOLLM2=0
 if [ "${1:-}" = "--smollm2" ]; then SMOLLM2=1; shift; fi
@@ -41,11 +42,14 @@ printf '[vllm.general_plugins]\nddtree = vllm_ddtree:register\n' \
   > /tmp/site/vllm_ddtree-0.0.0.dist-info/entry_points.txt
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# What a call carries of the SmolLM2 checkpoint stays on the machine for later calls: GGUF
+# pieces, prompts.json and the gguf package (pure Python, which the host's Python lacks).
+mkdir -p /tmp/gguf
+for piece in .gguf-*/gg.*; do [ -f "$piece" ] && cp "$piece" /tmp/gguf/; done
+for extra in .gguf-*/prompts.json; do [ -f "$extra" ] && cp "$extra" /tmp/prompts.json; done
+for extra in .gguf-*/site; do [ -d "$extra" ] && cp -r "$extra"/. /tmp/site/; done
 if [ "$SMOLLM2" = 1 ] && [ ! -f /tmp/train/SmolLM2-135M-Instruct/model.safetensors ]; then
   GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-  mkdir -p /tmp/gguf
-  for piece in .gguf-*/gg.*; do [ -f "$piece" ] && cp "$piece" /tmp/gguf/; done
-  for extra in .gguf-*/prompts.json; do [ -f "$extra" ] && cp "$extra" /tmp/prompts.json; done
   cat /tmp/gguf/gg.* > "$GGUF"
   echo "$(cat benchmarks/smollm2_gguf.sha256)  $GGUF" | sha256sum -c - || exit 4
   timeout 120 python3 -c "from vllm_ddtree.demo import prepare_smollm2; \
