@@ -494,7 +494,10 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
 ):
     """ "auto" on the V2 runner schedules a budget per batch size; through vLLM's own lookup,
     size rule and V2 graph manager (its dispatch for each scheduled width), every verify
-    batch up to ``max_num_seqs`` lands on a FULL graph, and none is named as exceeding one."""
+    batch up to ``max_num_seqs`` lands on a FULL graph, and none is named as exceeding one.
+    So does every budget it may move to online, served at every batch size whose verify
+    fits the largest graph: also at 4 requests, whose schedule has one budget (the others
+    have entries past ``max_num_seqs`` for their graphs)."""
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
@@ -502,16 +505,21 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
     args = engine_args(tiny_target_path, spec, max_num_seqs=max_num_seqs)
     with caplog.at_level("WARNING", logger="vllm.ddtree"):
         config = args.create_engine_config()
-    budget = get_ddtree_config(config.speculative_config).tree_budget
-    # One budget for every batch size (a batch of at most 4 here) needs no schedule.
+    ddtree = get_ddtree_config(config.speculative_config)
+    budget = ddtree.tree_budget
     schedule = config.speculative_config.num_speculative_tokens_per_batch_size
-    assert (schedule is None) == (max_num_seqs == 4)
+    assert schedule is not None and len(ddtree.online_budgets) > 1
+    assert ddtree.online_budgets[-1] == budget
     sizes = vllm_default_sizes(max_num_seqs, budget, args.max_cudagraph_capture_size)
-    ranges = schedule or [[1, max_num_seqs, budget]]
-    modes = vllm_v2_scheduled_verify_modes(sizes, max_num_seqs, ranges, budget)
+    modes = vllm_v2_scheduled_verify_modes(sizes, max_num_seqs, schedule, budget)
     assert {mode for _, mode in modes.values()} == {"FULL"}, modes
-    if schedule:  # the widths do change with the batch
+    if max_num_seqs > 4:  # the widths do change with the batch
         assert len({width for width, _ in modes.values()}) > 1
+    for online in ddtree.online_budgets:
+        served = [[1, max_num_seqs, online]]
+        moved = vllm_v2_scheduled_verify_modes(sizes, max_num_seqs, schedule, budget, served)
+        within = {b: mode for b, (width, mode) in moved.items() if b * width <= max(sizes)}
+        assert within and set(within.values()) == {"FULL"}, (online, moved)
     assert "exceed the largest CUDA graph" not in caplog.text
     assert "tree_budget 'auto' per batch size" in caplog.text
 

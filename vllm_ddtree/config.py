@@ -536,12 +536,17 @@ def split_speculative_config(
             config["num_speculative_tokens"] = depth
             return config, None
         if runner == "v2" and not gives_batch_size_schedule(config):
+            from vllm_ddtree.cost_model import online_schedule
+
             schedule = _automatic_schedule(profile, max_num_seqs)
             scheduled = sorted({budget for _, _, budget in schedule})
-            if len(scheduled) > 1:
+            budgets = tuple(scheduled)
+            if max_num_seqs is not None:  # (entries past it for graphs only need the limit)
+                schedule, budgets = online_schedule(schedule, max_num_seqs)
+            if len(budgets) > 1:
                 config[SCHEDULE_KEY] = [list(entry) for entry in schedule]
-                # vLLM captures graphs for every width of the schedule: "auto" moves among them.
-                online_budgets = tuple(scheduled)
+                # vLLM captures graphs for every budget of the schedule: "auto" moves among them.
+                online_budgets = budgets
             tree_budget = scheduled[-1]
         elif runner == "v1":
             from vllm_ddtree.cost_model import online_candidates

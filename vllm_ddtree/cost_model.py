@@ -287,9 +287,25 @@ def online_candidates(tree_budget: int) -> tuple[int, ...]:
     """The budgets an online "auto" engine of ``tree_budget`` on the V1 runner moves between:
     the cost model's candidates below it, and itself (its verify batches have one CUDA-graph
     width: ``online_budget.py`` moves a V1 engine only without graphs). On the V2 runner
-    "auto" moves among the budgets of its per-batch-size schedule, whose widths all have
-    graphs."""
+    "auto" moves among ``online_schedule``'s budgets, whose widths all have graphs."""
     return tuple(sorted({b for b in BUDGET_CANDIDATES if b < tree_budget} | {tree_budget}))
+
+
+def online_schedule(
+    schedule: list[tuple[int, int, int]], max_num_seqs: int
+) -> tuple[list[tuple[int, int, int]], tuple[int, ...]]:
+    """V2 "auto": the per-batch-size schedule to give vLLM and the budgets the engine moves
+    among online. Those are the schedule's budgets and every smaller ``SCHEDULE_CANDIDATES``
+    budget, so that "auto" can move at every batch size, also where the schedule has one budget
+    (an engine of 1-4 requests). vLLM captures FULL graphs for the budget of every entry at
+    every batch size, and its lookup ignores entries past ``max_num_seqs``: each budget the
+    schedule lacks gets an entry of its own past ``max_num_seqs`` (one batch size each), for
+    its graphs only."""
+    scheduled = sorted({budget for _, _, budget in schedule})
+    budgets = sorted(set(scheduled) | {b for b in SCHEDULE_CANDIDATES if b < scheduled[-1]})
+    missing = [b for b in budgets if b not in scheduled]
+    graphs_only = [(max_num_seqs + 1 + i, max_num_seqs + 1 + i, b) for i, b in enumerate(missing)]
+    return list(schedule) + graphs_only, tuple(budgets)
 
 
 def choose_live_schedule(
@@ -393,7 +409,7 @@ def describe_automatic(max_num_seqs: int, runner: str, path: str | None = None) 
     if tree_budget is not None and runner.lower() == "v2":
         schedule = choose_schedule(profile, max_num_seqs, VERIFY_GRAPH_TOKENS)
         lines.append("budget per batch size: " + format_schedule(schedule))
-        budgets = sorted({budget for _, _, budget in schedule})
+        budgets = list(online_schedule(schedule, max_num_seqs)[1])
         if len(budgets) > 1:
             lines.append(f"then moves among budgets {budgets} as it learns the acceptance")
     elif tree_budget is not None:
