@@ -812,7 +812,22 @@ def shift_phases(shift: list[dict]) -> dict[str, dict]:
             best = max(fixed, key=lambda r: r["tok_per_s"])
             ratios.append(rows[AUTO]["tok_per_s"] / best["tok_per_s"])
         settled = next((i for i in range(len(ratios)) if all(r >= 0.95 for r in ratios[i:])), None)
-        phases[dataset] = {"auto_over_best_fixed": ratios, "within_5_percent_from_chunk": settled}
+        # Each engine's median tok/s over the phase's chunks after its first (single chunks of
+        # a request or a few are noisy; the first also carries the last phase's state).
+        later = [r for r in shift if r["dataset"] == dataset and r["chunk"] > 0]
+        medians = {
+            engine: statistics.median(r["tok_per_s"] for r in later if r["engine"] == engine)
+            for engine in dict.fromkeys(r["engine"] for r in later)
+        }
+        fixed = [v for n, v in medians.items() if n.startswith("ddtree") and n != AUTO]
+        phases[dataset] = {
+            "auto_over_best_fixed": ratios,
+            "within_5_percent_from_chunk": settled,
+            "median_tok_per_s": medians,
+            "median_auto_over_best_fixed": medians[AUTO] / max(fixed)
+            if AUTO in medians and fixed
+            else None,
+        }
     return phases
 
 
@@ -842,6 +857,12 @@ def shift_table(shift: list[dict]) -> list[str]:
         settled = phase["within_5_percent_from_chunk"]
         where = "not by its last chunk" if settled is None else f"from chunk {settled} on"
         lines.append(f'- {dataset}: "auto" within 5% of the fastest fixed budget {where}.')
+        medians = ", ".join(f"{e} {v:.0f}" for e, v in phase["median_tok_per_s"].items())
+        ratio = phase["median_auto_over_best_fixed"]
+        shown = "-" if ratio is None else f"{ratio:.2f}"
+        lines.append(
+            f'  Medians over chunks 1 on (tok/s): {medians}; "auto" / fastest fixed {shown}.'
+        )
     return lines
 
 

@@ -389,3 +389,7 @@ def test_a_shift_phase_settles_where_auto_stays_within_5_percent():
     assert phases["humaneval"]["auto_over_best_fixed"] == [0.8, 0.97, 0.99]
     assert phases["humaneval"]["within_5_percent_from_chunk"] == 1
     assert phases["mtbench"]["within_5_percent_from_chunk"] is None  # fell back at the end
+    # Medians over the chunks after the first: mtbench's "auto" 94.5 against b16's 100.
+    assert phases["mtbench"]["median_tok_per_s"][AUTO] == 94.5
+    assert phases["mtbench"]["median_auto_over_best_fixed"] == pytest.approx(0.945)
+    assert phases["humaneval"]["median_tok_per_s"]["dflash"] == 999
