@@ -371,10 +371,10 @@ def _automatic_budget(
     profile it read (None at tensor parallel > 1 without one).
 
     A profile measured on another target than ``target`` (the served model, when known) does
-    not choose the chain on the V2 runner: there "auto" serves trees from the profile's fastest
-    budget and learns this engine's budgets online (``online_budget.py``), where a chain engine
-    could never learn that trees pay; the chain takes a profile measured on this target."""
-    from vllm_ddtree.cost_model import choose_automatic
+    not choose the chain on the V2 runner (``cost_model.chain_considered``): there "auto" serves
+    the profile's tree and learns this engine's budgets online (``online_budget.py``), where a
+    chain engine could never learn that trees pay."""
+    from vllm_ddtree.cost_model import chain_considered, choose_automatic
 
     if profile_path is not None and not os.path.isfile(str(profile_path)):
         raise DDTreeConfigError(
@@ -383,7 +383,7 @@ def _automatic_budget(
         )
     batch = max_num_seqs or 1
     tree_budget, predicted, profile = choose_automatic(
-        batch, runner, tensor_parallel_size, profile_path
+        batch, runner, tensor_parallel_size, profile_path, target
     )
     if profile is None:
         logger.warning(
@@ -395,14 +395,11 @@ def _automatic_budget(
         return None, None
     shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
     choice = "the DFlash chain" if tree_budget is None else f"tree_budget {tree_budget}"
-    unmeasured = target is not None and not profile.measured_on(target)
-    if tree_budget is None and unmeasured and runner == "v2":
-        trees = {int(k[1:]): v for k, v in predicted.items() if k != "chain"}
-        tree_budget = max(trees, key=trees.get)
-        choice = (
-            f"tree_budget {tree_budget} (the profile predicts the chain, but it was measured on "
-            f"{profile.target_name or 'another target'}, not this target: trees, whose budgets "
-            "this engine learns online; for the chain, a cost_profile measured on this target)"
+    if not chain_considered(profile, runner, target):
+        choice += (
+            f" (the profile was measured on {profile.target_name or 'another target'}, not this "
+            "target, so it does not choose the chain: trees, whose budgets this engine learns "
+            "online; for the chain, a cost_profile measured on this target)"
         )
     logger.warning(
         "vllm-ddtree: tree_budget 'auto' at max_num_seqs=%d chose %s (predicted tok/s: %s; "

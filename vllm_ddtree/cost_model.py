@@ -211,19 +211,27 @@ def served_budget(schedule: list[tuple[int, int, int]] | None, batch: int) -> in
 
 
 def choose_budget(
-    profile: CostProfile, batch: int, candidates=BUDGET_CANDIDATES
+    profile: CostProfile, batch: int, candidates=BUDGET_CANDIDATES, chain: bool = True
 ) -> tuple[int | None, dict[str, float]]:
     """The budget with the highest predicted tokens/s at ``batch`` concurrent requests (judged
     at ``profile.max_batch`` when larger; the smallest of those within ``NEAR_TIE`` of the
-    highest), or None when no candidate is predicted at least ``MIN_PREDICTED_GAIN`` times as
-    fast as the DFlash chain; with the predictions (``{"chain": tok/s, "b16": tok/s, ...}``)
-    behind the choice."""
+    highest), or None when ``chain`` may be served and no candidate is predicted at least
+    ``MIN_PREDICTED_GAIN`` times as fast as the DFlash chain; with the predictions
+    (``{"chain": tok/s, "b16": tok/s, ...}``) behind the choice."""
     trees = _predicted_trees(profile, batch, candidates)
     predicted = {"chain": profile.chain_tokens_per_s(_judged_batch(profile, batch))}
     predicted.update({f"b{b}": tok_s for b, tok_s in trees.items()})
-    if max(trees.values()) < MIN_PREDICTED_GAIN * predicted["chain"]:
+    if chain and max(trees.values()) < MIN_PREDICTED_GAIN * predicted["chain"]:
         return None, predicted
     return _fastest(trees), predicted
+
+
+def chain_considered(profile: CostProfile, runner: str, target: str | None) -> bool:
+    """Whether "auto" may serve the DFlash chain on ``profile``: on the V2 runner only where
+    the profile was measured on the served ``target`` (or the target is not known), since a
+    chain engine cannot learn that trees pay and a V2 tree engine learns its budgets online;
+    on V1 (one verify width per engine) the profile decides."""
+    return runner.lower() != "v2" or target is None or profile.measured_on(target)
 
 
 def choose_schedule(
@@ -368,7 +376,11 @@ def format_schedule(schedule: list[tuple[int, int, int]]) -> str:
 
 
 def choose_automatic(
-    batch: int, runner: str, tensor_parallel_size: int = 1, path: str | None = None
+    batch: int,
+    runner: str,
+    tensor_parallel_size: int = 1,
+    path: str | None = None,
+    target: str | None = None,
 ) -> tuple[int | None, dict[str, float], CostProfile | None]:
     """What ``"tree_budget": "auto"`` serves at ``batch`` concurrent requests: the budget
     ``choose_budget`` picks on the profile at ``path`` (by default the packaged one of
@@ -379,7 +391,8 @@ def choose_automatic(
     if path is None and tensor_parallel_size > 1:
         return None, {}, None
     profile = load_profile(path, runner=runner.upper())
-    tree_budget, predicted = choose_budget(profile, batch)
+    chain = chain_considered(profile, runner, target)
+    tree_budget, predicted = choose_budget(profile, batch, chain=chain)
     return tree_budget, predicted, profile
 
 

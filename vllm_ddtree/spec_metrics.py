@@ -65,9 +65,9 @@ def _wrap_make_spec_decoding_stats(original):
         book = stats_book(self)
         if book is not None:  # the request's own statistics (request_options.py)
             book.observe(bound["request_id"], num_draft_tokens, bound["num_accepted_tokens"])
-        budget_metrics.observe(self, num_draft_tokens)  # what "auto" predicted for it
         if not self.log_stats or not num_draft_tokens:
             return None
+        budget_metrics.observe(self, num_draft_tokens)  # what "auto" predicted for it
         positions = tree_positions(ddtree)
         stats = tree_stats(bound["spec_decoding_stats"], positions)
         observe_tree(stats, num_draft_tokens, bound["num_accepted_tokens"], positions)
