@@ -283,3 +283,20 @@ def test_select_trees_reorders_rows_and_cuts_them_to_a_prefix_of_nodes():
     assert torch.equal(picked.token_ids[1, :3], trees.token_ids[0, :3])
     assert (picked.token_ids[1, 3:] == -1).all() and (picked.parents[1, 3:] == 0).all()
     assert (picked.parents[1, :3] <= torch.arange(3)).all()  # parents come first: a tree
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_depth_candidates_are_the_log_softmax_top_k(dtype):
+    """Each depth's candidates: the top-k of the log-softmax, found from the logits' own top-k
+    and normalised at those tokens only."""
+    from vllm_ddtree.tree import depth_candidates
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 4, 500, generator=gen) * 3).to(dtype)
+    logits[0, 0, :7] = float("-inf")
+    log_probs, tokens = depth_candidates(logits, 16, None)
+    want = torch.log_softmax(logits.float(), dim=-1)
+    torch.testing.assert_close(log_probs, want.gather(-1, tokens), rtol=0, atol=1e-5)
+    assert torch.equal(torch.topk(want, 16, dim=-1).values, want.gather(-1, tokens))
+    assert (log_probs[..., :-1] >= log_probs[..., 1:]).all()
+    assert not torch.isin(tokens[0, 0], torch.arange(7)).any()

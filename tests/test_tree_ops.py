@@ -387,3 +387,18 @@ def test_an_emitted_tokens_logprobs_come_from_its_path_nodes_row():
     assert rows.tolist() == [0, 2, 4, 0, 0, 5, 5, 5, 5, 5]
     # A narrower output than the path's columns: the first ``width`` path nodes.
     assert path_logit_rows(first_row, accepted, num_accepted, width=2).tolist() == [0, 2, 5, 5]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="vLLM's kernel needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_device_log_probs_match_the_reference_at_qwen3s_vocabulary(dtype):
+    from vllm_ddtree.ops.tree_build import device_log_probs
+    from vllm_ddtree.tree import depth_candidates, token_log_probs
+
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 15, 151936, generator=gen) * 4).to(DEVICE, dtype)
+    logits[1, 2, :100] = float("-inf")
+    log_probs, tokens = depth_candidates(logits, 64, None, device_log_probs)
+    torch.testing.assert_close(log_probs, token_log_probs(logits, tokens), rtol=0, atol=1e-4)
+    want = torch.log_softmax(logits.float(), dim=-1)
+    torch.testing.assert_close(log_probs, torch.topk(want, 64, dim=-1).values, rtol=0, atol=1e-4)

@@ -96,14 +96,30 @@ def _check_budget(tree_budget: int, top_k: int | None) -> None:
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
 
 
+def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., K]``: the log-softmax of ``logits`` (``[..., V]``, any float dtype) over
+    its last dim, read at ``token_ids`` (long ``[..., K]``), without materialising the
+    ``[..., V]`` log-probabilities' float32 copy beyond one pass (the reference of
+    ``ops.tree_build``'s device path: max, then the log of the sum of exponentials)."""
+    row_max = logits.amax(dim=-1, keepdim=True).float()
+    log_norm = torch.log(torch.exp(logits.float() - row_max).sum(dim=-1, keepdim=True))
+    return logits.gather(-1, token_ids).float() - row_max - log_norm
+
+
 def depth_candidates(
-    draft_logits: torch.Tensor, tree_budget: int, top_k: int | None
+    draft_logits: torch.Tensor,
+    tree_budget: int,
+    top_k: int | None,
+    log_probs_at=token_log_probs,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Validate a tree build's arguments and rank each depth's tokens.
 
-    Returns float32 ``[R, L, K]`` log-probabilities (descending along ``K``) and long
+    Returns float32 ``[R, L, K]`` log-probabilities (non-increasing along ``K``) and long
     ``[R, L, K]`` token ids of each depth's ``K = min(top_k, budget, V)`` most probable tokens,
-    or ``None`` when there is nothing to build (no requests or no depths).
+    or ``None`` when there is nothing to build (no requests or no depths). The tokens are the
+    top-``K`` of the logits themselves (softmax keeps their order), and ``log_probs_at``
+    (``token_log_probs``'s arguments and result) normalises only those: no float32
+    log-softmax of the whole vocabulary is written and sorted.
     """
     if draft_logits.dim() != 3 or not draft_logits.is_floating_point():
         raise ValueError(
@@ -115,8 +131,8 @@ def depth_candidates(
     if num_reqs == 0 or depth_limit == 0:
         return None
     cap = min(tree_budget, vocab) if top_k is None else min(top_k, tree_budget, vocab)
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    return torch.topk(log_probs, cap, dim=-1)
+    top_tokens = torch.topk(draft_logits, cap, dim=-1).indices
+    return log_probs_at(draft_logits, top_tokens), top_tokens
 
 
 def build_trees(

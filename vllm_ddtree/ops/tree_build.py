@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.ops import use_triton
-from vllm_ddtree.tree import DDTreeBatch, depth_candidates, empty_batch
+from vllm_ddtree.tree import DDTreeBatch, depth_candidates, empty_batch, token_log_probs
 from vllm_ddtree.tree import build_trees as build_trees_ref
 
 try:
@@ -34,7 +34,7 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-__all__ = ["build_draft_trees", "build_trees_ref", "build_trees_triton"]
+__all__ = ["build_draft_trees", "build_trees_ref", "build_trees_triton", "device_log_probs"]
 
 
 if HAS_TRITON:
@@ -112,17 +112,32 @@ if HAS_TRITON:
         tl.store(out_num_nodes_ptr + req, count)
 
 
+def device_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``tree.token_log_probs`` on CUDA through vLLM's kernel (one program per row: max and
+    log-sum-exp over the vocabulary in float32, read in the logits' dtype, then the gather);
+    the reference elsewhere (vLLM's Triton kernels need a GPU driver, also under the
+    interpreter)."""
+    if not logits.is_cuda:
+        return token_log_probs(logits, token_ids)
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    vocab, cap = logits.shape[-1], token_ids.shape[-1]
+    rows = logits.reshape(-1, vocab).contiguous()
+    return compute_token_logprobs(rows, token_ids.reshape(-1, cap)).view(token_ids.shape)
+
+
 def build_trees_triton(
     draft_logits: torch.Tensor, tree_budget: int, top_k: int | None = None
 ) -> DDTreeBatch:
     """``build_trees`` with the best-first search in one kernel launch (``R`` programs).
 
     Args and returns as ``build_trees_ref``: ``draft_logits`` float ``[R, L, V]`` -> a
-    ``DDTreeBatch`` of width ``budget``. The per-depth log-softmax and top-``cap`` run in
-    PyTorch (two launches) before the kernel.
+    ``DDTreeBatch`` of width ``budget``. Before the kernel, each depth's top-``cap`` tokens
+    come from PyTorch's top-k of the logits, and their log-probabilities from vLLM's fused
+    log-softmax gather (``device_log_probs``).
     """
     device = draft_logits.device
-    candidates = depth_candidates(draft_logits, tree_budget, top_k)
+    candidates = depth_candidates(draft_logits, tree_budget, top_k, device_log_probs)
     if candidates is None:
         num_reqs, depth_limit, _ = draft_logits.shape
         return empty_batch(num_reqs, tree_budget, depth_limit, device)
