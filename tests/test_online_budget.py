@@ -123,3 +123,42 @@ def test_device_times_measured_at_start_decide_where_the_profile_would_not(tmp_p
         chosen[measured is not None] = core.scheduler.dynamic_sd_lookup[1]
     assert chosen == {False: 32, True: 16}
     assert "device times measured at start" in caplog.text
+
+
+def test_a_budget_whose_served_steps_ran_slower_than_predicted_is_left(tmp_path, caplog):
+    """Deep paths make budget 32 the fastest by the profile; once its served steps took three
+    times their predicted time (steady batches, nothing waiting), "auto" serves 16, whose
+    steps take their predicted time, and it does not explore 32 again while that stands.
+    Steps while a request waits are not counted."""
+    core, tracker = engine_core(tmp_path, budgets=(16, 32), runner="v2")
+    controller = online_budget.online_budget(core)
+    observe(tracker, 12, steps=200)
+    controller.refresh()
+    assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
+    now = [0.0]
+    controller.realised.clock = lambda: now[0]
+    core.scheduler.running = ["r"] * 4
+
+    def serve(steps):
+        served = []
+        for _ in range(steps):
+            observe(tracker, 12, steps=1)
+            budget = core.scheduler.dynamic_sd_lookup[4]
+            served.append(budget)
+            controller.before_step()
+            predicted = controller.profile.tree.step_ms(4 * (1 + budget), 4, budget)
+            now[0] += (3 if budget == 32 else 1) * predicted / 1e3
+        return served
+
+    core.scheduler.waiting = ["w"]  # a prefill in every interval: nothing counted
+    assert set(serve(online_budget.REFRESH_STEPS)) == {32}
+    assert controller.realised.ratios() == ({}, 1.0)
+    core.scheduler.waiting = []
+    with caplog.at_level("INFO", logger="vllm.ddtree"):
+        served = serve(online_budget.REFRESH_STEPS * (online_budget.EXPLORE_EVERY + 2))
+    ratios, _ = controller.realised.ratios()
+    assert ratios[32] == pytest.approx(3.0) and ratios[16] == pytest.approx(1.0)
+    assert served[: online_budget.REFRESH_STEPS - 1] == [32] * (online_budget.REFRESH_STEPS - 1)
+    last = served[2 * online_budget.REFRESH_STEPS :]
+    assert set(last) == {16}, "32 explored again, or never left"
+    assert "step time realised / predicted by budget: 32: 3.00" in caplog.text

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_ddtree.cost_model import StepCost
-from vllm_ddtree.step_costs import MeasuredStepCosts, TreeStepCost, time_replays
+from vllm_ddtree.step_costs import RATIO_CLIP, MeasuredStepCosts, TreeStepCost, time_replays
 
 
 class Clock:
@@ -126,3 +126,42 @@ def test_a_failed_timing_is_kept_and_the_capture_goes_on():
     timer[desc(mode("FULL"), 2)] = Broken()
     assert len(timer) == 2 and not timer.timed_ms
     assert "no device" in str(timer.failure)
+
+
+def test_realised_step_times_count_steady_steps_by_budget():
+    """Intervals between ticks of one batch size and budget, nothing waiting, over their
+    prediction; a budget stands once enough decayed steps are behind it, and the others are
+    judged at 1 or the smallest ratio below it."""
+    from vllm_ddtree.step_costs import RealisedStepTimes
+
+    now = [0.0]
+    realised = RealisedStepTimes(half_life_steps=1e9, min_steps=2.5, clock=lambda: now[0])
+
+    def ticks(n, batch, budget, interval_ms, predicted_ms, waiting=0):
+        for _ in range(n):
+            realised.tick(batch, waiting, budget, predicted_ms)
+            now[0] += interval_ms / 1e3
+
+    ticks(4, 2, 64, 10.0, 5.0)  # 3 intervals between 4 ticks of budget 64: ratio 2
+    assert realised.ratios() == ({64: pytest.approx(2.0)}, 1.0)
+    ticks(3, 2, 128, 30.0, 10.0, waiting=1)  # a queued request: not counted
+    ticks(3, 3, 128, 30.0, 10.0)  # the batch grew at the first tick: 2 intervals counted
+    assert 128 not in realised.ratios()[0]
+    ticks(2, 3, 128, 30.0, 10.0)
+    ratios, default = realised.ratios()
+    assert ratios == {64: pytest.approx(2.0), 128: pytest.approx(3.0)}
+    assert default == 1.0  # an unserved budget is judged at its prediction
+    ticks(4, 3, 32, 2.0, 4.0)
+    assert realised.ratios()[1] == pytest.approx(0.5)  # ... or as the best-behaved served one
+    ticks(4, 3, 16, 1e6, 1.0)  # a host pause is clipped, not a step's cost
+    assert realised.ratios()[0][16] == pytest.approx(RATIO_CLIP[1])
+
+
+def test_corrected_step_cost_scales_each_budget_by_its_ratio():
+    from vllm_ddtree.cost_model import StepCost
+    from vllm_ddtree.step_costs import CorrectedStepCost
+
+    inner = StepCost(base_ms=2.0, per_token_ms=0.1)
+    corrected = CorrectedStepCost(inner, {64: 2.0}, default=1.5)
+    assert corrected.step_ms(65, 1, 64) == pytest.approx(2 * inner.step_ms(65, 1, 64))
+    assert corrected.step_ms(33, 1, 32) == pytest.approx(1.5 * inner.step_ms(33, 1, 32))

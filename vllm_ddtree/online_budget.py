@@ -9,7 +9,10 @@ budget predicted fastest at each batch size (a batch size keeps the budget it is
 is predicted within 3% of the fastest: ``cost_model.HOLD_MARGIN``): the live acceptance where enough
 trees stand behind it, the profile's elsewhere, and the step costs of this engine: on V2 the device
 time of each verify width and drafter pass, timed from its CUDA graphs at start (``step_costs.py``),
-plus the profile's host cost; elsewhere the profile's (``cost_model.choose_live_schedule``). A
+plus the profile's host cost; elsewhere the profile's (``cost_model.choose_live_schedule``);
+each budget's step cost scaled by what its served steps realised over that prediction, where it
+was served long enough to say (``step_costs.RealisedStepTimes``: wall time between steady
+engine steps, so whatever the start-up timing missed counts). A
 budget below the one scheduled is learned for free; one above it only while it is scheduled, so once
 unscheduled its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a
 smaller budget's), and every ``EXPLORE_EVERY``-th refresh serves it for one refresh where predicted
@@ -40,6 +43,11 @@ REFRESH_STEPS = 32  # engine steps between reads of the workers' acceptance
 HALF_LIFE_STEPS = 256.0  # a verified step's weight halves after this many more steps
 MIN_TREES = 16.0  # decayed trees behind a live estimate before it replaces the profile's
 EXPLORE_EVERY = 8  # every 8th refresh tries the next larger budget without an estimate
+# Realised step times (step_costs.RealisedStepTimes): an engine's costs drift less than its
+# workload, so a step's weight halves only after this many more steps, and a budget's ratio
+# stands once this many decayed steps are behind it.
+REALISED_HALF_LIFE_STEPS = 2048.0
+MIN_REALISED_STEPS = 8.0
 ENGINE_ATTR = "_ddtree_online_budget"  # on vLLM's EngineCore: its OnlineBudget or None
 
 
@@ -125,24 +133,47 @@ class OnlineBudget:
         self.steps = 0
         self.refreshes = 0
         self.schedule: list[tuple[int, int, int]] | None = None
+        from vllm_ddtree.step_costs import RealisedStepTimes
+
+        self.realised = RealisedStepTimes(REALISED_HALF_LIFE_STEPS, MIN_REALISED_STEPS)
 
     def before_step(self) -> None:
+        self._time_step()
         self.steps += 1
         if self.steps % REFRESH_STEPS == 0:
             self.refresh()
+
+    def _time_step(self) -> None:
+        """Tell ``realised`` this step's running requests, queued ones and budget, with the
+        step time the (uncorrected) cost model predicts for them."""
+        scheduler = self.engine_core.scheduler
+        batch = len(getattr(scheduler, "running", None) or ())
+        waiting = len(getattr(scheduler, "waiting", None) or ())
+        lookup = getattr(scheduler, "dynamic_sd_lookup", None)
+        if lookup is not None and 0 < batch < len(lookup):
+            budget = lookup[batch]
+        else:
+            budget = getattr(scheduler, "num_spec_tokens", 0)
+        predicted = None
+        if batch and budget:
+            predicted = self.profile.tree.step_ms(batch * (1 + budget), batch, budget)
+        self.realised.tick(batch, waiting, budget, predicted)
 
     def refresh(self) -> None:
         """Read the first worker's acceptance and set the scheduler's budgets from it."""
         from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
         from vllm_ddtree.cost_model import choose_live_schedule, format_schedule
+        from vllm_ddtree.step_costs import CorrectedStepCost
 
         live = self.engine_core.model_executor.collective_rpc(worker_acceptance)[0]
         if not live:
             return
         self.refreshes += 1
+        ratios, default = self.realised.ratios()
+        judged = replace(self.profile, tree=CorrectedStepCost(self.profile.tree, ratios, default))
         schedule, acceptance = choose_live_schedule(
-            self.profile,
+            judged,
             live,
             self.candidates,
             self.max_num_seqs,
@@ -163,9 +194,10 @@ class OnlineBudget:
         self.schedule = schedule
         logger.info(
             "vllm-ddtree: tree_budget 'auto' now serves (requests: budget) %s; tokens per "
-            "verify step by budget: %s",
+            "verify step by budget: %s; step time realised / predicted by budget: %s",
             format_schedule(schedule),
             ", ".join(f"{b}: {a:.2f}" for b, a in sorted(acceptance.items())),
+            ", ".join(f"{b}: {r:.2f}" for b, r in sorted(ratios.items())) or "none yet",
         )
 
 

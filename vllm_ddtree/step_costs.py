@@ -156,3 +156,79 @@ def measured_step_costs(verify: TimedGraphs, draft: TimedGraphs) -> MeasuredStep
     for desc, ms in draft.timed_ms.items():
         draft_ms[desc.num_reqs] = min(ms, draft_ms.get(desc.num_reqs, ms))
     return MeasuredStepCosts(verify_ms=verify_ms, draft_ms=draft_ms)
+
+
+@dataclass(frozen=True)
+class CorrectedStepCost:
+    """A DDTree step cost (``cost_model.StepCost``'s interface) scaled per tree budget by what
+    this engine's steps realised over what ``inner`` predicted for them
+    (``RealisedStepTimes.ratios``): ``ratios`` by budget, ``default`` for a budget not served
+    long enough to say."""
+
+    inner: StepCost | TreeStepCost
+    ratios: Mapping[int, float]
+    default: float = 1.0
+
+    def step_ms(self, tokens: int, batch: int = 1, nodes: int = 0) -> float:
+        return self.inner.step_ms(tokens, batch, nodes) * self.ratios.get(nodes, self.default)
+
+
+# A realised step this many times its prediction or more (or less) counts as this: a pause of
+# the host (a garbage collection, a log flush) is not the step's cost.
+RATIO_CLIP = (0.1, 10.0)
+
+
+class RealisedStepTimes:
+    """The wall time between an engine core's steps, over the cost model's prediction for the
+    step, by the tree budget served.
+
+    A start-up measurement times each CUDA graph alone; a served step adds the host's work,
+    the sampler, the tree walk and anything the measurement missed, and on the H200 a budget
+    whose graphs timed 7% slower than the next smaller one's served steps more than twice as
+    long (``benchmarks/results/2026-12-03_7d61089_scale-8b-auto-grid``). ``tick`` runs at every
+    engine step with that step's requests and budget; the interval up to the next tick counts
+    for the budget when the batch neither grew nor shrank and nothing waited (no prefill in
+    it). Decayed means: a step's weight halves after ``half_life_steps`` more counted steps."""
+
+    def __init__(
+        self,
+        half_life_steps: float,
+        min_steps: float,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.min_steps, self.clock = min_steps, clock
+        self._decay = 0.5 ** (1.0 / half_life_steps)
+        self._ratio_sums: dict[int, float] = {}
+        self._steps: dict[int, float] = {}
+        self._last: tuple[float, int, int, int, float | None] | None = None
+
+    def tick(self, batch: int, waiting: int, tree_budget: int, predicted_ms: float | None):
+        """One engine step of ``batch`` running requests (``waiting`` more queued) served
+        ``tree_budget`` nodes a tree, predicted to take ``predicted_ms`` (None: unknown)."""
+        now = self.clock()
+        last, self._last = self._last, (now, batch, waiting, tree_budget, predicted_ms)
+        if last is None:
+            return
+        then, last_batch, last_waiting, last_budget, last_predicted = last
+        steady = batch == last_batch > 0 and waiting == last_waiting == 0
+        if not steady or tree_budget != last_budget or not last_predicted:
+            return
+        ratio = min(max(1e3 * (now - then) / last_predicted, RATIO_CLIP[0]), RATIO_CLIP[1])
+        for budget in self._steps:
+            self._ratio_sums[budget] *= self._decay
+            self._steps[budget] *= self._decay
+        self._ratio_sums[last_budget] = self._ratio_sums.get(last_budget, 0.0) + ratio
+        self._steps[last_budget] = self._steps.get(last_budget, 0.0) + 1.0
+
+    def ratios(self) -> tuple[dict[int, float], float]:
+        """``({budget: realised / predicted step time}, default)`` for the budgets with at
+        least ``min_steps`` decayed steps behind them; ``default``, for the others, is 1 or
+        the smallest of those ratios if below: an unserved budget is judged at its prediction
+        (or as well as the best-behaved served one), so that it is tried, while a served
+        budget that ran slower than predicted is judged by what it realised."""
+        ratios = {
+            budget: self._ratio_sums[budget] / steps
+            for budget, steps in self._steps.items()
+            if steps >= self.min_steps
+        }
+        return ratios, min([1.0, *ratios.values()])
