@@ -505,9 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     pool_size = max(max(batches), args.batch1_prompts)
     if args.shift:  # every chunk's prompts its own
         pool_size = max(pool_size, args.shift_chunks * args.shift_batch)
+    # Greedy prompts also where --modes leaves greedy out: the step-time split and the shift
+    # run serve them.
     pools = {
         (mode, dataset): token_prompts(mode, dataset, pool_size, args.prompt_len, model.vocab_size)
-        for mode in modes
+        for mode in dict.fromkeys(["greedy", *modes])
         for dataset in DATASETS
     }
     budgets = [int(b) for b in args.budgets.split(",") if b]

@@ -393,3 +393,13 @@ def test_a_shift_phase_settles_where_auto_stays_within_5_percent():
     assert phases["mtbench"]["median_tok_per_s"][AUTO] == 94.5
     assert phases["mtbench"]["median_auto_over_best_fixed"] == pytest.approx(0.945)
     assert phases["humaneval"]["median_tok_per_s"]["dflash"] == 999
+
+
+def test_a_sampling_only_run_splits_its_steps_on_greedy_prompts(tmp_path, monkeypatch):
+    """``--modes sampling`` with a step-time split: the split serves greedy prompts, which
+    such a run must make too (it stopped with a KeyError before any row)."""
+    argv = ["--budgets", "64", "--batches", "1", "--repeats", "1", "--max-tokens", "8"]
+    argv += ["--prompt-len", "4", "--modes", "sampling", "--split-batches", "1"]
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv)
+    assert {row["mode"] for row in summary["rows"]} == {"sampling"}
+    assert [s["batch"] for s in summary["splits"]["ddtree_v2_b64"]["step_split"]] == [1]
