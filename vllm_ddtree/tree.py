@@ -98,12 +98,11 @@ def _check_budget(tree_budget: int, top_k: int | None) -> None:
 
 def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """float32 ``[..., K]``: the log-softmax of ``logits`` (``[..., V]``, any float dtype) over
-    its last dim, read at ``token_ids`` (long ``[..., K]``), without materialising the
-    ``[..., V]`` log-probabilities' float32 copy beyond one pass (the reference of
-    ``ops.tree_build``'s device path: max, then the log of the sum of exponentials)."""
-    row_max = logits.amax(dim=-1, keepdim=True).float()
-    log_norm = torch.log(torch.exp(logits.float() - row_max).sum(dim=-1, keepdim=True))
-    return logits.gather(-1, token_ids).float() - row_max - log_norm
+    its last dim, read at ``token_ids`` (long ``[..., K]``), in float32. The reference of
+    ``ops.tree_build``'s device path, which reads the logits in their own dtype and writes
+    only the ``K`` values."""
+    log_norm = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    return logits.gather(-1, token_ids).float() - log_norm
 
 
 def depth_candidates(
