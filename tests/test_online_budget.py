@@ -36,7 +36,7 @@ def engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.NONE, budgets=(4, 8, 16, 
         model_runner=SimpleNamespace(**{HANDLE: StepState(acceptance=tracker)})
     )
     executor = SimpleNamespace(collective_rpc=lambda fn: [fn(worker)])
-    scheduler = SimpleNamespace(num_spec_tokens=32, dynamic_sd_lookup=None)
+    scheduler = SimpleNamespace(num_spec_tokens=32, dynamic_sd_lookup=None, running=[], waiting=[])
     core = SimpleNamespace(vllm_config=config, model_executor=executor, scheduler=scheduler)
     return core, tracker
 

@@ -136,6 +136,7 @@ class OnlineBudget:
         from vllm_ddtree.step_costs import RealisedStepTimes
 
         self.realised = RealisedStepTimes(REALISED_HALF_LIFE_STEPS, MIN_REALISED_STEPS)
+        self._predicted: dict[tuple[int, int], float] = {}
 
     def before_step(self) -> None:
         self._time_step()
@@ -147,17 +148,21 @@ class OnlineBudget:
         """Tell ``realised`` this step's running requests, queued ones and budget, with the
         step time the (uncorrected) cost model predicts for them."""
         scheduler = self.engine_core.scheduler
-        batch = len(getattr(scheduler, "running", None) or ())
-        waiting = len(getattr(scheduler, "waiting", None) or ())
-        lookup = getattr(scheduler, "dynamic_sd_lookup", None)
-        if lookup is not None and 0 < batch < len(lookup):
-            budget = lookup[batch]
-        else:
-            budget = getattr(scheduler, "num_spec_tokens", 0)
-        predicted = None
-        if batch and budget:
-            predicted = self.profile.tree.step_ms(batch * (1 + budget), batch, budget)
-        self.realised.tick(batch, waiting, budget, predicted)
+        batch, waiting = len(scheduler.running), len(scheduler.waiting)
+        lookup = scheduler.dynamic_sd_lookup
+        budget = lookup[batch] if lookup is not None and 0 < batch < len(lookup) else None
+        budget = budget or scheduler.num_spec_tokens
+        self.realised.tick(batch, waiting, budget, self._predicted_ms(batch, budget))
+
+    def _predicted_ms(self, batch: int, budget: int) -> float | None:
+        """The profile's step time for ``batch`` trees of ``budget`` nodes (fixed for the
+        engine's life, so worked out once per pair, not on every step); None for no trees."""
+        if not batch or not budget:
+            return None
+        key = (batch, budget)
+        if key not in self._predicted:
+            self._predicted[key] = self.profile.tree.step_ms(batch * (1 + budget), batch, budget)
+        return self._predicted[key]
 
     def refresh(self) -> None:
         """Read the first worker's acceptance and set the scheduler's budgets from it."""
