@@ -302,6 +302,130 @@ def tune(quick: bool) -> list[dict]:
     return rows
 
 
+# The verify widths of the scale grid (1 + budget query tokens per request at 1 to 16
+# requests, short and long contexts) and the launch variants timed on them.
+VERIFY_SHAPES = [
+    (nodes, context, batch)
+    for nodes in (16, 32, 64, 128)
+    for batch in (1, 4, 16)
+    for context in (384, 2048)
+]
+VERIFY_VARIANTS = [
+    (block_m, block_n, num_warps)
+    for block_m in (16, 64, 128)
+    for block_n in (32, 64)
+    for num_warps in (4, 8)
+]
+
+
+def make_fa3_chain_runner(batch: int, context: int, q_len: int = 16):
+    """vLLM's FlashAttention 3 (the chain's backend on Hopper), causal, ``q_len`` query tokens
+    per request over ``context`` cached ones: what a DFlash chain's verify pays per layer."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    case = random_case(
+        [("causal", context, q_len)] * batch, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=2
+    )
+    out = torch.empty_like(case.q)
+
+    def run():
+        flash_attn_varlen_func(
+            q=case.q,
+            k=case.key_cache,
+            v=case.value_cache,
+            out=out,
+            cu_seqlens_q=case.query_start_loc,
+            max_seqlen_q=q_len,
+            seqused_k=case.seq_lens,
+            max_seqlen_k=int(case.seq_lens.max()),
+            softmax_scale=case.scale,
+            causal=True,
+            block_table=case.block_table,
+            fa_version=3,
+        )
+        return out
+
+    return run
+
+
+def tune_verify() -> list[dict]:
+    """Every launch variant on the verify shapes a served tree step has (Qwen3-8B's attention
+    shape), beside the launcher's default choice and FlashAttention 3's causal chain verify
+    of 16 tokens per request over the same contexts."""
+    rows = []
+    for nodes, context, batch in VERIFY_SHAPES:
+        case = random_case(
+            [("tree", context, nodes)] * batch,
+            32,
+            8,
+            128,
+            16,
+            torch.bfloat16,
+            "cuda",
+            seed=nodes + batch,
+            vocab=256,
+        )
+        out = torch.empty_like(case.q)
+        row = dict(nodes=nodes, context=context, batch=batch, variants=[])
+        default_out = tree_attention(**case.kwargs(), max_query_len=case.max_query_len).clone()
+        row["default_ms"] = median_ms(
+            lambda case=case, out=out: tree_attention(
+                **case.kwargs(), max_query_len=case.max_query_len, out=out
+            )
+        )
+        try:
+            row["fa3_chain_ms"] = median_ms(make_fa3_chain_runner(batch, context))
+        except Exception as exc:  # noqa: BLE001 - record why the baseline is missing
+            row["fa3_chain_ms"] = None
+            print(f"FlashAttention 3 chain failed: {type(exc).__name__}: {exc}"[:200])
+        for block_m, block_n, num_warps in VERIFY_VARIANTS:
+            launch = dict(block_m=block_m, block_n=block_n, num_warps=num_warps)
+            try:
+                ms = median_ms(
+                    lambda case=case, out=out, launch=launch: tree_attention(
+                        **case.kwargs(), max_query_len=case.max_query_len, out=out, **launch
+                    )
+                )
+                # The same attention as the default launch (float32 accumulation both).
+                error = relative_error(out, default_out)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                ms = error = None
+                print(f"variant failed: {type(exc).__name__}: {exc}"[:200])
+            ok = error is not None and error < BF16_TOLERANCE
+            row["variants"].append(dict(**launch, ms=ms if ok else None, rel_error=error))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def verify_markdown(rows: list[dict]) -> list[str]:
+    """The verify-shape table: default, fastest variant, FlashAttention 3's chain."""
+    lines = [
+        "",
+        "Verify shapes (queries: 1 + nodes per request); ms per layer; fastest: the fastest "
+        "launch variant (block_m, block_n, num_warps); fa3 chain: FlashAttention 3, causal, "
+        "16 tokens per request over the same context.",
+        "",
+        "| nodes | context | batch | default ms | fastest ms | fastest variant | fa3 chain ms "
+        "| default / fa3 | fastest / fa3 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        timed = [v for v in r["variants"] if v["ms"] is not None]
+        best = min(timed, key=lambda v: v["ms"])
+        fa3 = r.get("fa3_chain_ms")
+        lines.append(
+            f"| {r['nodes']} | {r['context']} | {r['batch']} | {r['default_ms']:.4f} | "
+            f"{best['ms']:.4f} | {best['block_m']}, {best['block_n']}, {best['num_warps']} | "
+            + (
+                f"{fa3:.4f} | {r['default_ms'] / fa3:.2f} | {best['ms'] / fa3:.2f} |"
+                if fa3
+                else "n/a | n/a | n/a |"
+            )
+        )
+    return lines
+
+
 def markdown(result: dict) -> str:
     lines = [
         "# TREE_ATTN kernel benchmark",
@@ -311,9 +435,13 @@ def markdown(result: dict) -> str:
         f"- commit measured: `{result['commit']}`; generated by `benchmarks/bench_tree_attn.py`",
         f"- device-to-device copy bandwidth: {result['copy_bandwidth_gbs']:.0f} GB/s "
         "(read + write)",
-        f"- correctness grid: {sum(r['ok'] for r in result['checks'])}/{len(result['checks'])} "
-        f"shapes within {BF16_TOLERANCE:g} relative error of the float32 reference; worst "
-        f"{max(r['rel_error'] for r in result['checks']):.2e}",
+        (
+            f"- correctness grid: {sum(r['ok'] for r in result['checks'])}/"
+            f"{len(result['checks'])} shapes within {BF16_TOLERANCE:g} relative error of the "
+            f"float32 reference; worst {max(r['rel_error'] for r in result['checks']):.2e}"
+            if result["checks"]
+            else "- correctness grid: not run"
+        ),
         "",
         "Qwen3-8B attention shape (32 q heads, 8 KV heads, head 128, bf16, KV block 16); "
         "times are medians in ms. tree/chain: this kernel over TRITON_ATTN's causal kernel at "
@@ -333,6 +461,8 @@ def markdown(result: dict) -> str:
             f"{sdpa_ms} | {ratio} | {sdpa_ratio} | {r['tree_gbs']:.0f} | "
             f"{100 * r['tree_fraction_of_copy_bw']:.0f} | {r['rel_error_vs_fp32']:.1e} |"
         )
+    if result.get("verify_tuning"):
+        lines += verify_markdown(result["verify_tuning"])
     return "\n".join(lines) + "\n"
 
 
@@ -343,6 +473,12 @@ def main() -> int:
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--tune", action="store_true", help="time launch variants first")
+    parser.add_argument(
+        "--tune-verify",
+        action="store_true",
+        help="time launch variants on the verify shapes of a served tree step, beside "
+        "FlashAttention 3's chain verify",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     os.makedirs(args.out, exist_ok=True)
@@ -365,6 +501,7 @@ def main() -> int:
     )
     result["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
     result["tuning"] = tune(args.quick) if args.tune else []
+    result["verify_tuning"] = tune_verify() if args.tune_verify else []
     result["checks"] = [] if args.skip_checks else check_grid(args.quick)
     print(
         f"checks: {sum(r['ok'] for r in result['checks'])}/{len(result['checks'])} ok", flush=True
