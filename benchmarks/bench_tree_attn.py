@@ -316,17 +316,30 @@ VERIFY_VARIANTS = [
     for block_n in (32, 64)
     for num_warps in (4, 8)
 ]
+# Attention shapes of the targets served: (query heads, KV heads, head size).
+ATTENTION_SHAPES = {
+    "qwen3-8b": (32, 8, 128),
+    "smollm2-135m": (9, 3, 64),
+    "qwen3.6-27b": (24, 4, 256),
+}
 
 
-def make_fa3_chain_runner(batch: int, context: int, q_len: int = 16):
+def median_graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph: the device's time, as in the engine's
+    FULL graphs (no launch from Python in it)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+
+
+def make_fa3_chain_runner(batch: int, context: int, shape: tuple[int, int, int], q_len=16):
     """vLLM's FlashAttention 3 (the chain's backend on Hopper), causal, ``q_len`` query tokens
     per request over ``context`` cached ones: what a DFlash chain's verify pays per layer."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    case = random_case(
-        [("causal", context, q_len)] * batch, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=2
-    )
+    case = random_case([("causal", context, q_len)] * batch, *shape, 16, torch.bfloat16, "cuda")
     out = torch.empty_like(case.q)
+    max_seq_len = int(case.seq_lens.max())
 
     def run():
         flash_attn_varlen_func(
@@ -337,7 +350,7 @@ def make_fa3_chain_runner(batch: int, context: int, q_len: int = 16):
             cu_seqlens_q=case.query_start_loc,
             max_seqlen_q=q_len,
             seqused_k=case.seq_lens,
-            max_seqlen_k=int(case.seq_lens.max()),
+            max_seqlen_k=max_seq_len,
             softmax_scale=case.scale,
             causal=True,
             block_table=case.block_table,
@@ -348,17 +361,18 @@ def make_fa3_chain_runner(batch: int, context: int, q_len: int = 16):
     return run
 
 
-def tune_verify() -> list[dict]:
-    """Every launch variant on the verify shapes a served tree step has (Qwen3-8B's attention
-    shape), beside the launcher's default choice and FlashAttention 3's causal chain verify
-    of 16 tokens per request over the same contexts."""
+def tune_verify(shape_name: str, graphs: bool) -> list[dict]:
+    """Every launch variant on the verify shapes a served tree step has (``shape_name``'s
+    attention shape), beside the launcher's default choice and FlashAttention 3's causal chain
+    verify of 16 tokens per request over the same contexts. ``graphs``: timed from CUDA-graph
+    replays (device time), else from launches."""
+    shape = ATTENTION_SHAPES[shape_name]
+    timer = median_graph_ms if graphs else median_ms
     rows = []
     for nodes, context, batch in VERIFY_SHAPES:
         case = random_case(
             [("tree", context, nodes)] * batch,
-            32,
-            8,
-            128,
+            *shape,
             16,
             torch.bfloat16,
             "cuda",
@@ -366,22 +380,25 @@ def tune_verify() -> list[dict]:
             vocab=256,
         )
         out = torch.empty_like(case.q)
-        row = dict(nodes=nodes, context=context, batch=batch, variants=[])
+        row = dict(
+            shape=shape_name, nodes=nodes, context=context, batch=batch, graphs=graphs, variants=[]
+        )
         default_out = tree_attention(**case.kwargs(), max_query_len=case.max_query_len).clone()
-        row["default_ms"] = median_ms(
+        row["default_ms"] = timer(
             lambda case=case, out=out: tree_attention(
                 **case.kwargs(), max_query_len=case.max_query_len, out=out
             )
         )
         try:
-            row["fa3_chain_ms"] = median_ms(make_fa3_chain_runner(batch, context))
+            row["fa3_chain_ms"] = timer(make_fa3_chain_runner(batch, context, shape))
         except Exception as exc:  # noqa: BLE001 - record why the baseline is missing
             row["fa3_chain_ms"] = None
             print(f"FlashAttention 3 chain failed: {type(exc).__name__}: {exc}"[:200])
         for block_m, block_n, num_warps in VERIFY_VARIANTS:
             launch = dict(block_m=block_m, block_n=block_n, num_warps=num_warps)
             try:
-                ms = median_ms(
+                out.zero_()
+                ms = timer(
                     lambda case=case, out=out, launch=launch: tree_attention(
                         **case.kwargs(), max_query_len=case.max_query_len, out=out, **launch
                     )
@@ -402,26 +419,34 @@ def verify_markdown(rows: list[dict]) -> list[str]:
     """The verify-shape table: default, fastest variant, FlashAttention 3's chain."""
     lines = [
         "",
-        "Verify shapes (queries: 1 + nodes per request); ms per layer; fastest: the fastest "
-        "launch variant (block_m, block_n, num_warps); fa3 chain: FlashAttention 3, causal, "
-        "16 tokens per request over the same context.",
+        "Verify shapes (queries: 1 + nodes per request); ms per layer, timed "
+        + ("from CUDA-graph replays" if rows and rows[0].get("graphs") else "from launches")
+        + "; fastest: the fastest launch variant (block_m, block_n, num_warps); fa3 chain: "
+        "FlashAttention 3, causal, 16 tokens per request over the same context.",
         "",
-        "| nodes | context | batch | default ms | fastest ms | fastest variant | fa3 chain ms "
-        "| default / fa3 | fastest / fa3 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | nodes | context | batch | default ms | fastest ms | fastest variant "
+        "| fa3 chain ms | default / fa3 | fastest / fa3 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         timed = [v for v in r["variants"] if v["ms"] is not None]
-        best = min(timed, key=lambda v: v["ms"])
+        best = min(timed, key=lambda v: v["ms"]) if timed else None
+        fastest = (
+            f"{best['ms']:.4f} | {best['block_m']}, {best['block_n']}, {best['num_warps']}"
+            if best
+            else "n/a | every variant failed"
+        )
         fa3 = r.get("fa3_chain_ms")
-        lines.append(
-            f"| {r['nodes']} | {r['context']} | {r['batch']} | {r['default_ms']:.4f} | "
-            f"{best['ms']:.4f} | {best['block_m']}, {best['block_n']}, {best['num_warps']} | "
-            + (
-                f"{fa3:.4f} | {r['default_ms'] / fa3:.2f} | {best['ms'] / fa3:.2f} |"
-                if fa3
-                else "n/a | n/a | n/a |"
+        ratios = "n/a | n/a"
+        if fa3:
+            ratios = f"{r['default_ms'] / fa3:.2f} | " + (
+                f"{best['ms'] / fa3:.2f}" if best else "n/a"
             )
+        lines.append(
+            f"| {r.get('shape', 'qwen3-8b')} | {r['nodes']} | {r['context']} | {r['batch']} | "
+            f"{r['default_ms']:.4f} | {fastest} | "
+            + (f"{fa3:.4f}" if fa3 else "n/a")
+            + f" | {ratios} |"
         )
     return lines
 
@@ -475,9 +500,15 @@ def main() -> int:
     parser.add_argument("--tune", action="store_true", help="time launch variants first")
     parser.add_argument(
         "--tune-verify",
+        default="",
+        help="comma-separated attention shapes (" + ", ".join(ATTENTION_SHAPES) + "): time "
+        "launch variants on the verify shapes of a served tree step, beside FlashAttention "
+        "3's chain verify",
+    )
+    parser.add_argument(
+        "--launch-timing",
         action="store_true",
-        help="time launch variants on the verify shapes of a served tree step, beside "
-        "FlashAttention 3's chain verify",
+        help="--tune-verify timed from launches (default: from CUDA-graph replays)",
     )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
@@ -501,7 +532,11 @@ def main() -> int:
     )
     result["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
     result["tuning"] = tune(args.quick) if args.tune else []
-    result["verify_tuning"] = tune_verify() if args.tune_verify else []
+    result["verify_tuning"] = [
+        row
+        for shape_name in filter(None, args.tune_verify.split(","))
+        for row in tune_verify(shape_name, graphs=not args.launch_timing)
+    ]
     result["checks"] = [] if args.skip_checks else check_grid(args.quick)
     print(
         f"checks: {sum(r['ok'] for r in result['checks'])}/{len(result['checks'])} ok", flush=True

@@ -1,0 +1,47 @@
+"""The kernel benchmark's verify-shape table (CPU: its rows are made up here)."""
+
+from benchmarks.bench_tree_attn import ATTENTION_SHAPES, VERIFY_VARIANTS, verify_markdown
+
+
+def variant(block_m, block_n, num_warps, ms):
+    return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, ms=ms, rel_error=0.0)
+
+
+def test_the_verify_table_names_the_fastest_variant_and_survives_failed_ones():
+    rows = [
+        dict(
+            shape="qwen3-8b",
+            nodes=64,
+            context=2048,
+            batch=16,
+            graphs=True,
+            default_ms=0.6,
+            fa3_chain_ms=0.1,
+            variants=[variant(16, 64, 4, 0.6), variant(128, 32, 4, 0.45), variant(64, 32, 8, None)],
+        ),
+        dict(
+            shape="qwen3.6-27b",
+            nodes=16,
+            context=384,
+            batch=1,
+            graphs=True,
+            default_ms=0.05,
+            fa3_chain_ms=None,
+            variants=[variant(128, 64, 8, None)],
+        ),
+    ]
+    lines = verify_markdown(rows)
+    assert "from CUDA-graph replays" in lines[1]
+    assert (
+        "| qwen3-8b | 64 | 2048 | 16 | 0.6000 | 0.4500 | 128, 32, 4 | 0.1000 | 6.00 | 4.50 |"
+        in lines
+    )
+    assert (
+        "| qwen3.6-27b | 16 | 384 | 1 | 0.0500 | n/a | every variant failed | n/a | n/a | n/a |"
+        in lines
+    )
+
+
+def test_the_tuned_shapes_cover_the_served_targets():
+    assert set(ATTENTION_SHAPES) >= {"qwen3-8b", "smollm2-135m", "qwen3.6-27b"}
+    assert (16, 64, 4) in VERIFY_VARIANTS  # the launcher's default for head size 128
