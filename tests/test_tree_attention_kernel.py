@@ -58,7 +58,14 @@ def kernel_cases():
         ("gqa3-not-power-of-2", [("tree", 40, 20), ("causal", 9, 11)], 6, 2, 32, 16, None),
         ("gqa7", [("tree", 33, 9), ("causal", 0, 4)], 7, 1, 32, 16, None),
         ("empty-trees", [("tree", 9, 0), ("tree", 64, 0)], 4, 1, 64, 16, None),
+        ("gqa4-head128", [("tree", 45, 20), ("causal", 7, 3)], 8, 2, 128, 16, None),
     ]
+
+
+def wide_launch() -> dict:
+    from tree_attn_backend.ops.tree_attention import WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS
+
+    return dict(block_m=WIDE_BLOCK_M, block_n=WIDE_BLOCK_N, num_warps=WIDE_NUM_WARPS)
 
 
 def run_kernel(case, window=None, **launch):
@@ -80,9 +87,26 @@ def test_kernel_matches_reference(name, requests, hq, hkv, d, bs, window):
         case = random_case(requests, hq, hkv, d, bs, torch.float32, device, seed=seed)
         ref = tree_attention_ref(**case.kwargs(), sliding_window=window)
         tolerance = 1e-5  # float32 inputs: IEEE dots, interpreted or native
-        for block_n in (16, 64):  # narrow tiles expose window and tail edges
-            out = run_kernel(case, window, block_n=block_n)
-            assert relative_error(out, ref) < tolerance, (name, block_n)
+        # Narrow tiles expose window and tail edges; block_m 16 is the small block decode
+        # batches take, wide_launch() the one a verify at head size 128 takes.
+        for launch in (dict(block_n=16), dict(block_n=64), dict(block_m=16), wide_launch(), {}):
+            out = run_kernel(case, window, **launch)
+            assert relative_error(out, ref) < tolerance, (name, launch)
+
+
+def test_launch_takes_wide_blocks_for_a_verify_and_small_ones_for_decode():
+    from tree_attn_backend.ops.tree_attention import WIDE_BLOCK_M, choose_launch
+
+    # Qwen3-8B's shape (GQA 4, head 128): a 17-token verify fills a wide block.
+    assert choose_launch(4, 17, 128) == (WIDE_BLOCK_M, 32, 8)
+    # One query token per request (plain decode) or a few: the small block holds its rows.
+    assert choose_launch(4, 1, 128) == (16, 64, None)
+    assert choose_launch(4, 4, 128) == (16, 64, None)
+    # Head sizes not measured faster with wide blocks keep the small ones (SmolLM2's 64, 256).
+    assert choose_launch(3, 65, 64) == (16, 64, None)
+    assert choose_launch(6, 129, 256) == (16, 32, None)
+    # A head group wider than 16 rows: one row per grouped head at least.
+    assert choose_launch(32, 1, 128) == (32, 64, None)
 
 
 @pytest.mark.interpreter
@@ -102,7 +126,7 @@ def test_kernels_under_interpreter():
     run_under_interpreter(
         __file__,
         "kernel_matches or half_precision or window_without or split_kv or lower_edge",
-        expected=13,
+        expected=14,
     )
 
 

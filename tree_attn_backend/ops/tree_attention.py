@@ -364,18 +364,33 @@ if HAS_TRITON:
         )
 
 
-def choose_block_m(num_queries_per_kv: int, max_query_len: int) -> int:
-    """Query rows (tokens x grouped heads) per program.
+# A verify's query rows (query tokens x grouped heads) per program where they are many: at
+# Qwen3-8B's attention shape (GQA 4, head size 128) on an H200, every verify shape whose call
+# was bound by the device ran fastest with 128-row blocks of 32-key tiles, 8 warps (16-128-node
+# trees at 1-16 requests over 384 and 2048 cached tokens; the 16-row blocks re-read each
+# request's keys once per 4 query tokens; benchmarks/results/
+# 2026-12-03_996c932_kernels-verify-shapes/). Other head sizes keep the small blocks until
+# measured (``python -m benchmarks kernels --tune-verify``): SmolLM2's 64 was timed fastest
+# with them, and a 128-row accumulator of head size 256 would not fit the registers.
+WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS = 128, 32, 8
+WIDE_HEAD_SIZES = frozenset({128})
 
-    16 rows (or one row per grouped head) measured fastest on an H200 for verify batches of
-    64-node trees at 1-32 requests; the split-KV segments keep small batches busy.
+
+def choose_launch(num_queries_per_kv: int, max_query_len: int, head_size: int):
+    """``(block_m, block_n, num_warps)`` for a launch: query rows (tokens x grouped heads) per
+    program, keys per tile, warps (None: Triton's default).
+
+    Wide blocks (``WIDE_*``) where a request has more query rows than a small block holds, at
+    the head sizes they were measured faster for. Otherwise 16 rows (or one row per grouped
+    head) and 64-key tiles (32 above head size 128, for registers); decode batches keep
+    these, as one query token per request fills no wider block. Depends only on launch-shape
+    quantities, so a CUDA graph captured for a batch shape stays valid.
     """
-    return max(16, triton.next_power_of_2(num_queries_per_kv))
-
-
-def choose_block_n(head_size: int) -> int:
-    """Keys per tile: 64 for head sizes up to 128 (fastest measured), 32 above (registers)."""
-    return 64 if head_size <= 128 else 32
+    small_block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
+    rows = max_query_len * num_queries_per_kv
+    if head_size in WIDE_HEAD_SIZES and rows > small_block_m:
+        return max(WIDE_BLOCK_M, small_block_m), WIDE_BLOCK_N, WIDE_NUM_WARPS
+    return small_block_m, (64 if head_size <= 128 else 32), None
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -446,10 +461,13 @@ def tree_attention(
     if positions is None:
         positions = torch.zeros(1, dtype=torch.int32, device=q.device)
     group = num_heads // num_kv_heads
+    chosen_m, chosen_n, chosen_warps = choose_launch(group, max_query_len, head_size)
     if block_m is None:
-        block_m = choose_block_m(group, max_query_len)
+        block_m = chosen_m
     if block_n is None:
-        block_n = choose_block_n(head_size)
+        block_n = chosen_n
+    if num_warps is None and block_m == chosen_m and block_n == chosen_n:
+        num_warps = chosen_warps
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_segments is None:
