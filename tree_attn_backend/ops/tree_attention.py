@@ -366,10 +366,11 @@ if HAS_TRITON:
 
 # A verify's query rows (query tokens x grouped heads) per program where they are many: at
 # Qwen3-8B's attention shape (GQA 4, head size 128) on an H200, every verify shape whose call
-# was bound by the device ran fastest with 128-row blocks of 32-key tiles, 8 warps (16-128-node
-# trees at 1-16 requests over 384 and 2048 cached tokens; the 16-row blocks re-read each
-# request's keys once per 4 query tokens; benchmarks/results/
-# 2026-12-03_996c932_kernels-verify-shapes/). Other head sizes keep the small blocks until
+# was bound by the device ran fastest with 128-row blocks, and 32-key tiles with 8 warps took
+# 0.78x the 16-row blocks' time (geometric mean; at most 0.98x on any of them), 16-128-node
+# trees at 1-16 requests over 384 and 2048 cached tokens (benchmarks/results/
+# 2026-12-03_996c932_kernels-verify-shapes/): 16-row blocks re-read each request's keys once
+# per 4 query tokens. Other head sizes keep the small blocks until
 # measured (``python -m benchmarks kernels --tune-verify``): SmolLM2's 64 was timed fastest
 # with them, and a 128-row accumulator of head size 256 would not fit the registers.
 WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS = 128, 32, 8
