@@ -152,13 +152,18 @@ def test_a_budget_whose_served_steps_ran_slower_than_predicted_is_left(tmp_path,
 
     core.scheduler.waiting = ["w"]  # a prefill in every interval: nothing counted
     assert set(serve(online_budget.REFRESH_STEPS)) == {32}
-    assert controller.realised.ratios() == ({}, 1.0)
+    assert controller.realised.ratios().by_pair == {}
     core.scheduler.waiting = []
     with caplog.at_level("INFO", logger="vllm.ddtree"):
         served = serve(online_budget.REFRESH_STEPS * (online_budget.EXPLORE_EVERY + 2))
-    ratios, _ = controller.realised.ratios()
-    assert ratios[32] == pytest.approx(3.0) and ratios[16] == pytest.approx(1.0)
+    ratios = controller.realised.ratios().by_pair
+    assert ratios[(32, 4)] == pytest.approx(3.0) and ratios[(16, 4)] == pytest.approx(1.0)
     assert served[: online_budget.REFRESH_STEPS - 1] == [32] * (online_budget.REFRESH_STEPS - 1)
     last = served[2 * online_budget.REFRESH_STEPS :]
     assert set(last) == {16}, "32 explored again, or never left"
-    assert "step time realised / predicted by budget: 32: 3.00" in caplog.text
+    # Only 3-4 requests were served: 1-2 keep 32 until measured there.
+    assert (
+        "now serves (requests: budget) 1-2: 32, 3-4: 16; tokens per verify step by budget: "
+        "16: 9.00, 32: 13.00; step time realised / predicted (budget at requests): 32 at 3-4: "
+        "3.00" in caplog.text
+    )

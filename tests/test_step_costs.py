@@ -128,10 +128,10 @@ def test_a_failed_timing_is_kept_and_the_capture_goes_on():
     assert "no device" in str(timer.failure)
 
 
-def test_realised_step_times_count_steady_steps_by_budget():
+def test_realised_step_times_count_steady_steps_by_budget_and_batch_size():
     """Intervals between ticks of one batch size and budget, nothing waiting, over their
-    prediction; a budget stands once enough decayed steps are behind it, and the others are
-    judged at 1 or the smallest ratio below it."""
+    prediction, kept per (budget, batch bucket); a pair stands once enough decayed steps are
+    behind it, and the others are judged at 1 or the smallest ratio below it."""
     from vllm_ddtree.step_costs import RealisedStepTimes
 
     now = [0.0]
@@ -143,25 +143,68 @@ def test_realised_step_times_count_steady_steps_by_budget():
             now[0] += interval_ms / 1e3
 
     ticks(4, 2, 64, 10.0, 5.0)  # 3 intervals between 4 ticks of budget 64: ratio 2
-    assert realised.ratios() == ({64: pytest.approx(2.0)}, 1.0)
-    ticks(3, 2, 128, 30.0, 10.0, waiting=1)  # a queued request: not counted
-    ticks(3, 3, 128, 30.0, 10.0)  # the batch grew at the first tick: 2 intervals counted
-    assert 128 not in realised.ratios()[0]
+    assert realised.ratios().by_pair == {(64, 2): pytest.approx(2.0)}
+    assert realised.ratios().default == 1.0
+    ticks(3, 3, 128, 30.0, 10.0, waiting=1)  # a queued request: not counted
+    ticks(3, 3, 128, 30.0, 10.0)  # the queue emptied at the first tick: 2 intervals counted
+    assert (128, 4) not in realised.ratios().by_pair
     ticks(2, 3, 128, 30.0, 10.0)
-    ratios, default = realised.ratios()
-    assert ratios == {64: pytest.approx(2.0), 128: pytest.approx(3.0)}
-    assert default == 1.0  # an unserved budget is judged at its prediction
-    ticks(4, 3, 32, 2.0, 4.0)
-    assert realised.ratios()[1] == pytest.approx(0.5)  # ... or as the best-behaved served one
-    ticks(4, 3, 16, 1e6, 1.0)  # a host pause is clipped, not a step's cost
-    assert realised.ratios()[0][16] == pytest.approx(RATIO_CLIP[1])
+    ratios = realised.ratios()
+    assert ratios.by_pair == {(64, 2): pytest.approx(2.0), (128, 4): pytest.approx(3.0)}
+    assert ratios.default == 1.0  # an unserved pair is judged at its prediction
+    ticks(4, 4, 32, 2.0, 4.0)  # batch 3 and 4 share a bucket
+    assert realised.ratios().default == pytest.approx(0.5)  # ... or as the best-behaved one
+    ticks(4, 4, 16, 1e6, 1.0)  # a host pause is clipped, not a step's cost
+    assert realised.ratios().by_pair[(16, 4)] == pytest.approx(RATIO_CLIP[1])
+    assert "128 at 3-4: 3.00" in realised.ratios().describe()
+
+
+def test_the_steps_right_after_a_change_are_not_counted():
+    """The first steps of a new batch size or budget pay one-time costs (a Triton kernel
+    compiled for the new shape): with ``settle_steps`` 2, a stall in either of the two
+    intervals after a change does not count. Before, the first interval after a change counted:
+    on the 8B grid at 8766111 budget 128 kept a ratio of 2.01 from the engine's first steps,
+    where a later run of the same commit measured 0.70."""
+    from vllm_ddtree.step_costs import RealisedStepTimes
+
+    now = [0.0]
+    realised = RealisedStepTimes(
+        half_life_steps=1e9, min_steps=2.5, settle_steps=2, clock=lambda: now[0]
+    )
+    for step in range(8):
+        realised.tick(1, 0, 128, 10.0)
+        now[0] += 0.5 if step in (0, 1) else 0.010  # two compiling steps, then 10 ms each
+    assert realised.ratios().by_pair == {(128, 1): pytest.approx(1.0)}
+    realised.tick(1, 0, 64, 5.0)  # the budget changed: two more intervals not counted
+    now[0] += 0.5
+    for _ in range(6):
+        realised.tick(1, 0, 64, 5.0)
+        now[0] += 0.005
+    assert realised.ratios().by_pair[(64, 1)] == pytest.approx(1.0)
+
+
+def test_a_budget_is_judged_by_its_ratio_at_this_batch_size_only():
+    """A ratio measured at a few requests (steps the host fills) does not stand in for 16
+    requests: there the budget is judged at the default until served. Failed before: budget
+    32, measured at 0.68 at 3-10 requests, looked cheaper at 16 requests than budget 16
+    measured there at 0.77, and was served there for a refresh (the 8B grid at 8766111, where
+    every budget above 16 is slower than 16 at 16 requests)."""
+    from vllm_ddtree.step_costs import RealisedRatios
+
+    ratios = RealisedRatios({(32, 8): 0.68, (16, 16): 0.77, (64, 1): 0.64}, default=1.0)
+    assert ratios.ratio(16, 16) == pytest.approx(0.77)
+    assert ratios.ratio(16, 9) == pytest.approx(0.77)  # 9-16 requests share a bucket
+    assert ratios.ratio(32, 5) == pytest.approx(0.68)
+    assert ratios.ratio(32, 16) == pytest.approx(1.0)  # not 32's at 5-8
+    assert ratios.describe() == "16 at 9-16: 0.77, 32 at 5-8: 0.68, 64 at 1: 0.64"
 
 
 def test_corrected_step_cost_scales_each_budget_by_its_ratio():
     from vllm_ddtree.cost_model import StepCost
-    from vllm_ddtree.step_costs import CorrectedStepCost
+    from vllm_ddtree.step_costs import CorrectedStepCost, RealisedRatios
 
     inner = StepCost(base_ms=2.0, per_token_ms=0.1)
-    corrected = CorrectedStepCost(inner, {64: 2.0}, default=1.5)
+    corrected = CorrectedStepCost(inner, RealisedRatios({(64, 1): 2.0}, default=1.5))
     assert corrected.step_ms(65, 1, 64) == pytest.approx(2 * inner.step_ms(65, 1, 64))
+    assert corrected.step_ms(130, 2, 64) == pytest.approx(1.5 * inner.step_ms(130, 2, 64))
     assert corrected.step_ms(33, 1, 32) == pytest.approx(1.5 * inner.step_ms(33, 1, 32))

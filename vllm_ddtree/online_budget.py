@@ -10,9 +10,9 @@ is predicted within 3% of the fastest: ``cost_model.HOLD_MARGIN``): the live acc
 trees stand behind it, the profile's elsewhere, and the step costs of this engine: on V2 the device
 time of each verify width and drafter pass, timed from its CUDA graphs at start (``step_costs.py``),
 plus the profile's host cost; elsewhere the profile's (``cost_model.choose_live_schedule``);
-each budget's step cost scaled by what its served steps realised over that prediction, where it
-was served long enough to say (``step_costs.RealisedStepTimes``: wall time between steady
-engine steps, so whatever the start-up timing missed counts). A
+each budget's step cost scaled by what its served steps realised over that prediction at that
+batch size, where it was served long enough to say (``step_costs.RealisedStepTimes``: wall time
+between steady engine steps, so whatever the start-up timing missed counts). A
 budget below the one scheduled is learned for free; one above it only while it is scheduled, so once
 unscheduled its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a
 smaller budget's), and every ``EXPLORE_EVERY``-th refresh serves it for one refresh where predicted
@@ -48,6 +48,7 @@ EXPLORE_EVERY = 8  # every 8th refresh tries the next larger budget without an e
 # stands once this many decayed steps are behind it.
 REALISED_HALF_LIFE_STEPS = 2048.0
 MIN_REALISED_STEPS = 8.0
+SETTLE_STEPS = 2  # intervals not counted after the batch or the budget changed
 ENGINE_ATTR = "_ddtree_online_budget"  # on vLLM's EngineCore: its OnlineBudget or None
 
 
@@ -135,7 +136,9 @@ class OnlineBudget:
         self.schedule: list[tuple[int, int, int]] | None = None
         from vllm_ddtree.step_costs import RealisedStepTimes
 
-        self.realised = RealisedStepTimes(REALISED_HALF_LIFE_STEPS, MIN_REALISED_STEPS)
+        self.realised = RealisedStepTimes(
+            REALISED_HALF_LIFE_STEPS, MIN_REALISED_STEPS, settle_steps=SETTLE_STEPS
+        )
         self._predicted: dict[tuple[int, int], float] = {}
 
     def before_step(self) -> None:
@@ -175,8 +178,8 @@ class OnlineBudget:
         if not live:
             return
         self.refreshes += 1
-        ratios, default = self.realised.ratios()
-        judged = replace(self.profile, tree=CorrectedStepCost(self.profile.tree, ratios, default))
+        ratios = self.realised.ratios()
+        judged = replace(self.profile, tree=CorrectedStepCost(self.profile.tree, ratios))
         schedule, acceptance = choose_live_schedule(
             judged,
             live,
@@ -199,10 +202,11 @@ class OnlineBudget:
         self.schedule = schedule
         logger.info(
             "vllm-ddtree: tree_budget 'auto' now serves (requests: budget) %s; tokens per "
-            "verify step by budget: %s; step time realised / predicted by budget: %s",
+            "verify step by budget: %s; step time realised / predicted (budget at requests): "
+            "%s",
             format_schedule(schedule),
             ", ".join(f"{b}: {a:.2f}" for b, a in sorted(acceptance.items())),
-            ", ".join(f"{b}: {r:.2f}" for b, r in sorted(ratios.items())) or "none yet",
+            ratios.describe(),
         )
 
 

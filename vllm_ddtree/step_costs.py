@@ -158,19 +158,58 @@ def measured_step_costs(verify: TimedGraphs, draft: TimedGraphs) -> MeasuredStep
     return MeasuredStepCosts(verify_ms=verify_ms, draft_ms=draft_ms)
 
 
-@dataclass(frozen=True)
-class CorrectedStepCost:
-    """A DDTree step cost (``cost_model.StepCost``'s interface) scaled per tree budget by what
-    this engine's steps realised over what ``inner`` predicted for them
-    (``RealisedStepTimes.ratios``): ``ratios`` by budget, ``default`` for a budget not served
-    long enough to say."""
+def batch_bucket(batch: int) -> int:
+    """The power of two at or above ``batch`` (1, 2, 4, 8, ...): realised step times are kept
+    per bucket, as a prediction's error depends on the batch (the host's share of a step
+    shrinks as the batch grows) as well as on the budget."""
+    return 1 << max(0, batch - 1).bit_length()
 
-    inner: StepCost | TreeStepCost
-    ratios: Mapping[int, float]
+
+def describe_bucket(bucket: int) -> str:
+    """``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``, ...: the batch sizes of a bucket."""
+    first = bucket // 2 + 1
+    return str(bucket) if first >= bucket else f"{first}-{bucket}"
+
+
+@dataclass(frozen=True)
+class RealisedRatios:
+    """What an engine's served steps realised over their predicted time
+    (``RealisedStepTimes.ratios``): ``by_pair`` by (tree budget, batch bucket) where enough
+    steps stand behind it. ``default`` judges what nothing at its batch size tells."""
+
+    by_pair: Mapping[tuple[int, int], float] = field(default_factory=dict)
     default: float = 1.0
 
+    def ratio(self, budget: int, batch: int) -> float:
+        """The ratio ``budget`` is judged by at ``batch`` requests: its own at this batch
+        bucket, else ``default``. A budget's ratio at other batch sizes does not stand in: one
+        measured where the host's work fills the step says little of a step the device
+        fills, so the budget is tried at this batch size and measured there."""
+        return self.by_pair.get((budget, batch_bucket(batch)), self.default)
+
+    def describe(self) -> str:
+        """``"16 at 9-16: 0.77, 64 at 1: 0.64"`` (budget at requests: ratio), or
+        ``"none yet"``."""
+        return (
+            ", ".join(
+                f"{budget} at {describe_bucket(bucket)}: {ratio:.2f}"
+                for (budget, bucket), ratio in sorted(self.by_pair.items())
+            )
+            or "none yet"
+        )
+
+
+@dataclass(frozen=True)
+class CorrectedStepCost:
+    """A DDTree step cost (``cost_model.StepCost``'s interface) scaled by what this engine's
+    steps realised over what ``inner`` predicted for them (``RealisedRatios``, by budget and
+    batch size)."""
+
+    inner: StepCost | TreeStepCost
+    ratios: RealisedRatios
+
     def step_ms(self, tokens: int, batch: int = 1, nodes: int = 0) -> float:
-        return self.inner.step_ms(tokens, batch, nodes) * self.ratios.get(nodes, self.default)
+        return self.inner.step_ms(tokens, batch, nodes) * self.ratios.ratio(nodes, batch)
 
 
 # A realised step this many times its prediction or more (or less) counts as this: a pause of
@@ -180,27 +219,32 @@ RATIO_CLIP = (0.1, 10.0)
 
 class RealisedStepTimes:
     """The wall time between an engine core's steps, over the cost model's prediction for the
-    step, by the tree budget served.
+    step, by the tree budget served and the batch size (its bucket, ``batch_bucket``).
 
     A start-up measurement times each CUDA graph alone; a served step adds the host's work,
     the sampler, the tree walk and anything the measurement missed, and on the H200 a budget
     whose graphs timed 7% slower than the next smaller one's served steps more than twice as
     long (``benchmarks/results/2026-12-03_7d61089_scale-8b-auto-grid``). ``tick`` runs at every
     engine step with that step's requests and budget; the interval up to the next tick counts
-    for the budget when the batch neither grew nor shrank and nothing waited (no prefill in
-    it). Decayed means: a step's weight halves after ``half_life_steps`` more counted steps."""
+    when the batch neither grew nor shrank, nothing waited (no prefill in it) and the budget
+    did not change, and not in the ``settle_steps`` intervals after any such change: the first
+    steps of a new shape pay one-time costs (Triton compiling a kernel for it) that are not
+    what the budget costs. Decayed means: a step's weight halves after ``half_life_steps``
+    more counted steps."""
 
     def __init__(
         self,
         half_life_steps: float,
         min_steps: float,
+        settle_steps: int = 0,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        self.min_steps, self.clock = min_steps, clock
+        self.min_steps, self.settle_steps, self.clock = min_steps, settle_steps, clock
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._ratio_sums: dict[int, float] = {}
-        self._steps: dict[int, float] = {}
+        self._ratio_sums: dict[tuple[int, int], float] = {}
+        self._steps: dict[tuple[int, int], float] = {}
         self._last: tuple[float, int, int, int, float | None] | None = None
+        self._steady_run = 0  # steady intervals in a row, up to this one
 
     def tick(self, batch: int, waiting: int, tree_budget: int, predicted_ms: float | None):
         """One engine step of ``batch`` running requests (``waiting`` more queued) served
@@ -210,25 +254,29 @@ class RealisedStepTimes:
         if last is None:
             return
         then, last_batch, last_waiting, last_budget, last_predicted = last
-        steady = batch == last_batch > 0 and waiting == last_waiting == 0
-        if not steady or tree_budget != last_budget or not last_predicted:
+        steady = (
+            batch == last_batch > 0 and waiting == last_waiting == 0 and tree_budget == last_budget
+        )
+        self._steady_run = self._steady_run + 1 if steady else 0
+        if self._steady_run <= self.settle_steps or not last_predicted:
             return
         ratio = min(max(1e3 * (now - then) / last_predicted, RATIO_CLIP[0]), RATIO_CLIP[1])
-        for budget in self._steps:
-            self._ratio_sums[budget] *= self._decay
-            self._steps[budget] *= self._decay
-        self._ratio_sums[last_budget] = self._ratio_sums.get(last_budget, 0.0) + ratio
-        self._steps[last_budget] = self._steps.get(last_budget, 0.0) + 1.0
+        for key in self._steps:
+            self._ratio_sums[key] *= self._decay
+            self._steps[key] *= self._decay
+        key = (last_budget, batch_bucket(last_batch))
+        self._ratio_sums[key] = self._ratio_sums.get(key, 0.0) + ratio
+        self._steps[key] = self._steps.get(key, 0.0) + 1.0
 
-    def ratios(self) -> tuple[dict[int, float], float]:
-        """``({budget: realised / predicted step time}, default)`` for the budgets with at
-        least ``min_steps`` decayed steps behind them; ``default``, for the others, is 1 or
-        the smallest of those ratios if below: an unserved budget is judged at its prediction
-        (or as well as the best-behaved served one), so that it is tried, while a served
-        budget that ran slower than predicted is judged by what it realised."""
-        ratios = {
-            budget: self._ratio_sums[budget] / steps
-            for budget, steps in self._steps.items()
+    def ratios(self) -> RealisedRatios:
+        """The ratios of the (budget, batch bucket) pairs with at least ``min_steps`` decayed
+        steps behind them. Their ``default`` is 1, or the smallest of them if below: a pair
+        nothing tells of is judged at its prediction (or as well as the best-behaved served
+        one), so that it is tried, while a served one that ran slower than predicted is judged
+        by what it realised."""
+        by_pair = {
+            key: self._ratio_sums[key] / steps
+            for key, steps in self._steps.items()
             if steps >= self.min_steps
         }
-        return ratios, min([1.0, *ratios.values()])
+        return RealisedRatios(by_pair, min([1.0, *by_pair.values()]))
