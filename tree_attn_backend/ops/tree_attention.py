@@ -370,9 +370,9 @@ if HAS_TRITON:
 # 0.78x the 16-row blocks' time (geometric mean; at most 0.98x on any of them), 16-128-node
 # trees at 1-16 requests over 384 and 2048 cached tokens (benchmarks/results/
 # 2026-12-03_996c932_kernels-verify-shapes/): 16-row blocks re-read each request's keys once
-# per 4 query tokens. Other head sizes keep the small blocks until
-# measured (``python -m benchmarks kernels --tune-verify``): SmolLM2's 64 was timed fastest
-# with them, and a 128-row accumulator of head size 256 would not fit the registers.
+# per 4 query tokens. Other head sizes keep the small blocks, chosen from earlier H200
+# timings, until measured (``python -m benchmarks kernels --tune-verify``); at head size 256 a
+# 128-row accumulator would not fit the registers.
 WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS = 128, 32, 8
 WIDE_HEAD_SIZES = frozenset({128})
 
