@@ -66,3 +66,39 @@ def test_online_acceptance_learns_budgets_up_to_the_nodes_verified_and_decays():
     for _ in range(30):
         tracker.observe(accepted, torch.tensor([0, 0]), torch.tensor([16, 16]))
     assert tracker.snapshot()[8][0] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_snapshot_never_waits_for_the_device():
+    """The engine core reads the acceptance between steps; a host read of the device's sums
+    would wait for the device's whole queue (a bubble in vLLM's asynchronous schedule at every
+    refresh; in the 8B scale model's split at one request, "auto"'s engine spent 0.21 ms a
+    forward in ``tolist``, not among the fixed budgets' top functions,
+    benchmarks/results/2026-12-03_8766111_scale-8b-splits/batch1-auto). So each step copies
+    the sums to the host behind its work, and
+    a snapshot reads the newest copy that finished: one step old while the newest is still
+    queued. Failed before: the snapshot read the sums on the device, the newest always."""
+
+    class PendingCopy:
+        done = False
+
+        def __init__(self):
+            events.append(self)
+
+        def record(self):
+            pass
+
+        def query(self):
+            return self.done
+
+    events: list[PendingCopy] = []
+    tracker = OnlineAcceptance([4, 8], 1e9, torch.device("cpu"), copy_event=PendingCopy)
+    accepted = torch.tensor([[0, 2, 5, -1]])
+    assert tracker.snapshot() == {}  # nothing copied yet
+    tracker.observe(accepted, torch.tensor([2]), torch.tensor([8]))
+    events[-1].done = True
+    assert tracker.snapshot() == {4: (2.0, 1.0), 8: (3.0, 1.0)}
+    tracker.observe(accepted, torch.tensor([1]), torch.tensor([8]))  # its copy still queued
+    assert tracker.snapshot() == {4: (2.0, 1.0), 8: (3.0, 1.0)}  # the last finished copy
+    events[-1].done = True
+    newest = tracker.snapshot()
+    assert newest[4] == pytest.approx((2.0, 2.0)) and newest[8] == pytest.approx((2.5, 2.0))

@@ -12,6 +12,9 @@ candidate budget on the device (no host synchronisation per step) for ``"auto"``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -36,12 +39,31 @@ class OnlineAcceptance:
     ``0.5 ** (1 / half_life_steps)`` per step, so a workload shift is followed within a few
     half-lives. A budget above the nodes a request verified learns nothing from it."""
 
-    def __init__(self, budgets: list[int], half_life_steps: float, device: torch.device):
+    def __init__(
+        self,
+        budgets: list[int],
+        half_life_steps: float,
+        device: torch.device,
+        copy_event: Callable[[], Any] | None = None,
+    ):
         self.budgets = sorted(set(budgets))
         self._budgets = torch.tensor(self.budgets, dtype=torch.long, device=device)
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._accepted = torch.zeros(len(self.budgets), dtype=torch.float64, device=device)
-        self._trees = torch.zeros(len(self.budgets), dtype=torch.float64, device=device)
+        # Row 0: decayed accepted drafted tokens, row 1: decayed trees, by budget.
+        self._sums = torch.zeros(2, len(self.budgets), dtype=torch.float64, device=device)
+        # Host copies of ``_sums``, made without waiting (see ``_publish``): two pinned
+        # buffers taking turns, each with the event of its last copy.
+        on_cuda = torch.device(device).type == "cuda"
+        # What marks a host copy's end (``query()``: finished); None where copies are
+        # synchronous (CPU).
+        self._copy_event = copy_event or (torch.cuda.Event if on_cuda else None)
+        pin = on_cuda
+        self._host = [
+            torch.zeros(self._sums.shape, dtype=self._sums.dtype, pin_memory=pin) for _ in range(2)
+        ]
+        self._copied: list = [None, None]
+        self._newest: int | None = None  # the buffer given the latest copy
+        self._last_read: dict[int, tuple[float, float]] = {}
 
     def observe(
         self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_nodes: torch.Tensor
@@ -50,17 +72,42 @@ class OnlineAcceptance:
         ``num_nodes`` verified nodes (long ``[R]``; 0 for a request without a tree)."""
         counts = accepted_within_budgets(accepted, num_accepted, self._budgets)
         known = num_nodes.unsqueeze(1) >= self._budgets.unsqueeze(0)  # [R, C]
-        self._accepted.mul_(self._decay).add_(torch.where(known, counts, 0).sum(0))
-        self._trees.mul_(self._decay).add_(known.sum(0))
+        step = torch.stack((torch.where(known, counts, 0).sum(0), known.sum(0))).to(self._sums)
+        self._sums.mul_(self._decay).add_(step)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Copy the sums to the host behind this step's work (non-blocking, on the device's
+        stream), into the buffer not given the latest copy: ``snapshot`` reads whichever
+        finished, and the engine core's read between steps never waits for the device's
+        queue (a host read of device tensors would: a bubble in the asynchronous schedule at
+        every refresh)."""
+        turn = 0 if self._newest is None else self._newest ^ 1
+        if self._copied[turn] is not None and not self._copied[turn].query():
+            return  # the device is two steps behind: this buffer's copy is still to come
+        self._host[turn].copy_(self._sums, non_blocking=True)
+        if self._copy_event is not None:
+            event = self._copy_event()
+            event.record()
+            self._copied[turn] = event
+        self._newest = turn
 
     def snapshot(self) -> dict[int, tuple[float, float]]:
-        """``{budget: (tokens per verify step, decayed trees behind it)}`` (a host copy),
-        tokens per step being 1 + the mean accepted drafted tokens; budgets without a tree
-        left out."""
-        accepted = self._accepted.tolist()
-        trees = self._trees.tolist()
-        return {
-            b: (1.0 + a / n, n)
-            for b, a, n in zip(self.budgets, accepted, trees, strict=True)
-            if n > 0
-        }
+        """``{budget: (tokens per verify step, decayed trees behind it)}`` as of the newest
+        finished host copy (on a GPU at most a step or two behind; never a wait for the
+        device), tokens per step being 1 + the mean accepted drafted tokens; budgets without a
+        tree left out."""
+        newest = self._newest
+        for turn in () if newest is None else (newest, newest ^ 1):
+            event = self._copied[turn]
+            if event is None and turn != newest and self._copy_event is not None:
+                continue  # never copied into
+            if event is None or event.query():
+                accepted, trees = self._host[turn].tolist()
+                self._last_read = {
+                    b: (1.0 + a / n, n)
+                    for b, a, n in zip(self.budgets, accepted, trees, strict=True)
+                    if n > 0
+                }
+                break
+        return dict(self._last_read)
