@@ -7,28 +7,32 @@ def variant(block_m, block_n, num_warps, ms):
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, ms=ms, rel_error=0.0)
 
 
+def verify_row(shape, nodes, context, batch, default_ms, fa3_chain_ms, variants):
+    """One row as ``tune_verify`` writes it (timed from graph replays)."""
+    return dict(
+        shape=shape,
+        nodes=nodes,
+        context=context,
+        batch=batch,
+        graphs=True,
+        default_ms=default_ms,
+        fa3_chain_ms=fa3_chain_ms,
+        variants=variants,
+    )
+
+
 def test_the_verify_table_names_the_fastest_variant_and_survives_failed_ones():
     rows = [
-        dict(
-            shape="qwen3-8b",
-            nodes=64,
-            context=2048,
-            batch=16,
-            graphs=True,
-            default_ms=0.6,
-            fa3_chain_ms=0.1,
-            variants=[variant(16, 64, 4, 0.6), variant(128, 32, 4, 0.45), variant(64, 32, 8, None)],
+        verify_row(
+            "qwen3-8b",
+            64,
+            2048,
+            16,
+            0.6,
+            0.1,
+            [variant(16, 64, 4, 0.6), variant(128, 32, 4, 0.45), variant(64, 32, 8, None)],
         ),
-        dict(
-            shape="qwen3.6-27b",
-            nodes=16,
-            context=384,
-            batch=1,
-            graphs=True,
-            default_ms=0.05,
-            fa3_chain_ms=None,
-            variants=[variant(128, 64, 8, None)],
-        ),
+        verify_row("qwen3.6-27b", 16, 384, 1, 0.05, None, [variant(128, 64, 8, None)]),
     ]
     lines = verify_markdown(rows)
     assert "from CUDA-graph replays" in lines[1]

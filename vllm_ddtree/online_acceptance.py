@@ -57,9 +57,9 @@ class OnlineAcceptance:
         # What marks a host copy's end (``query()``: finished); None where copies are
         # synchronous (CPU).
         self._copy_event = copy_event or (torch.cuda.Event if on_cuda else None)
-        pin = on_cuda
         self._host = [
-            torch.zeros(self._sums.shape, dtype=self._sums.dtype, pin_memory=pin) for _ in range(2)
+            torch.zeros(self._sums.shape, dtype=self._sums.dtype, pin_memory=on_cuda)
+            for _ in range(2)
         ]
         self._copied: list = [None, None]
         self._newest: int | None = None  # the buffer given the latest copy
@@ -100,9 +100,9 @@ class OnlineAcceptance:
         newest = self._newest
         for turn in () if newest is None else (newest, newest ^ 1):
             event = self._copied[turn]
-            if event is None and turn != newest and self._copy_event is not None:
-                continue  # never copied into
-            if event is None or event.query():
+            # Synchronous copies (no events) are done as made; otherwise a buffer without an
+            # event was never copied into.
+            if self._copy_event is None or (event is not None and event.query()):
                 accepted, trees = self._host[turn].tolist()
                 self._last_read = {
                     b: (1.0 + a / n, n)
