@@ -102,3 +102,29 @@ def test_a_snapshot_never_waits_for_the_device():
     events[-1].done = True
     newest = tracker.snapshot()
     assert newest[4] == pytest.approx((2.0, 2.0)) and newest[8] == pytest.approx((2.5, 2.0))
+
+
+def test_a_tree_searched_short_of_its_width_tells_only_the_budgets_within_its_nodes():
+    """The step after "auto" widened the budget verifies a tree searched to the old width
+    (``search_nodes``) in the new one: it counts for the budgets up to its nodes, not for
+    the wider one it was scheduled at."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.ops.tree_build import build_draft_trees
+    from vllm_ddtree.spec_decode.tree_step import TreeStep, observe_acceptance
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, DEPTH, VOCAB, generator=gen)
+    logits[..., 0] += 2.0
+    trees = build_draft_trees(logits, 16, None, torch.tensor([8]))  # searched to 8 of 16
+    accepted, num_accepted, _ = follow_tree(trees, target_tokens(trees, 5))
+    tracker = OnlineAcceptance([4, 8, 16], half_life_steps=1.0, device=torch.device("cpu"))
+    step = TreeStep(
+        trees=trees,
+        root_row=torch.tensor([0, 17]),
+        num_draft=torch.tensor([16, 16]),  # scheduled at the new width
+        accepted=accepted,
+        num_accepted=num_accepted,
+    )
+    observe_acceptance(SimpleNamespace(acceptance=tracker), step)
+    assert sorted(tracker.snapshot()) == [4, 8]

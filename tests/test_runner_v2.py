@@ -243,6 +243,7 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
         oracle=oracle,
         proposals=ProposalStore(4, budget, depth, torch.device("cpu")),
         model=SimpleNamespace(compute_logits=lambda h: heads.append(h.shape) or h),
+        search_nodes=None,
     )
     bonus = 4  # the bonus token's position; mask d predicts position bonus + 1 + d
     keys = torch.tensor([bonus + 1 + d for d in range(depth)]) - 2
@@ -257,6 +258,47 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
     trees = speculator.proposals.batch
     assert trees.token_ids[0, :depth].tolist() == sequence[5 : 5 + depth]
     assert trees.parents[0, :depth].tolist() == list(range(depth))
+
+
+def test_an_auto_speculator_searches_its_trees_to_the_widest_tree_just_verified(tmp_path):
+    """An online "auto" engine's ``search_nodes``: the most nodes a request was scheduled in
+    the step just verified (the budget served at this batch size), the budget after a step
+    without trees; ``sample_draft`` stops each tree's search there (padding after)."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_ddtree.spec_decode.proposal_store import ProposalStore
+    from vllm_ddtree.spec_decode.speculator import ddtree_speculator_class
+    from vllm_ddtree.testing.oracle import DeviceOracle
+
+    depth, budget, vocab = 3, 6, 50
+    cls = ddtree_speculator_class()
+    speculator = SimpleNamespace(
+        ddtree=SimpleNamespace(depth=depth, tree_budget=budget, tree_top_k=budget),
+        search_nodes=torch.zeros(1, dtype=torch.long),
+    )
+    for num_draft, searched in (([0, 4, 2], 4), ([0, 0], budget), ([], budget), (None, budget)):
+        step = None if num_draft is None else SimpleNamespace(num_draft=torch.tensor(num_draft))
+        cls._set_search_nodes(speculator, step)
+        assert speculator.search_nodes.tolist() == [searched], num_draft
+
+    sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps({"p_top": 1.0, "sequences": [sequence]}))
+    oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    oracle.bind([2], ["a"], lambda s: sequence[:5])
+    speculator.oracle = oracle
+    speculator.proposals = ProposalStore(4, budget, depth, torch.device("cpu"))
+    speculator.model = SimpleNamespace(compute_logits=lambda h: h)
+    speculator.search_nodes = torch.tensor([2])
+    keys = torch.tensor([4 + 1 + d for d in range(depth)]) - 2
+    states = torch.tensor([2, 2, 2], dtype=torch.int32)
+    seeds = torch.zeros(4, dtype=torch.long)
+    cls.sample_draft(speculator, torch.zeros(depth, 8), keys, states, torch.zeros(4), seeds)
+    trees = speculator.proposals.batch
+    assert int(trees.num_nodes[0]) == 2
+    assert trees.token_ids[0, :2].tolist() == sequence[5:7]
+    assert trees.token_ids[0, 2:].tolist() == [-1] * (budget - 2)
 
 
 def test_the_chain_oracle_speculator_drafts_the_oracles_future(tmp_path):

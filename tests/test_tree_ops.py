@@ -137,7 +137,11 @@ def test_kernel_empty_trees_walk_nowhere():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=8 * len(CASES) + 3 + len(BUILD_CASES))
+    run_under_interpreter(
+        __file__,
+        "kernel_",
+        expected=8 * len(CASES) + 3 + len(BUILD_CASES) + len(MAX_NODES_CASES),
+    )
 
 
 def step_layout(seed):
@@ -225,6 +229,51 @@ def test_kernel_build_matches_reference(case):
     # Bit-identical under the interpreter; CUDA's exp/log round differently in the last bits.
     torch.testing.assert_close(got.scores.cpu(), want.scores, rtol=1e-5, atol=1e-5)
     assert got.max_depth == want.max_depth
+
+
+# (case index in BUILD_CASES, max_nodes): a search stopped inside the budget, at it, past it, at 0.
+MAX_NODES_CASES = [(0, 5), (0, 64), (1, 100), (2, 3), (5, 0)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case_index, max_nodes", MAX_NODES_CASES)
+def test_kernel_build_stops_at_max_nodes(case_index, max_nodes):
+    """A search stopped at ``max_nodes`` gives the budget's tree cut to its first nodes, the
+    slots past them padding (also where earlier launches wrote nodes there)."""
+    needs_kernel()
+    from vllm_ddtree.ops.tree_build import build_trees_cut_ref, build_trees_ref, build_trees_triton
+
+    num_reqs, depth, vocab, budget, top_k = BUILD_CASES[case_index]
+    gen = torch.Generator().manual_seed(7 + case_index)
+    logits = torch.randn(num_reqs, depth, vocab, generator=gen) * 3
+    limit = torch.tensor([max_nodes])
+    want = build_trees_cut_ref(logits, budget, top_k, limit)
+    assert torch.equal(
+        want.num_nodes, torch.clamp(build_trees_ref(logits, budget, top_k).num_nodes, max=max_nodes)
+    )
+    on_device = logits.to(DEVICE)
+    build_trees_triton(on_device, budget, top_k)  # fills every slot first
+    got = build_trees_triton(on_device, budget, top_k, limit.to(DEVICE))
+    for field in ("token_ids", "parents", "depths", "num_nodes"):
+        assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), field
+    torch.testing.assert_close(got.scores.cpu(), want.scores, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cut_build_is_the_full_trees_first_nodes():
+    """``build_draft_trees`` with ``max_nodes`` (the reference on the CPU): each request's first
+    ``max_nodes`` nodes of the budget's tree, then padding."""
+    from vllm_ddtree.ops.tree_build import build_draft_trees
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 6, 40, generator=gen) * 2
+    full = build_draft_trees(logits, 32, 8)
+    cut = build_draft_trees(logits, 32, 8, torch.tensor([10]))
+    assert cut.token_ids.shape == full.token_ids.shape
+    assert torch.equal(cut.num_nodes, torch.full((3,), 10))
+    for field in ("token_ids", "parents", "depths", "scores"):
+        assert torch.equal(getattr(cut, field)[:, :10], getattr(full, field)[:, :10]), field
+    assert (cut.token_ids[:, 10:] == -1).all() and (cut.parents[:, 10:] == 0).all()
+    assert (cut.depths[:, 10:] == 0).all() and torch.isinf(cut.scores[:, 10:]).all()
 
 
 def test_torch_ops_switch_selects_the_references(monkeypatch):

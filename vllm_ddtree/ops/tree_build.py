@@ -15,6 +15,12 @@ Scores are the same float32 sums as the reference's (parent score + the token's 
 the trees are equal whenever no two prefixes tie. Probability-0 tokens (``-inf``) are never
 drafted; a request gets fewer than ``budget`` nodes only when fewer such prefixes exist.
 
+``max_nodes`` (a long ``[1]`` tensor on the device, read when the kernel runs, so a CUDA graph
+replays with its current value) stops the search after that many nodes: the first
+``max_nodes`` nodes of the budget's tree (a best-first prefix is a tree), the rest of the
+``budget`` slots padding. An "auto" engine builds its trees at the budget it serves, not at its
+largest candidate: the search is sequential, one pop per node.
+
 Shapes: ``draft_logits`` float ``[R, L, V]``; the tree tensors as in ``DDTreeBatch``.
 """
 
@@ -23,7 +29,13 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.ops import use_triton
-from vllm_ddtree.tree import DDTreeBatch, depth_candidates, empty_batch, token_log_probs
+from vllm_ddtree.tree import (
+    DDTreeBatch,
+    depth_candidates,
+    empty_batch,
+    select_trees,
+    token_log_probs,
+)
 from vllm_ddtree.tree import build_trees as build_trees_ref
 
 try:
@@ -34,7 +46,13 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-__all__ = ["build_draft_trees", "build_trees_ref", "build_trees_triton", "device_log_probs"]
+__all__ = [
+    "build_draft_trees",
+    "build_trees_cut_ref",
+    "build_trees_ref",
+    "build_trees_triton",
+    "device_log_probs",
+]
 
 
 if HAS_TRITON:
@@ -48,6 +66,7 @@ if HAS_TRITON:
         out_depths_ptr,
         out_scores_ptr,
         out_num_nodes_ptr,
+        max_nodes_ptr,
         stride_lp_req,
         stride_lp_depth,
         stride_tok_req,
@@ -57,6 +76,7 @@ if HAS_TRITON:
         cap,
         tree_budget,
         FRONTIER: tl.constexpr,
+        HAS_MAX_NODES: tl.constexpr,
     ):
         req = tl.program_id(0)
         offs = tl.arange(0, FRONTIER)
@@ -72,7 +92,20 @@ if HAS_TRITON:
         rank = tl.zeros((FRONTIER,), dtype=tl.int64)
         used = 1
         count = tl.zeros((), dtype=tl.int64)
-        for i in range(tree_budget):
+        num_pops = tree_budget
+        if HAS_MAX_NODES:
+            num_pops = tl.minimum(tl.load(max_nodes_ptr).to(tl.int32), tree_budget)
+            num_pops = tl.maximum(num_pops, 0)
+            # The slots past the search are padding, as the reference's cut trees.
+            tail = (offs >= num_pops) & (offs < tree_budget)
+            tail_out = req * stride_out + offs
+            tl.store(out_tokens_ptr + tail_out, tl.full((FRONTIER,), -1, tl.int64), mask=tail)
+            tl.store(out_parents_ptr + tail_out, tl.zeros((FRONTIER,), tl.int64), mask=tail)
+            tl.store(out_depths_ptr + tail_out, tl.zeros((FRONTIER,), tl.int64), mask=tail)
+            tl.store(
+                out_scores_ptr + tail_out, tl.full((FRONTIER,), neg_inf, tl.float32), mask=tail
+            )
+        for i in range(num_pops):
             best_score = tl.max(score, axis=0)
             best = tl.argmax(score, axis=0)
             chosen = offs == best
@@ -127,14 +160,18 @@ def device_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Ten
 
 
 def build_trees_triton(
-    draft_logits: torch.Tensor, tree_budget: int, top_k: int | None = None
+    draft_logits: torch.Tensor,
+    tree_budget: int,
+    top_k: int | None = None,
+    max_nodes: torch.Tensor | None = None,
 ) -> DDTreeBatch:
     """``build_trees`` with the best-first search in one kernel launch (``R`` programs).
 
     Args and returns as ``build_trees_ref``: ``draft_logits`` float ``[R, L, V]`` -> a
-    ``DDTreeBatch`` of width ``budget``. Before the kernel, each depth's top-``cap`` tokens
-    come from PyTorch's top-k of the logits, and their log-probabilities from vLLM's fused
-    log-softmax gather (``device_log_probs``).
+    ``DDTreeBatch`` of width ``budget``, searched to ``max_nodes`` nodes (long ``[1]`` on the
+    device; None: the budget). Before the kernel, each depth's top-``cap`` tokens come from
+    PyTorch's top-k of the logits, and their log-probabilities from vLLM's fused log-softmax
+    gather (``device_log_probs``).
     """
     device = draft_logits.device
     candidates = depth_candidates(draft_logits, tree_budget, top_k, device_log_probs)
@@ -157,6 +194,7 @@ def build_trees_triton(
         depths,
         scores,
         num_nodes,
+        num_nodes if max_nodes is None else max_nodes,  # unused without max_nodes
         top_log_probs.stride(0),
         top_log_probs.stride(1),
         top_tokens.stride(0),
@@ -166,6 +204,7 @@ def build_trees_triton(
         cap,
         tree_budget,
         FRONTIER=frontier,
+        HAS_MAX_NODES=max_nodes is not None,
         num_warps=4 if frontier <= 256 else 8,
     )
     return DDTreeBatch(
@@ -178,8 +217,27 @@ def build_trees_triton(
     )
 
 
-def build_draft_trees(draft_logits: torch.Tensor, tree_budget: int, top_k: int | None = None):
+def build_trees_cut_ref(
+    draft_logits: torch.Tensor, tree_budget: int, top_k: int | None, max_nodes: torch.Tensor
+) -> DDTreeBatch:
+    """``build_trees_triton``'s ``max_nodes`` on the reference: the budget's trees, each cut to
+    its first ``max_nodes`` nodes (long ``[1]``), the slots past them padding."""
+    trees = build_trees_ref(draft_logits, tree_budget, top_k)
+    rows = torch.arange(trees.token_ids.shape[0], device=trees.token_ids.device)
+    return select_trees(trees, rows, max_nodes.to(trees.num_nodes).expand_as(rows))
+
+
+def build_draft_trees(
+    draft_logits: torch.Tensor,
+    tree_budget: int,
+    top_k: int | None = None,
+    max_nodes: torch.Tensor | None = None,
+):
     """``build_trees_triton`` on CUDA, ``build_trees_ref`` elsewhere (same arguments: float
-    ``[R, L, V]`` -> a ``DDTreeBatch`` of width ``budget``)."""
-    build = build_trees_triton if use_triton(draft_logits.device) else build_trees_ref
-    return build(draft_logits, tree_budget, top_k)
+    ``[R, L, V]`` -> a ``DDTreeBatch`` of width ``budget``; ``max_nodes``, long ``[1]`` on the
+    device or None, stops each search at that many nodes)."""
+    if use_triton(draft_logits.device):
+        return build_trees_triton(draft_logits, tree_budget, top_k, max_nodes)
+    if max_nodes is None:
+        return build_trees_ref(draft_logits, tree_budget, top_k)
+    return build_trees_cut_ref(draft_logits, tree_budget, top_k, max_nodes)

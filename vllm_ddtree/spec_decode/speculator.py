@@ -69,6 +69,15 @@ def ddtree_speculator_class():
             self.proposals = ProposalStore(rows, tree_budget, ddtree.depth, device)
             # The step's hand-overs (step_state.py); an online "auto" engine's acceptance.
             self.state = StepState(acceptance=make_tracker(vllm_config, torch.device(device)))
+            # An online "auto" engine searches its trees to the widest tree the last step
+            # verified (the budget served at this batch size; long [1], read inside the
+            # drafter's graph), not to its largest candidate: a steady step's next verify has
+            # that width, and a wider one after a change verifies the smaller tree once.
+            self.search_nodes = None
+            if self.state.acceptance is not None:
+                self.search_nodes = torch.full(
+                    (1,), tree_budget, dtype=torch.long, device=torch.device(device)
+                )
             # The parents of the trees just proposed, for the scheduler's grammar bitmask.
             self.parents_to_host = ParentsToHost()
             self.oracle = None
@@ -100,7 +109,9 @@ def ddtree_speculator_class():
                     logits, idx_mapping, temperature, seeds, positions + 1, self.use_fp64_gumbel
                 )
             logits = logits.view(num_reqs, depth, -1)
-            trees = build_draft_trees(logits, self.ddtree.tree_budget, self.ddtree.tree_top_k)
+            trees = build_draft_trees(
+                logits, self.ddtree.tree_budget, self.ddtree.tree_top_k, self.search_nodes
+            )
             self.proposals.write_batch(trees)
             return torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
 
@@ -125,6 +136,8 @@ def ddtree_speculator_class():
                     step.num_draft,
                     self.ddtree.tree_budget,
                 )
+            if not dummy_run:
+                self._set_search_nodes(step)
             self.proposals.flush()  # the drafter run overwrites the per-row trees
             with step_range("ddtree::draft"):  # the drafter's graph: its pass and the trees
                 super().propose(input_batch, *args, **kwargs)
@@ -139,6 +152,18 @@ def ddtree_speculator_class():
                 if input_batch.has_structured_output_reqs:  # vLLM copies the drafts too
                     self.parents_to_host.start(self.proposals.batch.parents[:num_reqs])
             return self.proposals.batch.token_ids[:num_reqs].clamp(min=0)
+
+        def _set_search_nodes(self, step) -> None:
+            """``search_nodes`` for the trees about to be drafted: the most nodes a request
+            was scheduled in ``step`` (the step just verified; device work only), or the
+            budget after a step without trees."""
+            if self.search_nodes is None:
+                return
+            if step is None or step.num_draft.numel() == 0:
+                self.search_nodes.fill_(self.ddtree.tree_budget)
+                return
+            widest = step.num_draft.max()
+            self.search_nodes.copy_(torch.where(widest > 0, widest, self.ddtree.tree_budget))
 
     return DDTreeSpeculator
 

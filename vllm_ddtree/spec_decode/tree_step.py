@@ -48,9 +48,12 @@ class TreeStep:
 
 def observe_acceptance(state, step: TreeStep) -> None:
     """After the walk: an online "auto" engine's ``OnlineAcceptance`` (``state.acceptance``)
-    learns what every candidate budget would have accepted (device work only)."""
+    learns what every candidate budget would have accepted (device work only), from the nodes
+    each tree verified: fewer than scheduled where its search stopped short (the drafter's
+    ``search_nodes`` after the budget grew), and such a tree tells nothing of the budgets
+    above its nodes."""
     if state.acceptance is not None:
-        state.acceptance.observe(step.accepted, step.num_accepted, step.num_draft)
+        state.acceptance.observe(step.accepted, step.num_accepted, step.trees.num_nodes)
 
 
 class StepTableUpload:
