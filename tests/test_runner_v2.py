@@ -159,6 +159,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     step = speculator.state.step
     assert step.root_row.tolist() == [4, 5, 5 + 1 + budget]
     assert step.trees.num_nodes.tolist() == [0, int(proposed.num_nodes[0]), 4]
+    assert step.widest == budget  # where an "auto" drafter stops its next search
     # The forward's positions: root + depth for every node, sequential elsewhere.
     want = positions.clone()
     for r, root in ((0, 5), (1, 5 + 1 + budget)):
@@ -277,10 +278,11 @@ def test_an_auto_speculator_searches_its_trees_to_the_widest_tree_just_verified(
         ddtree=SimpleNamespace(depth=depth, tree_budget=budget, tree_top_k=budget),
         search_nodes=torch.zeros(1, dtype=torch.long),
     )
-    for num_draft, searched in (([0, 4, 2], 4), ([0, 0], budget), ([], budget), (None, budget)):
-        step = None if num_draft is None else SimpleNamespace(num_draft=torch.tensor(num_draft))
-        cls._set_search_nodes(speculator, step)
-        assert speculator.search_nodes.tolist() == [searched], num_draft
+    for widest, searched in ((4, 4), (0, budget), (None, budget)):
+        cls._set_search_nodes(speculator, SimpleNamespace(widest=widest))
+        assert speculator.search_nodes.tolist() == [searched], widest
+    cls._set_search_nodes(speculator, None)  # a step without trees
+    assert speculator.search_nodes.tolist() == [budget]
 
     sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]
     path = tmp_path / "oracle.json"

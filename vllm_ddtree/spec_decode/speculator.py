@@ -155,15 +155,12 @@ def ddtree_speculator_class():
 
         def _set_search_nodes(self, step) -> None:
             """``search_nodes`` for the trees about to be drafted: the most nodes a request
-            was scheduled in ``step`` (the step just verified; device work only), or the
-            budget after a step without trees."""
+            was scheduled in ``step`` (the step just verified), or the budget after a step
+            without trees (one fill, no host read of the device)."""
             if self.search_nodes is None:
                 return
-            if step is None or step.num_draft.numel() == 0:
-                self.search_nodes.fill_(self.ddtree.tree_budget)
-                return
-            widest = step.num_draft.max()
-            self.search_nodes.copy_(torch.where(widest > 0, widest, self.ddtree.tree_budget))
+            widest = step.widest if step is not None else None
+            self.search_nodes.fill_(widest or self.ddtree.tree_budget)
 
     return DDTreeSpeculator
 

@@ -38,6 +38,7 @@ class TreeStep:
     trees: DDTreeBatch  # [R, budget], cut to the scheduled nodes (empty rows: no tree)
     root_row: torch.Tensor  # long [R]: the token row of each request's root
     num_draft: torch.Tensor  # long [R]: scheduled draft tokens (tree nodes) per request
+    widest: int | None = None  # host: the most draft tokens a request was scheduled (V2)
     slot_mapping: torch.Tensor | None = None  # the step's KV slots, when the runner has them
     accepted: torch.Tensor | None = None  # long [R, L + 1] after the walk, root first
     num_accepted: torch.Tensor | None = None  # long [R]

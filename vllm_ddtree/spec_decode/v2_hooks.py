@@ -219,7 +219,11 @@ def _wrap_prepare_attn(original):
                 is_tree=is_tree,
             )
             state.step = TreeStep(
-                trees=trees, root_row=root_row, num_draft=num_draft, slot_mapping=slot_mappings[0]
+                trees=trees,
+                root_row=root_row,
+                num_draft=num_draft,
+                widest=int(input_batch.num_draft_tokens_per_req[:num_reqs].max()),
+                slot_mapping=slot_mappings[0],
             )
         return block_tables, slot_mappings
 
