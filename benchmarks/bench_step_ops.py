@@ -11,11 +11,13 @@ z-lab's DFlash drafter; ``SHAPES``; the drafter's depth 15):
 * device: CUDA-event time per call over the same calls.
 
 Operations: the drafter's logits (its mask rows times the output head) and the test oracle's
-synthetic logits that replace them in scale-model runs, the tree build
-(``build_draft_trees``), the step's trees from the proposal store (steady step: the drafter's
-rows in place; other steps: flush + select), the step inputs (positions + ancestor masks), the
-walk (``walk_and_emit``), the KV commit over every layer (``commit_accepted_kv_at``) and the
-drafter-context rows (``move_path_rows``).
+synthetic logits that replace them in scale-model runs, the tree build (``build_draft_trees``
+at the engine's default per-depth cap; ``build_trees_torch_top_k``: the same with PyTorch's
+top-k and vLLM's log-softmax gather in place of ``ops/top_candidates.py``), the step's trees
+from the proposal store (steady step: the drafter's rows in place; other steps: flush +
+select), the step inputs (positions + ancestor masks), the walk (``walk_and_emit``), the KV
+commit over every layer (``commit_accepted_kv_at``) and the drafter-context rows
+(``move_path_rows``).
 
     python -m benchmarks.bench_step_ops --out DIR [--batches 1,16] [--budgets 16,64] \
         [--shape qwen3-8b]
@@ -34,9 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ddtree.config import DEFAULT_TOP_K_CAP
 from vllm_ddtree.ops.kv_commit import PagedKVLayers, commit_accepted_kv_at
 from vllm_ddtree.ops.path_rows import move_path_rows
-from vllm_ddtree.ops.tree_build import build_draft_trees
+from vllm_ddtree.ops.tree_build import build_draft_trees, build_trees_triton
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.spec_decode.proposal_store import ProposalStore
@@ -91,7 +94,8 @@ def step_ops(
     """Every operation once per call at this batch size and budget."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     logits = (torch.randn(batch, DEPTH, shape.vocab, generator=gen) * 4).to(device, torch.bfloat16)
-    trees = build_draft_trees(logits, budget, None)
+    cap = min(budget, DEFAULT_TOP_K_CAP)  # the engine's default per-depth cap
+    trees = build_draft_trees(logits, budget, cap)
     rows_per_req = budget + 1
     total = batch * rows_per_req
     root = torch.arange(batch, device=device) * rows_per_req
@@ -142,7 +146,10 @@ def step_ops(
     ops = {
         "drafter_logits": lambda: mask_rows @ lm_head.T,
         "oracle_logits": oracle_logits,
-        "build_trees": lambda: build_draft_trees(logits, budget, None),
+        "build_trees": lambda: build_draft_trees(logits, budget, cap),
+        "build_trees_torch_top_k": lambda: build_trees_triton(
+            logits, budget, cap, fused_candidates=False
+        ),
         "proposal_steady": steady,
         "proposal_flush_select": reordered,
         "step_inputs": lambda: tree_step_inputs_triton(

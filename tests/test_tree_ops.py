@@ -140,7 +140,11 @@ def test_kernels_under_interpreter():
     run_under_interpreter(
         __file__,
         "kernel_",
-        expected=8 * len(CASES) + 3 + len(BUILD_CASES) + len(MAX_NODES_CASES),
+        expected=8 * len(CASES)
+        + 3
+        + len(BUILD_CASES)
+        + len(MAX_NODES_CASES)
+        + len(TOP_CANDIDATE_CASES),
     )
 
 
@@ -209,6 +213,7 @@ BUILD_CASES = [
     (3, 1, 20, 8, None),
     (2, 5, 10, 1, None),
     (1, 8, 40, 300, None),
+    (2, 4, 2500, 24, 16),
 ]
 
 
@@ -229,6 +234,43 @@ def test_kernel_build_matches_reference(case):
     # Bit-identical under the interpreter; CUDA's exp/log round differently in the last bits.
     torch.testing.assert_close(got.scores.cpu(), want.scores, rtol=1e-5, atol=1e-5)
     assert got.max_depth == want.max_depth
+
+
+# (rows, depth, vocab, cap, dtype): one segment, several with a partial last one, the cap at
+# its largest, bf16 logits, a cap of one.
+TOP_CANDIDATE_CASES = [
+    (2, 3, 50, 16, torch.float32),
+    (2, 4, 2500, 16, torch.float32),
+    (1, 2, 1500, 32, torch.float32),
+    (3, 2, 2100, 8, torch.bfloat16),
+    (1, 1, 700, 1, torch.float32),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", TOP_CANDIDATE_CASES)
+def test_kernel_top_candidates_match_reference(case):
+    """Each depth's top tokens and their log-probabilities in one read of the logits, against
+    ``torch.topk`` and the float32 log-softmax; tokens of probability 0 come last at -inf."""
+    needs_kernel()
+    from vllm_ddtree.ops.top_candidates import top_candidates_ref, top_candidates_triton
+
+    num_reqs, depth, vocab, cap, dtype = case
+    gen = torch.Generator().manual_seed(vocab + cap)
+    logits = torch.randn(num_reqs, depth, vocab, generator=gen) * 3
+    # The leading logits distinct in bf16 too (torch.topk orders ties its own way).
+    leaders = torch.rand(num_reqs, depth, vocab, generator=gen).argsort(-1)[..., :40]
+    logits.scatter_(-1, leaders, 20 + 0.25 * torch.arange(40.0).expand(num_reqs, depth, -1))
+    logits[0, 0, : vocab - 2] = float("-inf")  # two tokens of non-zero probability
+    logits[0, 0, vocab - 2 :] = torch.tensor([1.0, 2.0])
+    logits = logits.to(dtype)
+    want_lp, want_tokens = top_candidates_ref(logits, cap)
+    got_lp, got_tokens = top_candidates_triton(logits.to(DEVICE), cap)
+    finite = torch.isfinite(want_lp)
+    assert torch.equal(finite, torch.isfinite(got_lp.cpu()))
+    assert torch.equal(got_tokens.cpu()[finite], want_tokens[finite])
+    torch.testing.assert_close(got_lp.cpu()[finite], want_lp[finite], rtol=1e-5, atol=1e-5)
+    assert int(finite[0, 0].sum()) == min(2, cap)
 
 
 # (case index in BUILD_CASES, max_nodes): a search stopped inside the budget, at it, past it, at 0.

@@ -105,6 +105,21 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     return logits.gather(-1, token_ids).float() - log_norm
 
 
+def candidate_cap(draft_logits: torch.Tensor, tree_budget: int, top_k: int | None) -> int | None:
+    """Validate a tree build's arguments; the candidates per depth, ``K = min(top_k, budget,
+    V)``, or ``None`` when there is nothing to build (no requests or no depths)."""
+    if draft_logits.dim() != 3 or not draft_logits.is_floating_point():
+        raise ValueError(
+            f"draft_logits must be a float tensor [R, L, V], got {tuple(draft_logits.shape)} "
+            f"{draft_logits.dtype}"
+        )
+    _check_budget(tree_budget, top_k)
+    num_reqs, depth_limit, vocab = draft_logits.shape
+    if num_reqs == 0 or depth_limit == 0:
+        return None
+    return min(tree_budget, vocab) if top_k is None else min(top_k, tree_budget, vocab)
+
+
 def depth_candidates(
     draft_logits: torch.Tensor,
     tree_budget: int,
@@ -120,16 +135,9 @@ def depth_candidates(
     (``token_log_probs``'s arguments and result) normalises only those: no float32
     log-softmax of the whole vocabulary is written and sorted.
     """
-    if draft_logits.dim() != 3 or not draft_logits.is_floating_point():
-        raise ValueError(
-            f"draft_logits must be a float tensor [R, L, V], got {tuple(draft_logits.shape)} "
-            f"{draft_logits.dtype}"
-        )
-    _check_budget(tree_budget, top_k)
-    num_reqs, depth_limit, vocab = draft_logits.shape
-    if num_reqs == 0 or depth_limit == 0:
+    cap = candidate_cap(draft_logits, tree_budget, top_k)
+    if cap is None:
         return None
-    cap = min(tree_budget, vocab) if top_k is None else min(top_k, tree_budget, vocab)
     top_tokens = torch.topk(draft_logits, cap, dim=-1).indices
     return log_probs_at(draft_logits, top_tokens), top_tokens
 

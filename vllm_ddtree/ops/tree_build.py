@@ -29,8 +29,10 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.ops import use_triton
+from vllm_ddtree.ops.top_candidates import MAX_FUSED_CAP, top_candidates_triton
 from vllm_ddtree.tree import (
     DDTreeBatch,
+    candidate_cap,
     depth_candidates,
     empty_batch,
     select_trees,
@@ -164,21 +166,28 @@ def build_trees_triton(
     tree_budget: int,
     top_k: int | None = None,
     max_nodes: torch.Tensor | None = None,
+    fused_candidates: bool = True,
 ) -> DDTreeBatch:
     """``build_trees`` with the best-first search in one kernel launch (``R`` programs).
 
     Args and returns as ``build_trees_ref``: ``draft_logits`` float ``[R, L, V]`` -> a
     ``DDTreeBatch`` of width ``budget``, searched to ``max_nodes`` nodes (long ``[1]`` on the
-    device; None: the budget). Before the kernel, each depth's top-``cap`` tokens come from
-    PyTorch's top-k of the logits, and their log-probabilities from vLLM's fused log-softmax
-    gather (``device_log_probs``).
+    device; None: the budget). Before the kernel, each depth's top-``cap`` tokens and their
+    log-probabilities come from ``ops/top_candidates.py`` in one read of the logits, for caps
+    up to ``MAX_FUSED_CAP`` (the default cap is 16) unless ``fused_candidates`` is False;
+    otherwise from PyTorch's top-k and vLLM's fused log-softmax gather
+    (``device_log_probs``).
     """
     device = draft_logits.device
-    candidates = depth_candidates(draft_logits, tree_budget, top_k, device_log_probs)
-    if candidates is None:
+    cap = candidate_cap(draft_logits, tree_budget, top_k)
+    if cap is None:
         num_reqs, depth_limit, _ = draft_logits.shape
         return empty_batch(num_reqs, tree_budget, depth_limit, device)
-    top_log_probs, top_tokens = (t.contiguous() for t in candidates)  # [R, L, K], sorted
+    if fused_candidates and cap <= MAX_FUSED_CAP:
+        top_log_probs, top_tokens = top_candidates_triton(draft_logits, cap)
+    else:
+        candidates = depth_candidates(draft_logits, tree_budget, top_k, device_log_probs)
+        top_log_probs, top_tokens = (t.contiguous() for t in candidates)  # [R, L, K], sorted
     num_reqs, depth_limit, cap = top_log_probs.shape
     token_ids = torch.empty((num_reqs, tree_budget), dtype=torch.long, device=device)
     parents = torch.empty_like(token_ids)
