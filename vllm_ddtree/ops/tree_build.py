@@ -1,4 +1,5 @@
-"""Draft-tree construction in one launch: Triton kernel, launcher and PyTorch reference.
+"""Draft-tree construction, the best-first search in one launch: Triton kernel, launcher and
+PyTorch reference (each depth's candidates before it: ``ops/top_candidates.py``).
 
 The reference (``vllm_ddtree.tree.build_trees``) runs a per-depth beam of width ``budget`` and
 one sort, ~70 tensor ops at depth 15; at small batches their launches cost more than their
