@@ -24,6 +24,7 @@ COMMANDS = {
     "kernels": ("bench_tree_attn", "the tree-attention kernel against TRITON_ATTN (GPU)"),
     "kernel-engines": ("tree_attn_vllm_gpu", "vLLM engines with TREE_ATTN (GPU)"),
     "step-ops": ("bench_step_ops", "host and device cost of each tree-step operation (GPU)"),
+    "top-candidates": ("bench_top_candidates", "the tree's per-depth candidates (GPU)"),
     "profile": ("profile_step", "where a decode step's time goes (GPU)"),
     "fit-profile": ("fit_cost_profile", 'fit a step-cost profile for "tree_budget": "auto"'),
     "calibrate": ("calibrate_acceptance", "fit the synthetic acceptance model to the paper"),
