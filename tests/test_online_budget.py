@@ -167,3 +167,39 @@ def test_a_budget_whose_served_steps_ran_slower_than_predicted_is_left(tmp_path,
         "16: 9.00, 32: 13.00; step time realised / predicted (budget at requests): 32 at 3-4: "
         "3.00" in caplog.text
     )
+
+
+def test_an_exploration_is_judged_again_as_soon_as_its_estimates_can_stand(tmp_path, monkeypatch):
+    """An exploring refresh (every EXPLORE_EVERY-th) that serves a larger budget is followed
+    by the next refresh after ``exploration_steps`` (enough trees at the running batch size,
+    a realised ratio, the snapshot's lag), not REFRESH_STEPS later; other refreshes keep the
+    cadence."""
+    from vllm_ddtree import cost_model
+
+    core, tracker = engine_core(tmp_path)
+    observe(tracker, 2)
+
+    def choose(*args, explore=False, **kwargs):
+        budget = 8 if explore else 4
+        return [(1, 4, budget)], {4: 2.0, 8: 2.0}
+
+    monkeypatch.setattr(cost_model, "choose_live_schedule", choose)
+    controller = online_budget.online_budget(core)
+    core.scheduler.running = [object()] * 4  # 4 requests: 16 trees in 4 steps
+    lengths = []
+    last = 0
+    while controller.refreshes < online_budget.EXPLORE_EVERY + 1:
+        before = controller.refreshes
+        controller.before_step()
+        if controller.refreshes != before:
+            lengths.append(controller.steps - last)
+            last = controller.steps
+    wait = online_budget.SETTLE_STEPS + int(online_budget.MIN_REALISED_STEPS)
+    wait += online_budget.SNAPSHOT_LAG_STEPS
+    assert controller.exploration_steps() == wait < online_budget.REFRESH_STEPS
+    every = online_budget.REFRESH_STEPS
+    # The EXPLORE_EVERY-th refresh explored (budget 8 at 1-4), the next came `wait` later.
+    assert lengths == [every] * online_budget.EXPLORE_EVERY + [wait]
+    assert core.scheduler.dynamic_sd_lookup[1:] == [4, 4, 4, 4]  # back after judging it
+    core.scheduler.running = [object()]  # one request: 16 steps for 16 trees
+    assert controller.exploration_steps() == 16 + online_budget.SNAPSHOT_LAG_STEPS

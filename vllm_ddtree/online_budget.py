@@ -15,8 +15,10 @@ batch size, where it was served long enough to say (``step_costs.RealisedStepTim
 between steady engine steps, so whatever the start-up timing missed counts). A
 budget below the one scheduled is learned for free; one above it only while it is scheduled, so once
 unscheduled its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a
-smaller budget's), and every ``EXPLORE_EVERY``-th refresh serves it for one refresh where predicted
-close to the fastest, so a workload whose acceptance rose moves the budget up again.
+smaller budget's), and every ``EXPLORE_EVERY``-th refresh serves it where predicted close to the
+fastest, so a workload whose acceptance rose moves the budget up again; the next refresh then
+comes as soon as its estimates can stand (``OnlineBudget.exploration_steps``), not a whole
+refresh later.
 
 Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets: on the V2 runner
 the budgets of "auto"'s per-batch-size schedule (vLLM captures FULL graphs for each of their
@@ -49,6 +51,9 @@ EXPLORE_EVERY = 8  # every 8th refresh tries the next larger budget without an e
 REALISED_HALF_LIFE_STEPS = 2048.0
 MIN_REALISED_STEPS = 8.0
 SETTLE_STEPS = 2  # intervals not counted after the batch or the budget changed
+# Steps a worker's acceptance snapshot may trail the engine core (its host copies finish
+# behind the device's queue).
+SNAPSHOT_LAG_STEPS = 2
 ENGINE_ATTR = "_ddtree_online_budget"  # on vLLM's EngineCore: its OnlineBudget or None
 
 
@@ -133,6 +138,7 @@ class OnlineBudget:
         self.max_verify_tokens = max_verify_tokens(config)
         self.steps = 0
         self.refreshes = 0
+        self.next_refresh = REFRESH_STEPS  # the engine step of the next refresh
         self.schedule: list[tuple[int, int, int]] | None = None
         from vllm_ddtree.step_costs import RealisedStepTimes
 
@@ -144,8 +150,18 @@ class OnlineBudget:
     def before_step(self) -> None:
         self._time_step()
         self.steps += 1
-        if self.steps % REFRESH_STEPS == 0:
+        if self.steps >= self.next_refresh:
             self.refresh()
+
+    def exploration_steps(self) -> int:
+        """Steps an explored budget is served before the next refresh judges it: until its
+        acceptance (``MIN_TREES`` trees at the running batch size) and its realised step
+        ratio (``SETTLE_STEPS`` + ``MIN_REALISED_STEPS`` steps) can stand, plus the
+        snapshot's lag; at most ``REFRESH_STEPS``. A slower budget costs only these steps."""
+        running = max(1, len(self.engine_core.scheduler.running))
+        trees = -(-int(MIN_TREES) // running)
+        steps = max(trees, SETTLE_STEPS + int(MIN_REALISED_STEPS)) + SNAPSHOT_LAG_STEPS
+        return min(steps, REFRESH_STEPS)
 
     def _time_step(self) -> None:
         """Tell ``realised`` this step's running requests, queued ones and budget, with the
@@ -174,22 +190,30 @@ class OnlineBudget:
         from vllm_ddtree.cost_model import choose_live_schedule, format_schedule
         from vllm_ddtree.step_costs import CorrectedStepCost
 
+        self.next_refresh = self.steps + REFRESH_STEPS
         live = self.engine_core.model_executor.collective_rpc(worker_acceptance)[0]
         if not live:
             return
         self.refreshes += 1
         ratios = self.realised.ratios()
         judged = replace(self.profile, tree=CorrectedStepCost(self.profile.tree, ratios))
-        schedule, acceptance = choose_live_schedule(
-            judged,
-            live,
-            self.candidates,
-            self.max_num_seqs,
-            self.max_verify_tokens,
-            MIN_TREES,
-            explore=self.refreshes % EXPLORE_EVERY == 0,
-            served=self.schedule,
-        )
+
+        def choose(explore: bool):
+            return choose_live_schedule(
+                judged,
+                live,
+                self.candidates,
+                self.max_num_seqs,
+                self.max_verify_tokens,
+                MIN_TREES,
+                explore=explore,
+                served=self.schedule,
+            )
+
+        schedule, acceptance = choose(self.refreshes % EXPLORE_EVERY == 0)
+        if self.refreshes % EXPLORE_EVERY == 0 and schedule != choose(False)[0]:
+            # An exploration: judged again as soon as its estimates can stand.
+            self.next_refresh = self.steps + self.exploration_steps()
         scheduler = self.engine_core.scheduler
         set_predictions(scheduler, acceptance)  # for the log line and /metrics
         if schedule == self.schedule:
