@@ -276,7 +276,8 @@ def test_an_auto_speculator_searches_its_trees_to_the_widest_tree_just_verified(
     cls = ddtree_speculator_class()
     speculator = SimpleNamespace(
         ddtree=SimpleNamespace(depth=depth, tree_budget=budget, tree_top_k=budget),
-        search_nodes=torch.zeros(1, dtype=torch.long),
+        search_nodes=torch.full((1,), budget),
+        searched=budget,
     )
     for widest, searched in ((4, 4), (0, budget), (None, budget)):
         cls._set_search_nodes(speculator, SimpleNamespace(widest=widest))

@@ -210,8 +210,9 @@ class OnlineBudget:
                 served=self.schedule,
             )
 
-        schedule, acceptance = choose(self.refreshes % EXPLORE_EVERY == 0)
-        if self.refreshes % EXPLORE_EVERY == 0 and schedule != choose(False)[0]:
+        explore = self.refreshes % EXPLORE_EVERY == 0
+        schedule, acceptance = choose(explore)
+        if explore and schedule != choose(False)[0]:
             # An exploration: judged again as soon as its estimates can stand.
             self.next_refresh = self.steps + self.exploration_steps()
         scheduler = self.engine_core.scheduler

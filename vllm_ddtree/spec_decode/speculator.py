@@ -74,6 +74,7 @@ def ddtree_speculator_class():
             # drafter's graph), not to its largest candidate: a steady step's next verify has
             # that width, and a wider one after a change verifies the smaller tree once.
             self.search_nodes = None
+            self.searched = tree_budget  # what search_nodes holds (host), to fill it on change
             if self.state.acceptance is not None:
                 self.search_nodes = torch.full(
                     (1,), tree_budget, dtype=torch.long, device=torch.device(device)
@@ -156,11 +157,13 @@ def ddtree_speculator_class():
         def _set_search_nodes(self, step) -> None:
             """``search_nodes`` for the trees about to be drafted: the most nodes a request
             was scheduled in ``step`` (the step just verified), or the budget after a step
-            without trees (one fill, no host read of the device)."""
+            without trees (a fill where it changed, no host read of the device)."""
             if self.search_nodes is None:
                 return
-            widest = step.widest if step is not None else None
-            self.search_nodes.fill_(widest or self.ddtree.tree_budget)
+            widest = (step.widest if step is not None else None) or self.ddtree.tree_budget
+            if widest != self.searched:
+                self.search_nodes.fill_(widest)
+                self.searched = widest
 
     return DDTreeSpeculator
 
