@@ -120,13 +120,53 @@ def test_kernel_half_precision_matches_reference():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "name,requests,hq,hkv,d,bs",  # a sliding window keeps the whole attention in the kernel
+    [case[:-1] for case in kernel_cases() if case[-1] is None],
+)
+@pytest.mark.parametrize("empty_lse", [float("-inf"), float("inf")])
+def test_kernel_merges_a_context_computed_elsewhere(name, requests, hq, hkv, d, bs, empty_lse):
+    """Given each query token's attention over its committed context (output and log-sum-exp),
+    the kernel reads only the request's own tokens and lands on the whole attention. An empty
+    context's log-sum-exp is not finite (FlashAttention 2 writes +inf, 3 -inf) and its output
+    is not read: it is poisoned here."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess (see test_kernels_under_interpreter)")
+    from tree_attn_backend.ops.context_attention import context_attention_ref
+
+    device = "cuda" if ON_GPU else "cpu"
+    requests = [*requests, ("causal", 0, 3)]  # a prefill with no context at all
+    case = random_case(requests, hq, hkv, d, bs, torch.float32, device, seed=5)
+    ref = tree_attention_ref(**case.kwargs())
+    context_lens = case.context_lens()
+    context_out, context_lse = context_attention_ref(
+        case.q,
+        case.key_cache,
+        case.value_cache,
+        case.query_start_loc,
+        context_lens,
+        case.block_table,
+        case.scale,
+    )
+    empty = torch.repeat_interleave(
+        context_lens == 0, case.query_start_loc[1:] - case.query_start_loc[:-1]
+    )
+    context_out[empty] = float("nan")
+    context_lse[:, empty] = empty_lse
+    for launch in (dict(block_n=16), dict(block_m=16), wide_launch(), {}):
+        out = run_kernel(case, context_out=context_out, context_lse=context_lse, **launch)
+        assert relative_error(out, ref) < 1e-5, (name, launch)
+
+
+@pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
     run_under_interpreter(
         __file__,
-        "kernel_matches or half_precision or window_without or split_kv or lower_edge",
-        expected=14,
+        "kernel_matches or kernel_merges or half_precision or window_without or split_kv "
+        "or lower_edge",
+        expected=14 + 14,
     )
 
 
@@ -174,3 +214,90 @@ def test_window_lower_edge_uses_the_lowest_tree_position_in_a_block():
         ref = tree_attention_ref(**case.kwargs(), sliding_window=window)
         out = run_kernel(case, window, block_n=16, num_segments=1)
         assert relative_error(out, ref) < 1e-5, window
+
+
+FLASH_CASES = [
+    # Qwen3-8B's attention shape, SmolLM2's (9 query heads over 3), Qwen3.6-27B's (head 256).
+    ("qwen3-8b", 32, 8, 128),
+    ("smollm2", 9, 3, 64),
+    ("qwen3.6-27b", 24, 4, 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs vLLM's FlashAttention on a CUDA GPU")
+@pytest.mark.parametrize("name,hq,hkv,d", FLASH_CASES)
+def test_flash_attention_context_and_the_kernel_match_the_reference(name, hq, hkv, d):
+    """vLLM's FlashAttention over the committed contexts, merged by the tree kernel over the
+    in-block keys, equals the reference: in a mixed batch (trees, a prefill with no context,
+    decodes), launched and replayed from a CUDA graph captured at other context lengths."""
+    from tree_attn_backend.ops.context_attention import (
+        context_attention,
+        context_attention_ref,
+        flash_attention_version,
+        split_bound,
+    )
+    from tree_attn_backend.ops.tree_attention import tree_attention
+
+    version = flash_attention_version(d, torch.bfloat16, torch.device("cuda"))
+    assert version is not None, "vLLM's FlashAttention serves this shape on the GPU"
+    requests = [("tree", 383, 64), ("causal", 0, 12), ("tree", 2000, 16), ("causal", 70, 1)]
+    case = random_case(requests, hq, hkv, d, 16, torch.bfloat16, "cuda", seed=d, vocab=256)
+    context_lens = case.context_lens()
+    ref_out, ref_lse = context_attention_ref(
+        case.q,
+        case.key_cache,
+        case.value_cache,
+        case.query_start_loc,
+        context_lens,
+        case.block_table,
+        case.scale,
+    )
+    ref = tree_attention_ref(**case.kwargs())
+    bf16_tolerance = 1e-2
+    has_context = torch.repeat_interleave(context_lens > 0, case.query_start_loc.diff())
+
+    def run(splits: int, max_context_len: int) -> torch.Tensor:
+        context_out, context_lse = context_attention(
+            case.q,
+            case.key_cache,
+            case.value_cache,
+            case.query_start_loc,
+            context_lens,
+            case.block_table,
+            case.scale,
+            max_query_len=case.max_query_len,
+            max_context_len=max_context_len,
+            fa_version=version,
+            num_splits=splits,
+        )
+        run.context = (context_out, context_lse)
+        return tree_attention(
+            **case.kwargs(),
+            max_query_len=case.max_query_len,
+            context_out=context_out,
+            context_lse=context_lse,
+        )
+
+    out = run(0, int(case.seq_lens.max()))
+    context_out, context_lse = run.context
+    assert relative_error(context_out[has_context], ref_out[has_context]) < bf16_tolerance
+    assert torch.allclose(context_lse[:, has_context], ref_lse[:, has_context], atol=1e-2)
+    assert relative_error(out, ref) < bf16_tolerance
+
+    # A FULL graph is captured once, at other lengths, and replays with fresh ones. Its host
+    # bound is the worst case, as vLLM's runners capture (max_seq_len = max_model_len).
+    splits = split_bound(32, case.q.shape[0], hq, d)
+    real_seq_lens, real_contexts = case.seq_lens.clone(), context_lens.clone()
+    case.seq_lens.copy_(case.query_start_loc.diff())  # capture: every context empty
+    context_lens.zero_()
+    max_model_len = 4096
+    run(splits, max_model_len)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = run(splits, max_model_len)
+    case.seq_lens.copy_(real_seq_lens)
+    context_lens.copy_(real_contexts)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(graph_out, ref) < bf16_tolerance

@@ -157,5 +157,36 @@ def test_builder_treats_cuda_graph_padding_requests_as_causal():
     assert metadata.tree_mask[:9, 0].tolist() == list(range(9))
     assert metadata.has_trees and metadata.tree_source is state
     assert state.built_slot_mapping is padded.slot_mapping  # where the KV commit reads slots
+    assert metadata.context_lens is None  # no FlashAttention here: the kernel reads all keys
     state.publish(None)
     assert builder.build(0, padded).is_tree.tolist() == [0, 0, 0, 0]
+    # Where FlashAttention computes the contexts' share, the padding request has none.
+    builder.context_fa_version = 3
+    builder._context_lens = torch.full((8,), 99, dtype=torch.int32)
+    builder._full_graphs, builder._max_graph_tokens, builder._graph_splits = True, 16, 32
+    metadata = builder.build(0, padded)
+    assert metadata.context_lens.tolist() == [7, 7, 7, 0]
+    assert (metadata.context_fa_version, metadata.context_max_splits) == (3, 32)
+
+
+def test_the_context_switch_names_its_allowed_values(monkeypatch):
+    from tree_attn_backend.backend import CONTEXT_ENV, context_choice
+
+    monkeypatch.delenv(CONTEXT_ENV, raising=False)
+    assert context_choice() == "flash_attn"
+    monkeypatch.setenv(CONTEXT_ENV, "Triton")
+    assert context_choice() == "triton"
+    monkeypatch.setenv(CONTEXT_ENV, "fa3")
+    with pytest.raises(ValueError, match="'flash_attn' or 'triton'"):
+        context_choice()
+
+
+def test_only_vllms_flash_attention_on_cuda_in_half_precision_takes_the_context():
+    from tree_attn_backend.ops.context_attention import flash_attention_version, split_bound
+
+    assert flash_attention_version(128, torch.bfloat16, torch.device("cpu")) is None
+    assert flash_attention_version(128, torch.float32, torch.device("cuda")) is None
+    # A verify's split-KV accumulators stay bounded; a decode keeps vLLM's bound.
+    assert split_bound(32, 16, 32, 128) == 32
+    assert split_bound(32, 16 * 65, 32, 128) == 15
+    assert split_bound(32, 1 << 20, 32, 128) == 1

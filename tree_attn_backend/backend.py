@@ -13,6 +13,7 @@ The four pieces of a vLLM backend (modelled on ``vllm/v1/attention/backends/trit
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,6 +30,11 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from tree_attn_backend.ops.context_attention import (
+    context_attention,
+    flash_attention_version,
+    split_bound,
+)
 from tree_attn_backend.ops.tree_attention import tree_attention, tree_attention_ref
 from tree_attn_backend.tree_verify import TreeVerifySource
 
@@ -37,6 +43,21 @@ logger = init_logger("vllm.tree_attn_backend")
 BACKEND_NAME = "TREE_ATTN"
 MAX_TREE_TOKENS = 1025  # budget 1024 + root
 MASK_WORDS = (MAX_TREE_TOKENS + 31) // 32
+# Who computes the committed context's share of the attention: "flash_attn" (vLLM's
+# FlashAttention, then the tree kernel over the in-block keys; the default where it can) or
+# "triton" (the tree kernel over every key).
+CONTEXT_ENV = "VLLM_DDTREE_TREE_ATTN_CONTEXT"
+CONTEXT_CHOICES = ("flash_attn", "triton")
+
+
+def context_choice() -> str:
+    value = os.environ.get(CONTEXT_ENV, "flash_attn").strip().lower() or "flash_attn"
+    if value not in CONTEXT_CHOICES:
+        raise ValueError(
+            f"{CONTEXT_ENV}={os.environ[CONTEXT_ENV]!r}: allowed values are "
+            + " or ".join(repr(choice) for choice in CONTEXT_CHOICES)
+        )
+    return value
 
 
 @dataclass
@@ -61,6 +82,12 @@ class TreeAttentionMetadata:
     is_tree: torch.Tensor  # int32 [R]
     tree_mask: torch.Tensor  # int32 [T, MASK_WORDS]
     has_trees: bool
+    # The committed context (seq_len - query_len) of each request, and the FlashAttention
+    # version that computes its share (None: the tree kernel reads every key); its split-KV
+    # bound (0: FlashAttention's own choice, outside FULL CUDA graphs).
+    context_lens: torch.Tensor | None = None
+    context_fa_version: int | None = None
+    context_max_splits: int = 0
     # The source the builder was handed (the DDTree step state); layers of the same forward
     # that verify trees too (hybrid GatedDeltaNet) reach the step through it.
     tree_source: TreeVerifySource | None = None
@@ -70,6 +97,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
     # Uniform verify batches (every request 1 + budget tokens) are graph-captured.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     tree_source: TreeVerifySource | None = None  # handed by tree_verify.bind_tree_source
+    context_fa_version: int | None = None  # FlashAttention computes the context's share
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -77,7 +105,21 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         max_tokens = scheduler.max_num_batched_tokens
         self._is_tree = torch.zeros(scheduler.max_num_seqs, dtype=torch.int32, device=device)
         self._tree_mask = torch.zeros((max_tokens, MASK_WORDS), dtype=torch.int32, device=device)
-        path = "Triton kernel" if torch.device(device).type == "cuda" else "PyTorch reference"
+        self._context_lens = torch.zeros(scheduler.max_num_seqs, dtype=torch.int32, device=device)
+        if context_choice() == "flash_attn":
+            self.context_fa_version = flash_attention_version(
+                kv_cache_spec.head_size, kv_cache_spec.dtype, torch.device(device)
+            )
+        compilation = vllm_config.compilation_config
+        self._full_graphs = compilation.cudagraph_mode.has_full_cudagraphs()
+        self._max_graph_tokens = compilation.max_cudagraph_capture_size or 0
+        self._graph_splits = vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
+        if torch.device(device).type != "cuda":
+            path = "PyTorch reference"
+        elif self.context_fa_version is not None:
+            path = f"FlashAttention {self.context_fa_version} over the context, Triton kernel"
+        else:
+            path = "Triton kernel"
         logger.info_once("TREE_ATTN: tree attention backend active (%s)", path)
 
     def build(
@@ -105,6 +147,15 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             tree_mask[:rows, :words].copy_(published.tree_mask[:rows], non_blocking=True)
         else:
             is_tree.zero_()
+        context_lens = None
+        max_splits = 0
+        if self.context_fa_version is not None:
+            context_lens = self._context_lens[:num_reqs]
+            starts = cad.query_start_loc
+            torch.sub(cad.seq_lens[:num_reqs], starts[1:] - starts[:-1], out=context_lens)
+            context_lens.clamp_(min=0)  # CUDA-graph padding requests
+            if self._full_graphs and num_tokens <= self._max_graph_tokens:
+                max_splits = self._graph_splits  # fixed at capture, as vLLM's own backend
         return TreeAttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=cad.max_query_len,
@@ -117,6 +168,9 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             is_tree=is_tree,
             tree_mask=tree_mask,
             has_trees=published is not None,
+            context_lens=context_lens,
+            context_fa_version=self.context_fa_version,
+            context_max_splits=max_splits,
             tree_source=source,
         )
 
@@ -296,7 +350,27 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             out=output[:num_tokens],
         )
         if query.is_cuda:
-            tree_attention(**args, max_query_len=attn_metadata.max_query_len)
+            md = attn_metadata
+            if md.context_fa_version is not None and not self.sliding_window:
+                splits = 0
+                if md.context_max_splits:
+                    splits = split_bound(
+                        md.context_max_splits, num_tokens, self.num_heads, self.head_size
+                    )
+                args["context_out"], args["context_lse"] = context_attention(
+                    args["q"],
+                    key_cache,
+                    value_cache,
+                    md.query_start_loc,
+                    md.context_lens,
+                    md.block_table,
+                    self.scale,
+                    max_query_len=md.max_query_len,
+                    max_context_len=md.max_seq_len,
+                    fa_version=md.context_fa_version,
+                    num_splits=splits,
+                )
+            tree_attention(**args, max_query_len=md.max_query_len)
         else:
             tree_attention_ref(**args)
         return output

@@ -40,6 +40,11 @@ class AttentionCase:
             positions=self.positions,
         )
 
+    def context_lens(self) -> torch.Tensor:
+        """Each request's committed context: ``seq_len - q_len`` (int32 ``[R]``)."""
+        q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        return (self.seq_lens - q_lens).to(torch.int32)
+
 
 def random_case(
     requests: list[tuple[str, int, int]],

@@ -147,6 +147,8 @@ if HAS_TRITON:
         k_cache_ptr,
         v_cache_ptr,
         out_ptr,
+        context_out_ptr,
+        context_lse_ptr,
         partial_out_ptr,
         partial_max_ptr,
         partial_sum_ptr,
@@ -165,6 +167,9 @@ if HAS_TRITON:
         stride_q_h,
         stride_o_t,
         stride_o_h,
+        stride_co_t,
+        stride_co_h,
+        stride_lse_h,
         stride_k_blk,
         stride_k_pos,
         stride_k_h,
@@ -184,6 +189,7 @@ if HAS_TRITON:
         HAS_POSITIONS: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        HAS_CONTEXT: tl.constexpr,
     ):
         q_block_global = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -217,6 +223,8 @@ if HAS_TRITON:
         last_local = tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
         key_end = context_len + last_local
         key_begin = 0
+        if HAS_CONTEXT:  # the context's share arrives in context_out/context_lse
+            key_begin = context_len
         if USE_SLIDING_WINDOW:
             if HAS_POSITIONS:
                 q_pos = tl.load(positions_ptr + q_token, mask=q_valid, other=0).to(tl.int32)
@@ -239,9 +247,27 @@ if HAS_TRITON:
             segment_begin = key_begin
             segment_end = key_end
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+        if HAS_CONTEXT:
+            # The online softmax starts from the context's normalised output and log-sum-exp:
+            # max = lse, sum = 1. No finite lse (an empty context) starts from nothing.
+            lse = tl.load(
+                context_lse_ptr + head * stride_lse_h + q_token, mask=q_valid, other=float("-inf")
+            )
+            seen = (lse == lse) & (lse != float("inf")) & (lse != float("-inf"))
+            m_i = tl.where(seen, lse, float("-inf"))
+            l_i = tl.where(seen, 1.0, 0.0)
+            acc = tl.load(
+                context_out_ptr
+                + q_token[:, None] * stride_co_t
+                + head[:, None] * stride_co_h
+                + offs_d[None, :],
+                mask=(q_valid & seen)[:, None] & d_valid[None, :],
+                other=0.0,
+            ).to(tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
         for start_n in range(segment_begin, segment_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < segment_end
@@ -434,6 +460,8 @@ def tree_attention(
     num_segments: int | None = None,
     num_warps: int | None = None,
     block_m: int | None = None,
+    context_out: torch.Tensor | None = None,
+    context_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel (launch shape independent of tree contents).
 
@@ -442,6 +470,13 @@ def tree_attention(
     request's query length. ``tree_mask``/``is_tree`` None means every request is causal.
     ``num_segments`` splits each request's keys over that many programs (a power of 2; None:
     enough to fill the GPU when the batch alone does not), combined by a second kernel.
+
+    ``context_out`` ``[T, Hq, D]`` and ``context_lse`` ``[Hq, T]`` (float32, natural log of
+    the scaled scores' exponential sum; non-finite for an empty context): every query token's
+    attention over its request's committed context alone, computed elsewhere
+    (``context_attention``). Given them, the kernel reads only the keys of the request's own
+    query tokens and merges (no sliding window; one segment).
+
     Returns ``out`` ``[T, Hq, D]`` (allocated when not given).
     """
     num_tokens, num_heads, head_size = q.shape
@@ -456,6 +491,13 @@ def tree_attention(
         tree_mask = torch.zeros((1, 1), dtype=torch.int32, device=q.device)
         is_tree = torch.zeros(num_seqs, dtype=torch.int32, device=q.device)
     use_window = sliding_window is not None and sliding_window > 0
+    has_context = context_out is not None
+    if has_context:
+        assert context_lse is not None and not use_window, "context merge: lse, no window"
+        assert context_out.stride(-1) == 1 and context_lse.stride(-1) == 1
+        num_segments = 1
+    else:
+        context_out = context_lse = out  # unused
     has_positions = positions is not None
     # Without positions, windows are measured in KV indices: exact for causal requests; tree
     # requests with sliding windows must pass positions (depth-based).
@@ -492,6 +534,8 @@ def tree_attention(
         key_cache,
         value_cache,
         out,
+        context_out,
+        context_lse,
         partial_out,
         partial_max,
         partial_sum,
@@ -510,6 +554,9 @@ def tree_attention(
         q.stride(1),
         out.stride(0),
         out.stride(1),
+        context_out.stride(0),
+        context_out.stride(1),
+        context_lse.stride(0),
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -530,6 +577,7 @@ def tree_attention(
         NUM_SEGMENTS=num_segments,
         # float32 inputs get full-precision dots (tf32 would flip near-tied greedy tokens).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_CONTEXT=has_context,
         **({"num_warps": num_warps} if num_warps else {}),
     )
     if num_segments > 1:
