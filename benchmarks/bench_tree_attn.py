@@ -402,7 +402,7 @@ def make_flash_context_runner(case: AttentionCase, out: torch.Tensor):
     return run
 
 
-def tune_verify(shape_name: str, graphs: bool) -> list[dict]:
+def tune_verify(shape_name: str, graphs: bool, variants=VERIFY_VARIANTS) -> list[dict]:
     """Every launch variant on the verify shapes a served tree step has (``shape_name``'s
     attention shape), beside the launcher's default choice and FlashAttention 3's causal chain
     verify of 16 tokens per request over the same contexts. ``graphs``: timed from CUDA-graph
@@ -442,7 +442,7 @@ def tune_verify(shape_name: str, graphs: bool) -> list[dict]:
             row["flash_context_rel_error"] = relative_error(flash_out, default_out)
         except Exception as exc:  # noqa: BLE001 - record why the row is missing
             print(f"FlashAttention context failed: {type(exc).__name__}: {exc}"[:200])
-        for block_m, block_n, num_warps in VERIFY_VARIANTS:
+        for block_m, block_n, num_warps in variants:
             launch = dict(block_m=block_m, block_n=block_n, num_warps=num_warps)
             try:
                 out.zero_()
@@ -486,7 +486,7 @@ def verify_markdown(rows: list[dict]) -> list[str]:
         fastest = (
             f"{best['ms']:.4f} | {best['block_m']}, {best['block_n']}, {best['num_warps']}"
             if best
-            else "n/a | every variant failed"
+            else ("n/a | every variant failed" if r["variants"] else "n/a | not timed")
         )
         fa3 = r.get("fa3_chain_ms")
         flash = r.get("flash_context_ms")
@@ -566,6 +566,12 @@ def main() -> int:
         action="store_true",
         help="--tune-verify timed from launches (default: from CUDA-graph replays)",
     )
+    parser.add_argument(
+        "--verify-paths-only",
+        action="store_true",
+        help="--tune-verify times the backend's paths (the tree kernel's default launch, "
+        "FlashAttention over the context) and the chain, not every launch variant",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     os.makedirs(args.out, exist_ok=True)
@@ -591,7 +597,11 @@ def main() -> int:
     result["verify_tuning"] = [
         row
         for shape_name in filter(None, args.tune_verify.split(","))
-        for row in tune_verify(shape_name, graphs=not args.launch_timing)
+        for row in tune_verify(
+            shape_name,
+            graphs=not args.launch_timing,
+            variants=[] if args.verify_paths_only else VERIFY_VARIANTS,
+        )
     ]
     result["checks"] = [] if args.skip_checks else check_grid(args.quick)
     print(
