@@ -165,8 +165,8 @@ def test_kernels_under_interpreter():
     run_under_interpreter(
         __file__,
         "kernel_matches or kernel_merges or half_precision or window_without or split_kv "
-        "or lower_edge",
-        expected=14 + 14,
+        "or lower_edge or capture_shaped",
+        expected=14 + 14 + 1,
     )
 
 
@@ -301,3 +301,27 @@ def test_flash_attention_context_and_the_kernel_match_the_reference(name, hq, hk
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(graph_out, ref) < bf16_tolerance
+
+
+@pytest.mark.interpreter
+def test_kernel_merging_a_context_stays_inside_a_capture_shaped_batch():
+    """vLLM captures CUDA graphs with made-up lengths; TREE_ATTN's builder sets every sequence
+    to one token, shorter than its query (a negative context). With a context merged from
+    elsewhere the kernel must read no key before the request's first block."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess (see test_kernels_under_interpreter)")
+    device = "cuda" if ON_GPU else "cpu"
+    case = random_case([("tree", 0, 16)] * 3, 8, 2, 128, 16, torch.float32, device, seed=2)
+    case.seq_lens.fill_(1)  # as build_for_cudagraph_capture
+    num_tokens, num_heads = case.q.shape[:2]
+    # Poison what precedes each request's blocks: the column before each row names a block of
+    # NaNs, one the requests do not use, so a read before a request's first key shows.
+    unused = sorted(set(range(case.key_cache.shape[0])) - set(case.block_table.flatten().tolist()))
+    case.key_cache[unused[0]] = float("nan")
+    case.value_cache[unused[0]] = float("nan")
+    widened = torch.full_like(case.block_table[:, :1], unused[0])
+    case.block_table = torch.cat([widened, case.block_table], dim=1)[:, 1:]
+    context_out = torch.zeros_like(case.q)
+    context_lse = torch.full((num_heads, num_tokens), float("-inf"), device=device)
+    out = run_kernel(case, context_out=context_out, context_lse=context_lse)
+    assert not torch.isnan(out).any()

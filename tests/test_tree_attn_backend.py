@@ -167,6 +167,10 @@ def test_builder_treats_cuda_graph_padding_requests_as_causal():
     metadata = builder.build(0, padded)
     assert metadata.context_lens.tolist() == [7, 7, 7, 0]
     assert (metadata.context_fa_version, metadata.context_max_splits) == (3, 32)
+    # A capture's made-up sequences are one token long: no context to read at all.
+    metadata = builder.build_for_cudagraph_capture(padded)
+    assert metadata.seq_lens.tolist() == [1, 1, 1, 1]
+    assert metadata.context_lens.tolist() == [0, 0, 0, 0]
 
 
 def test_the_context_switch_names_its_allowed_values(monkeypatch):

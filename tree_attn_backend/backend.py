@@ -177,6 +177,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
     def build_for_cudagraph_capture(self, common_attn_metadata):
         metadata = self.build(0, common_attn_metadata)
         metadata.seq_lens.fill_(1)  # as TRITON_ATTN: capture with short sequences
+        if metadata.context_lens is not None:
+            metadata.context_lens.zero_()  # and no context (the kernel clamps the negative)
         return metadata
 
 

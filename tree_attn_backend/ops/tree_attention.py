@@ -224,7 +224,8 @@ if HAS_TRITON:
         key_end = context_len + last_local
         key_begin = 0
         if HAS_CONTEXT:  # the context's share arrives in context_out/context_lse
-            key_begin = context_len
+            # (a CUDA-graph capture's made-up lengths can be shorter than the query)
+            key_begin = tl.maximum(context_len, 0)
         if USE_SLIDING_WINDOW:
             if HAS_POSITIONS:
                 q_pos = tl.load(positions_ptr + q_token, mask=q_valid, other=0).to(tl.int32)
