@@ -185,7 +185,8 @@ def test_the_steps_right_after_a_change_are_not_counted():
 
 def test_a_budget_is_judged_by_its_ratio_at_this_batch_size_only():
     """A ratio measured at a few requests (steps the host fills) does not stand in for 16
-    requests: there the budget is judged at the default until served. Failed before: budget
+    requests: there the budget is judged by what was served at 16 until served itself. Failed
+    before: budget
     32, measured at 0.68 at 3-10 requests, looked cheaper at 16 requests than budget 16
     measured there at 0.77, and was served there for a refresh (the 8B grid at 8766111, where
     every budget above 16 is slower than 16 at 16 requests)."""
@@ -195,7 +196,7 @@ def test_a_budget_is_judged_by_its_ratio_at_this_batch_size_only():
     assert ratios.ratio(16, 16) == pytest.approx(0.77)
     assert ratios.ratio(16, 9) == pytest.approx(0.77)  # 9-16 requests share a bucket
     assert ratios.ratio(32, 5) == pytest.approx(0.68)
-    assert ratios.ratio(32, 16) == pytest.approx(1.0)  # not 32's at 5-8
+    assert ratios.ratio(32, 16) == pytest.approx(0.77)  # 16's at 9-16, not 32's at 5-8
     assert ratios.describe() == "16 at 9-16: 0.77, 32 at 5-8: 0.68, 64 at 1: 0.64"
 
 
@@ -207,4 +208,24 @@ def test_corrected_step_cost_scales_each_budget_by_its_ratio():
     corrected = CorrectedStepCost(inner, RealisedRatios({(64, 1): 2.0}, default=1.5))
     assert corrected.step_ms(65, 1, 64) == pytest.approx(2 * inner.step_ms(65, 1, 64))
     assert corrected.step_ms(130, 2, 64) == pytest.approx(1.5 * inner.step_ms(130, 2, 64))
-    assert corrected.step_ms(33, 1, 32) == pytest.approx(1.5 * inner.step_ms(33, 1, 32))
+    # Unserved at one request, where 64 ran slower than predicted: judged at its prediction.
+    assert corrected.step_ms(33, 1, 32) == pytest.approx(inner.step_ms(33, 1, 32))
+
+
+def test_a_budget_unserved_at_a_batch_size_is_judged_by_that_batch_sizes_ratios():
+    """Where other budgets were served at this batch size, an unserved one is judged at the
+    smallest of their ratios, not at the smallest ratio anywhere. Failed before: on the 8B grid
+    at af263dc, budgets 32 and 64 realised 0.61 and 0.63 at one request, budget 16 0.76 at 9-16;
+    budget 32, never served long enough at 9-16 (the batch shrinks as requests finish), was
+    judged there at 0.61, looked faster than 16, and served 9-16 requests, where its steps
+    took 25.23 ms against budget 16's 17.69
+    (benchmarks/results/2026-12-04_af263dc_scale-8b-auto-grid)."""
+    from vllm_ddtree.step_costs import RealisedRatios
+
+    ratios = RealisedRatios({(16, 16): 0.76, (32, 1): 0.61, (64, 1): 0.63}, default=0.61)
+    assert ratios.ratio(32, 16) == pytest.approx(0.76)  # 16's at 9-16, not 32's at 1
+    assert ratios.ratio(128, 1) == pytest.approx(0.61)  # the smallest at one request
+    slow = RealisedRatios({(16, 16): 1.4}, default=1.0)
+    assert slow.ratio(32, 16) == pytest.approx(1.0)  # never above its prediction: it is tried
+    assert ratios.ratio(32, 4) == pytest.approx(0.61)  # nothing served at 3-4: the default
+    assert ratios.ratio(64, 1) == pytest.approx(0.63)  # its own

@@ -182,10 +182,17 @@ class RealisedRatios:
 
     def ratio(self, budget: int, batch: int) -> float:
         """The ratio ``budget`` is judged by at ``batch`` requests: its own at this batch
-        bucket, else ``default``. A budget's ratio at other batch sizes does not stand in: one
-        measured where the host's work fills the step says little of a step the device
-        fills, so the budget is tried at this batch size and measured there."""
-        return self.by_pair.get((budget, batch_bucket(batch)), self.default)
+        bucket; else 1 or the smallest of the other budgets' there if below (judged at its
+        prediction, or as well as the best-behaved budget served at this batch size, so that
+        it is tried); else ``default``. Ratios at other batch sizes do not stand in where this
+        one has its own: one measured where the host's work fills the step says little of a
+        step the device fills."""
+        bucket = batch_bucket(batch)
+        own = self.by_pair.get((budget, bucket))
+        if own is not None:
+            return own
+        here = [ratio for (_, at), ratio in self.by_pair.items() if at == bucket]
+        return min([1.0, *here]) if here else self.default
 
     def describe(self) -> str:
         """``"16 at 9-16: 0.77, 64 at 1: 0.64"`` (budget at requests: ratio), or
@@ -271,9 +278,9 @@ class RealisedStepTimes:
     def ratios(self) -> RealisedRatios:
         """The ratios of the (budget, batch bucket) pairs with at least ``min_steps`` decayed
         steps behind them. Their ``default`` is 1, or the smallest of them if below: a pair
-        nothing tells of is judged at its prediction (or as well as the best-behaved served
-        one), so that it is tried, while a served one that ran slower than predicted is judged
-        by what it realised."""
+        at a batch size nothing was served at is judged at its prediction (or as well as the
+        best-behaved served one), so that it is tried, while a served one that ran slower than
+        predicted is judged by what it realised (``RealisedRatios.ratio``)."""
         by_pair = {
             key: self._ratio_sums[key] / steps
             for key, steps in self._steps.items()
