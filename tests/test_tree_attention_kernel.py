@@ -153,7 +153,9 @@ def test_kernel_merges_a_context_computed_elsewhere(name, requests, hq, hkv, d, 
     )
     context_out[empty] = float("nan")
     context_lse[:, empty] = empty_lse
-    for launch in (dict(block_n=16), dict(block_m=16), wide_launch(), {}):
+    # Narrow tiles not aligned to the context, and the launcher's own choice (each launch
+    # compiles natively on a GPU, where this file ran past 120 s with four launches a case).
+    for launch in (dict(block_n=16), {}):
         out = run_kernel(case, context_out=context_out, context_lse=context_lse, **launch)
         assert relative_error(out, ref) < 1e-5, (name, launch)
 

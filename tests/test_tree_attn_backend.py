@@ -177,11 +177,11 @@ def test_the_context_switch_names_its_allowed_values(monkeypatch):
     from tree_attn_backend.backend import CONTEXT_ENV, context_choice
 
     monkeypatch.delenv(CONTEXT_ENV, raising=False)
-    assert context_choice() == "flash_attn"
-    monkeypatch.setenv(CONTEXT_ENV, "Triton")
     assert context_choice() == "triton"
+    monkeypatch.setenv(CONTEXT_ENV, "Flash_Attn")
+    assert context_choice() == "flash_attn"
     monkeypatch.setenv(CONTEXT_ENV, "fa3")
-    with pytest.raises(ValueError, match="'flash_attn' or 'triton'"):
+    with pytest.raises(ValueError, match="'triton' or 'flash_attn'"):
         context_choice()
 
 

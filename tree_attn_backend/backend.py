@@ -43,15 +43,18 @@ logger = init_logger("vllm.tree_attn_backend")
 BACKEND_NAME = "TREE_ATTN"
 MAX_TREE_TOKENS = 1025  # budget 1024 + root
 MASK_WORDS = (MAX_TREE_TOKENS + 31) // 32
-# Who computes the committed context's share of the attention: "flash_attn" (vLLM's
-# FlashAttention, then the tree kernel over the in-block keys; the default where it can) or
-# "triton" (the tree kernel over every key).
+# Who computes the committed context's share of the attention: "triton" (the tree kernel
+# over every key; the default) or "flash_attn" (vLLM's FlashAttention where it serves the
+# shape, then the tree kernel over the in-block keys: faster in 21 of 24 verify shapes at
+# Qwen3-8B's attention on an H200, benchmarks/results/2026-12-04_af263dc_kernels-context-paths;
+# the default once an engine run has checked it end to end).
 CONTEXT_ENV = "VLLM_DDTREE_TREE_ATTN_CONTEXT"
-CONTEXT_CHOICES = ("flash_attn", "triton")
+CONTEXT_CHOICES = ("triton", "flash_attn")
+DEFAULT_CONTEXT = "triton"
 
 
 def context_choice() -> str:
-    value = os.environ.get(CONTEXT_ENV, "flash_attn").strip().lower() or "flash_attn"
+    value = os.environ.get(CONTEXT_ENV, DEFAULT_CONTEXT).strip().lower() or DEFAULT_CONTEXT
     if value not in CONTEXT_CHOICES:
         raise ValueError(
             f"{CONTEXT_ENV}={os.environ[CONTEXT_ENV]!r}: allowed values are "
