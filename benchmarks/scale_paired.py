@@ -43,6 +43,7 @@ the oracle's calibrated ranks. ``--chaotic`` runs the plain build.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -293,6 +294,10 @@ def write_report(summary: dict, out: str) -> None:
                 f"{same['identical']}/{same['requests']} | {row['on_reference'][name]:.2f} | "
                 f"{roof['step_ms']:.2f} | {roof['percent_of_limit']:.0f} |"
             )
+    flash = flash_context_table(summary)
+    if flash:
+        lines += ["", "## TREE_ATTN's context through FlashAttention (`--flash-context`)", ""]
+        lines += flash
     auto = auto_table(summary)
     if auto:
         lines += ["", '## DDTree "auto" (one engine, every batch)', "", *auto]
@@ -351,7 +356,7 @@ def headline(summary: dict, link: str) -> str:
 
 def fastest_fixed(engines: dict, over_chain: dict) -> str | None:
     """The DDTree engine of a fixed budget with the highest median ratio to the chain."""
-    trees = [n for n in engines if n.startswith("ddtree") and n != AUTO and n in over_chain]
+    trees = [n for n in engines if is_fixed_budget(n) and n in over_chain]
     return max(trees, key=lambda name: over_chain[name]["median"]) if trees else None
 
 
@@ -445,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help='also run DDTree "tree_budget": "auto" on an engine of this max_num_seqs, every '
         "batch of the grid on it, its CUDA graphs the plugin's (0: no auto engine)",
+    )
+    parser.add_argument(
+        "--flash-context",
+        default="",
+        help="comma-separated budgets of the grid (and 'auto'): each also runs as a second "
+        "engine whose TREE_ATTN takes the committed context through vLLM's FlashAttention "
+        "(named with the suffix _fa), set against its own engine in the report",
     )
     parser.add_argument(
         "--torch-compile",
@@ -543,6 +555,14 @@ def main(argv: list[str] | None = None) -> int:
         overrides["max_num_batched_tokens"] = max(
             overrides["max_num_batched_tokens"], job["width"] * job["max_seqs"]
         )
+    if args.flash_context:
+        try:
+            copies = flash_context_jobs(jobs, args.flash_context)
+        except ValueError as exc:
+            parser.error(str(exc))
+        for job in copies:
+            served[job["name"]] = served[job["name"][: -len(FLASH_SUFFIX)]]
+        jobs += copies
 
     def compile_config(job):  # FULL graphs of every decode/verify batch
         # Without torch.compile unless asked (engine starts of minutes): its fused kernels
@@ -554,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for job in jobs:
         kv_bytes = kv_cache_bytes(model, job, job["max_seqs"], args.kv_cache_gb)
-        if job["name"] == AUTO:  # the grid's largest batch with its widest trees: no preemption
+        if job["name"].startswith(AUTO):  # the grid's largest batch, widest trees: no preemption
             tokens = max(batches) * overrides["max_model_len"]
             kv_bytes = max(kv_bytes, int(1.2 * tokens * kv_bytes_per_token(model)))
         job["kwargs"] = dict(
@@ -663,6 +683,61 @@ SPLIT_KINDS = ("step_split", "host_phases", "host_profile")
 
 
 AUTO = "ddtree_v2_auto"
+# An engine named with this suffix is a copy of another DDTree engine whose TREE_ATTN takes the
+# committed context through vLLM's FlashAttention (``--flash-context``).
+FLASH_SUFFIX = "_fa"
+FLASH_ENV = {"VLLM_DDTREE_TREE_ATTN_CONTEXT": "flash_attn"}
+
+
+def is_fixed_budget(name: str) -> bool:
+    """A DDTree engine of one fixed budget on the default attention path."""
+    return name.startswith("ddtree") and name != AUTO and not name.endswith(FLASH_SUFFIX)
+
+
+def flash_context_jobs(jobs: list[dict], spec: str) -> list[dict]:
+    """Copies of the DDTree engines ``spec`` names (budgets and ``auto``, comma-separated)
+    whose TREE_ATTN takes the context through FlashAttention, each named after its engine
+    with ``FLASH_SUFFIX``; ValueError for a name that is not one of ``jobs``' DDTree engines."""
+    by_name = {job["name"]: job for job in jobs}
+    named = {n.rsplit("_b", 1)[-1]: n for n in by_name if is_fixed_budget(n)}
+    if AUTO in by_name:
+        named["auto"] = AUTO
+    copies = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        if item not in named:
+            raise ValueError(
+                f"--flash-context {item!r}: not an engine of this grid; allowed: {list(named)}"
+            )
+        job = copy.deepcopy(by_name[named[item]])
+        job["name"] = named[item] + FLASH_SUFFIX
+        job["env"] = dict(job["env"], **FLASH_ENV)
+        copies.append(job)
+    return copies
+
+
+def flash_context_table(summary: dict) -> list[str]:
+    """Markdown lines: per row, each ``--flash-context`` engine against the engine it copies
+    (per-round ratios, by turns) and against the chain; none without such engines."""
+    lines = [
+        "| mode | dataset | batch | engine | tok/s (acceptance) | step ms | tree kernel alone "
+        "step ms | / tree kernel alone | / chain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in summary["rows"]:
+        engines, over = row["engines"], row["over_chain"]
+        for name, e in engines.items():
+            base = name[: -len(FLASH_SUFFIX)]
+            if not name.endswith(FLASH_SUFFIX) or base not in engines:
+                continue
+            versus = paired_ratio(e["runs_tok_per_s"], engines[base]["runs_tok_per_s"])
+            lines.append(
+                f"| {row['mode']} | {row['dataset']} | {row['batch']} | {name} | "
+                f"{e['tok_per_s']:.0f} ({e['mean_acceptance_length']:.2f}) | "
+                f"{row['roofline'][name]['step_ms']:.2f} | "
+                f"{row['roofline'][base]['step_ms']:.2f} | {ratio_text(versus)} | "
+                f"{ratio_text(over.get(name), '-')} |"
+            )
+    return lines if len(lines) > 2 else []
 
 
 def auto_job(drafter: str, depth: int, max_seqs: int, runner: str) -> dict:
@@ -827,7 +902,7 @@ def shift_phases(shift: list[dict]) -> dict[str, dict]:
             engine: statistics.median(r["tok_per_s"] for r in later if r["engine"] == engine)
             for engine in dict.fromkeys(r["engine"] for r in later)
         }
-        fixed = {n: v for n, v in medians.items() if n.startswith("ddtree") and n != AUTO}
+        fixed = {n: v for n, v in medians.items() if is_fixed_budget(n)}
         best = max(fixed, key=fixed.get) if fixed else None
         ratios = []
         for chunk in sorted({r["chunk"] for r in in_phase}):

@@ -440,3 +440,46 @@ def test_a_runs_report_is_rewritten_from_its_json(tmp_path):
     report = (tmp_path / "scale_paired.md").read_text()
     assert "Commit 87661113c3eccbc832155e700f23459c4f2d8811" in report
     assert "phase's best fixed budget (ddtree_v2_b64, by its median)" in report
+
+
+def test_flash_context_engines_copy_theirs_with_the_switch_and_are_set_against_them(
+    tmp_path, monkeypatch
+):
+    """``--flash-context 16,auto``: budget 16 and "auto" also run as engines whose TREE_ATTN
+    takes the context through FlashAttention, each beside the engine it copies, at the same
+    batches, with the switch in its environment only; the report sets each against its own
+    engine; the fastest fixed budget and "auto"'s tables stay on the default path; a budget
+    not in the grid is refused naming the allowed ones."""
+    from benchmarks.scale_paired import AUTO, FLASH_ENV, fastest_fixed
+
+    started = []
+    original = _FakeEngines.__init__
+
+    def remember(self, jobs, target, overrides, timeout, engine_core_process):
+        started.extend(jobs)
+        original(self, jobs, target, overrides, timeout, engine_core_process)
+
+    monkeypatch.setattr(_FakeEngines, "__init__", remember)
+    argv = ["--budgets", "16,32", "--batches", "1,4", "--repeats", "2", "--max-tokens", "8"]
+    argv += ["--prompt-len", "4", "--auto-max-seqs", "8", "--split-batches", ""]
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv + ["--flash-context", "16,auto"])
+    jobs = {job["name"]: job for job in started}
+    for name in ("ddtree_v2_b16", AUTO):
+        copy = jobs[name + "_fa"]
+        assert copy["env"].items() >= FLASH_ENV.items()
+        assert not jobs[name]["env"].items() & FLASH_ENV.items()
+        assert copy["kwargs"] == jobs[name]["kwargs"]
+        assert summary["batches_served"][name + "_fa"] == summary["batches_served"][name]
+    assert "ddtree_v2_b32_fa" not in jobs
+    for row in summary["rows"]:
+        assert fastest_fixed(row["engines"], row["over_chain"]) in (
+            "ddtree_v2_b16",
+            "ddtree_v2_b32",
+        )
+    table = (tmp_path / "out" / "scale_paired.md").read_text()
+    section = table.split("## TREE_ATTN's context through FlashAttention")[1].split("##")[0]
+    assert (
+        section.count("| ddtree_v2_b16_fa |") == 8 and section.count("| ddtree_v2_auto_fa |") == 8
+    )
+    with pytest.raises(SystemExit):
+        _run_on_stand_ins(tmp_path, monkeypatch, argv + ["--flash-context", "64"])
