@@ -361,9 +361,10 @@ def make_fa3_chain_runner(batch: int, context: int, shape: tuple[int, int, int],
     return run
 
 
-def make_flash_context_runner(case: AttentionCase, out: torch.Tensor):
-    """TREE_ATTN's default CUDA path: vLLM's FlashAttention over the committed contexts, then
-    the tree kernel over the in-block keys, merging (what the backend runs where it can)."""
+def make_flash_context_runner(case: AttentionCase, out: torch.Tensor, **launch):
+    """TREE_ATTN's FlashAttention path (``VLLM_DDTREE_TREE_ATTN_CONTEXT=flash_attn``): vLLM's
+    FlashAttention over the committed contexts, then the tree kernel over the in-block keys
+    (with ``launch``: block_m, block_n, num_warps), merging."""
     from tree_attn_backend.ops.context_attention import (
         context_attention,
         flash_attention_version,
@@ -397,16 +398,21 @@ def make_flash_context_runner(case: AttentionCase, out: torch.Tensor):
             out=out,
             context_out=context_out,
             context_lse=context_lse,
+            **launch,
         )
 
     return run
 
 
-def tune_verify(shape_name: str, graphs: bool, variants=VERIFY_VARIANTS) -> list[dict]:
+def tune_verify(
+    shape_name: str, graphs: bool, variants=VERIFY_VARIANTS, flash_variants: bool = False
+) -> list[dict]:
     """Every launch variant on the verify shapes a served tree step has (``shape_name``'s
     attention shape), beside the launcher's default choice and FlashAttention 3's causal chain
     verify of 16 tokens per request over the same contexts. ``graphs``: timed from CUDA-graph
-    replays (device time), else from launches."""
+    replays (device time), else from launches. ``flash_variants``: the variants are the tree
+    kernel's launches over the in-block keys after FlashAttention's context pass (the
+    FlashAttention path), not over every key."""
     shape = ATTENTION_SHAPES[shape_name]
     timer = median_graph_ms if graphs else median_ms
     rows = []
@@ -422,7 +428,13 @@ def tune_verify(shape_name: str, graphs: bool, variants=VERIFY_VARIANTS) -> list
         )
         out = torch.empty_like(case.q)
         row = dict(
-            shape=shape_name, nodes=nodes, context=context, batch=batch, graphs=graphs, variants=[]
+            shape=shape_name,
+            nodes=nodes,
+            context=context,
+            batch=batch,
+            graphs=graphs,
+            variants=[],
+            variants_path="flash_context" if flash_variants else "tree_kernel",
         )
         default_out = tree_attention(**case.kwargs(), max_query_len=case.max_query_len).clone()
         row["default_ms"] = timer(
@@ -446,11 +458,14 @@ def tune_verify(shape_name: str, graphs: bool, variants=VERIFY_VARIANTS) -> list
             launch = dict(block_m=block_m, block_n=block_n, num_warps=num_warps)
             try:
                 out.zero_()
-                ms = timer(
-                    lambda case=case, out=out, launch=launch: tree_attention(
-                        **case.kwargs(), max_query_len=case.max_query_len, out=out, **launch
+                if flash_variants:
+                    ms = timer(make_flash_context_runner(case, out, **launch))
+                else:
+                    ms = timer(
+                        lambda case=case, out=out, launch=launch: tree_attention(
+                            **case.kwargs(), max_query_len=case.max_query_len, out=out, **launch
+                        )
                     )
-                )
                 # The same attention as the default launch (float32 accumulation both).
                 error = relative_error(out, default_out)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
@@ -469,11 +484,12 @@ def verify_markdown(rows: list[dict]) -> list[str]:
         "",
         "Verify shapes (queries: 1 + nodes per request); ms per layer, timed "
         + ("from CUDA-graph replays" if rows and rows[0].get("graphs") else "from launches")
-        + "; default: the tree kernel over every key; fastest: its fastest launch variant "
-        "(block_m, block_n, num_warps); fa context: vLLM's FlashAttention over the committed "
-        "context, merged by the tree kernel over the in-block keys (relative error against "
-        "default); fa3 chain: FlashAttention 3, causal, 16 tokens per request over the same "
-        "context.",
+        + "; default: the tree kernel over every key; fastest: the fastest launch variant "
+        "(block_m, block_n, num_warps) of the tree kernel, or of its in-block pass on the "
+        "FlashAttention path where marked fa context; fa context: vLLM's FlashAttention "
+        "over the committed context, merged by the tree kernel over the in-block keys "
+        "(relative error against default); fa3 chain: FlashAttention 3, causal, 16 tokens "
+        "per request over the same context.",
         "",
         "| shape | nodes | context | batch | default ms | fastest ms | fastest variant "
         "| fa context ms (error) | fa3 chain ms | default / fa3 | fastest / fa3 "
@@ -483,8 +499,9 @@ def verify_markdown(rows: list[dict]) -> list[str]:
     for r in rows:
         timed = [v for v in r["variants"] if v["ms"] is not None]
         best = min(timed, key=lambda v: v["ms"]) if timed else None
+        path = "fa context: " if r.get("variants_path") == "flash_context" else ""
         fastest = (
-            f"{best['ms']:.4f} | {best['block_m']}, {best['block_n']}, {best['num_warps']}"
+            f"{best['ms']:.4f} | {path}{best['block_m']}, {best['block_n']}, {best['num_warps']}"
             if best
             else ("n/a | every variant failed" if r["variants"] else "n/a | not timed")
         )
@@ -567,6 +584,12 @@ def main() -> int:
         help="--tune-verify timed from launches (default: from CUDA-graph replays)",
     )
     parser.add_argument(
+        "--verify-flash-variants",
+        action="store_true",
+        help="--tune-verify times the launch variants on the FlashAttention path (the tree "
+        "kernel over the in-block keys after FlashAttention's context pass)",
+    )
+    parser.add_argument(
         "--verify-paths-only",
         action="store_true",
         help="--tune-verify times the backend's paths (the tree kernel's default launch, "
@@ -601,6 +624,7 @@ def main() -> int:
             shape_name,
             graphs=not args.launch_timing,
             variants=[] if args.verify_paths_only else VERIFY_VARIANTS,
+            flash_variants=args.verify_flash_variants,
         )
     ]
     result["checks"] = [] if args.skip_checks else check_grid(args.quick)

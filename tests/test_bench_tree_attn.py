@@ -52,3 +52,12 @@ def test_the_verify_table_names_the_fastest_variant_and_survives_failed_ones():
 def test_the_tuned_shapes_cover_the_served_targets():
     assert set(ATTENTION_SHAPES) >= {"qwen3-8b", "smollm2-135m", "qwen3.6-27b"}
     assert (16, 64, 4) in VERIFY_VARIANTS  # the launcher's default for head size 128
+
+
+def test_the_verify_table_marks_variants_timed_on_the_flashattention_path():
+    row = verify_row(
+        "qwen3-8b", 16, 384, 16, 0.05, 0.01, [variant(64, 32, 4, 0.02)], flash=(0.024, 3e-3)
+    )
+    row["variants_path"] = "flash_context"
+    lines = verify_markdown([row])
+    assert any("| 0.0200 | fa context: 64, 32, 4 | 0.0240 (3.0e-03) |" in line for line in lines)
