@@ -35,7 +35,12 @@ from tree_attn_backend.ops.tree_attention import (
     tree_attention_ref,
     unpack_tree_mask,
 )
-from tree_attn_backend.testing import AttentionCase, random_case, relative_error
+from tree_attn_backend.testing import (
+    AttentionCase,
+    flash_context_path,
+    random_case,
+    relative_error,
+)
 
 BF16_TOLERANCE = 1e-2  # relative error for bf16/fp16 operands (float32 accumulation)
 
@@ -365,11 +370,7 @@ def make_flash_context_runner(case: AttentionCase, out: torch.Tensor, **launch):
     """TREE_ATTN's FlashAttention path (``VLLM_DDTREE_TREE_ATTN_CONTEXT=flash_attn``): vLLM's
     FlashAttention over the committed contexts, then the tree kernel over the in-block keys
     (with ``launch``: block_m, block_n, num_warps), merging."""
-    from tree_attn_backend.ops.context_attention import (
-        context_attention,
-        flash_attention_version,
-        split_bound,
-    )
+    from tree_attn_backend.ops.context_attention import flash_attention_version, split_bound
 
     version = flash_attention_version(case.q.shape[2], case.q.dtype, case.q.device)
     if version is None:
@@ -379,27 +380,9 @@ def make_flash_context_runner(case: AttentionCase, out: torch.Tensor, **launch):
     splits = split_bound(32, case.q.shape[0], case.q.shape[1], case.q.shape[2])
 
     def run():
-        context_out, context_lse = context_attention(
-            case.q,
-            case.key_cache,
-            case.value_cache,
-            case.query_start_loc,
-            context_lens,
-            case.block_table,
-            case.scale,
-            max_query_len=case.max_query_len,
-            max_context_len=max_context_len,
-            fa_version=version,
-            num_splits=splits,
-        )
-        return tree_attention(
-            **case.kwargs(),
-            max_query_len=case.max_query_len,
-            out=out,
-            context_out=context_out,
-            context_lse=context_lse,
-            **launch,
-        )
+        return flash_context_path(
+            case, context_lens, version, max_context_len, splits, out=out, **launch
+        )[0]
 
     return run
 

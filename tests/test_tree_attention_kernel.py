@@ -139,15 +139,7 @@ def test_kernel_merges_a_context_computed_elsewhere(name, requests, hq, hkv, d, 
     case = random_case(requests, hq, hkv, d, bs, torch.float32, device, seed=5)
     ref = tree_attention_ref(**case.kwargs())
     context_lens = case.context_lens()
-    context_out, context_lse = context_attention_ref(
-        case.q,
-        case.key_cache,
-        case.value_cache,
-        case.query_start_loc,
-        context_lens,
-        case.block_table,
-        case.scale,
-    )
+    context_out, context_lse = context_attention_ref(**case.context_kwargs(context_lens))
     empty = torch.repeat_interleave(
         context_lens == 0, case.query_start_loc[1:] - case.query_start_loc[:-1]
     )
@@ -234,55 +226,26 @@ def test_flash_attention_context_and_the_kernel_match_the_reference(name, hq, hk
     in-block keys, equals the reference: in a mixed batch (trees, a prefill with no context,
     decodes), launched and replayed from a CUDA graph captured at other context lengths."""
     from tree_attn_backend.ops.context_attention import (
-        context_attention,
         context_attention_ref,
         flash_attention_version,
         split_bound,
     )
-    from tree_attn_backend.ops.tree_attention import tree_attention
+    from tree_attn_backend.testing import flash_context_path
 
     version = flash_attention_version(d, torch.bfloat16, torch.device("cuda"))
     assert version is not None, "vLLM's FlashAttention serves this shape on the GPU"
     requests = [("tree", 383, 64), ("causal", 0, 12), ("tree", 2000, 16), ("causal", 70, 1)]
     case = random_case(requests, hq, hkv, d, 16, torch.bfloat16, "cuda", seed=d, vocab=256)
     context_lens = case.context_lens()
-    ref_out, ref_lse = context_attention_ref(
-        case.q,
-        case.key_cache,
-        case.value_cache,
-        case.query_start_loc,
-        context_lens,
-        case.block_table,
-        case.scale,
-    )
+    ref_out, ref_lse = context_attention_ref(**case.context_kwargs(context_lens))
     ref = tree_attention_ref(**case.kwargs())
     bf16_tolerance = 1e-2
     has_context = torch.repeat_interleave(context_lens > 0, case.query_start_loc.diff())
 
-    def run(splits: int, max_context_len: int) -> torch.Tensor:
-        context_out, context_lse = context_attention(
-            case.q,
-            case.key_cache,
-            case.value_cache,
-            case.query_start_loc,
-            context_lens,
-            case.block_table,
-            case.scale,
-            max_query_len=case.max_query_len,
-            max_context_len=max_context_len,
-            fa_version=version,
-            num_splits=splits,
-        )
-        run.context = (context_out, context_lse)
-        return tree_attention(
-            **case.kwargs(),
-            max_query_len=case.max_query_len,
-            context_out=context_out,
-            context_lse=context_lse,
-        )
+    def run(splits: int, max_context_len: int):
+        return flash_context_path(case, context_lens, version, max_context_len, splits)
 
-    out = run(0, int(case.seq_lens.max()))
-    context_out, context_lse = run.context
+    out, context_out, context_lse = run(0, int(case.seq_lens.max()))
     assert relative_error(context_out[has_context], ref_out[has_context]) < bf16_tolerance
     assert torch.allclose(context_lse[:, has_context], ref_lse[:, has_context], atol=1e-2)
     assert relative_error(out, ref) < bf16_tolerance
@@ -297,7 +260,7 @@ def test_flash_attention_context_and_the_kernel_match_the_reference(name, hq, hk
     run(splits, max_model_len)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = run(splits, max_model_len)
+        graph_out = run(splits, max_model_len)[0]
     case.seq_lens.copy_(real_seq_lens)
     context_lens.copy_(real_contexts)
     graph.replay()

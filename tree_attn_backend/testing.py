@@ -45,6 +45,52 @@ class AttentionCase:
         q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
         return (self.seq_lens - q_lens).to(torch.int32)
 
+    def context_kwargs(self, context_lens: torch.Tensor | None = None) -> dict:
+        """``context_attention``'s (and its reference's) inputs for this batch."""
+        return dict(
+            q=self.q,
+            key_cache=self.key_cache,
+            value_cache=self.value_cache,
+            query_start_loc=self.query_start_loc,
+            context_lens=self.context_lens() if context_lens is None else context_lens,
+            block_table=self.block_table,
+            scale=self.scale,
+        )
+
+
+def flash_context_path(
+    case: AttentionCase,
+    context_lens: torch.Tensor,
+    fa_version: int,
+    max_context_len: int,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    **launch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TREE_ATTN's FlashAttention path on ``case`` (what the backend runs with
+    ``VLLM_DDTREE_TREE_ATTN_CONTEXT=flash_attn``): vLLM's FlashAttention over the contexts,
+    then the tree kernel over the in-block keys (``launch``: block_m, block_n, num_warps).
+    Returns ``(out, context_out, context_lse)``."""
+    from tree_attn_backend.ops.context_attention import context_attention
+    from tree_attn_backend.ops.tree_attention import tree_attention
+
+    context_out, context_lse = context_attention(
+        **case.context_kwargs(context_lens),
+        max_query_len=case.max_query_len,
+        max_context_len=max_context_len,
+        fa_version=fa_version,
+        num_splits=num_splits,
+    )
+    out = tree_attention(
+        **case.kwargs(),
+        max_query_len=case.max_query_len,
+        out=out,
+        context_out=context_out,
+        context_lse=context_lse,
+        **launch,
+    )
+    return out, context_out, context_lse
+
 
 def random_case(
     requests: list[tuple[str, int, int]],
