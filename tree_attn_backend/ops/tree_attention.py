@@ -190,6 +190,7 @@ if HAS_TRITON:
         NUM_SEGMENTS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         HAS_CONTEXT: tl.constexpr,
+        ONE_WORD_PER_ROW: tl.constexpr,
     ):
         q_block_global = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -292,14 +293,26 @@ if HAS_TRITON:
             in_tree_idx = offs_n - context_len  # index inside the request's query tokens
             in_context = in_tree_idx < 0
             causal_ok = in_tree_idx[None, :] <= q_local[:, None]
-            word = tl.load(
-                tree_mask_ptr
-                + q_token[:, None] * stride_mask_t
-                + tl.maximum(in_tree_idx, 0)[None, :] // 32,
-                mask=tree & q_valid[:, None] & (in_tree_idx >= 0)[None, :] & n_valid[None, :],
-                other=0,
-            )
-            bit = ((word >> (tl.maximum(in_tree_idx, 0)[None, :] % 32)) & 1) != 0
+            if ONE_WORD_PER_ROW:
+                # With the context merged, tiles start at the context's end: a tile of at most
+                # 32 keys (dividing 32) lies in one mask word of each query row.
+                first = tl.maximum(start_n - context_len, 0)
+                row_word = tl.load(
+                    tree_mask_ptr + q_token * stride_mask_t + first // 32,
+                    mask=tree & q_valid,
+                    other=0,
+                )
+                shift = tl.maximum(in_tree_idx, 0) % 32
+                bit = ((row_word[:, None] >> shift[None, :]) & 1) != 0
+            else:
+                word = tl.load(
+                    tree_mask_ptr
+                    + q_token[:, None] * stride_mask_t
+                    + tl.maximum(in_tree_idx, 0)[None, :] // 32,
+                    mask=tree & q_valid[:, None] & (in_tree_idx >= 0)[None, :] & n_valid[None, :],
+                    other=0,
+                )
+                bit = ((word >> (tl.maximum(in_tree_idx, 0)[None, :] % 32)) & 1) != 0
             in_block_ok = causal_ok & (bit | causal_only)
             visible = (in_context[None, :] | in_block_ok) & n_valid[None, :] & q_valid[:, None]
             if USE_SLIDING_WINDOW:
@@ -579,6 +592,7 @@ def tree_attention(
         # float32 inputs get full-precision dots (tf32 would flip near-tied greedy tokens).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_CONTEXT=has_context,
+        ONE_WORD_PER_ROW=has_context and block_n <= 32 and 32 % block_n == 0,
         **({"num_warps": num_warps} if num_warps else {}),
     )
     if num_segments > 1:
