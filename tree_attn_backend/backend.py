@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import (
 )
 
 from tree_attn_backend.ops.context_attention import (
+    committed_context_lens,
     context_attention,
     flash_attention_version,
     split_bound,
@@ -153,10 +154,9 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         context_lens = None
         max_splits = 0
         if self.context_fa_version is not None:
-            context_lens = self._context_lens[:num_reqs]
-            starts = cad.query_start_loc
-            torch.sub(cad.seq_lens[:num_reqs], starts[1:] - starts[:-1], out=context_lens)
-            context_lens.clamp_(min=0)  # CUDA-graph padding requests
+            context_lens = committed_context_lens(
+                cad.query_start_loc, cad.seq_lens[:num_reqs], out=self._context_lens[:num_reqs]
+            )
             if self._full_graphs and num_tokens <= self._max_graph_tokens:
                 max_splits = self._graph_splits  # fixed at capture, as vLLM's own backend
         return TreeAttentionMetadata(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tree_attn_backend.ops.context_attention import committed_context_lens
 from tree_attn_backend.ops.tree_attention import pack_tree_mask
 from vllm_ddtree.tree import ancestor_mask, build_trees
 
@@ -42,8 +43,7 @@ class AttentionCase:
 
     def context_lens(self) -> torch.Tensor:
         """Each request's committed context: ``seq_len - q_len`` (int32 ``[R]``)."""
-        q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        return (self.seq_lens - q_lens).to(torch.int32)
+        return committed_context_lens(self.query_start_loc, self.seq_lens)
 
     def context_kwargs(self, context_lens: torch.Tensor | None = None) -> dict:
         """``context_attention``'s (and its reference's) inputs for this batch."""

@@ -36,6 +36,19 @@ def flash_attention_version(head_size: int, dtype: torch.dtype, device: torch.de
     return get_flash_attn_version(head_size=head_size)
 
 
+def committed_context_lens(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each request's committed context, ``seq_len - query_len`` (int32 ``[R]``), at least 0:
+    a CUDA-graph padding request or a capture's made-up sequence can be shorter than its
+    query. ``out``: an int32 ``[R]`` buffer to write into (a builder's persistent one)."""
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if out is None:
+        out = torch.empty_like(seq_lens, dtype=torch.int32)
+    torch.sub(seq_lens, query_lens, out=out)
+    return out.clamp_(min=0)
+
+
 def split_bound(max_splits: int, num_tokens: int, num_heads: int, head_size: int) -> int:
     """FlashAttention 3's split-KV bound for a FULL graph: vLLM's own bound for its graphs
     (``max_splits``), lowered so that the float32 accumulators ``[splits, Hq, T, D]`` stay
