@@ -456,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma-separated budgets of the grid (and 'auto'): each also runs as a second "
         "engine whose TREE_ATTN takes the committed context through vLLM's FlashAttention "
-        "(named with the suffix _fa), set against its own engine in the report",
+        "for every batch (named with the suffix _fa), set against its own engine in the "
+        "report, which then runs the tree kernel alone for every batch",
     )
     parser.add_argument(
         "--torch-compile",
@@ -684,9 +685,11 @@ SPLIT_KINDS = ("step_split", "host_phases", "host_profile")
 
 AUTO = "ddtree_v2_auto"
 # An engine named with this suffix is a copy of another DDTree engine whose TREE_ATTN takes the
-# committed context through vLLM's FlashAttention (``--flash-context``).
+# committed context through vLLM's FlashAttention (``--flash-context``); the engine it copies
+# then keeps the tree kernel alone for every batch.
 FLASH_SUFFIX = "_fa"
 FLASH_ENV = {"VLLM_DDTREE_TREE_ATTN_CONTEXT": "flash_attn"}
+TREE_KERNEL_ENV = {"VLLM_DDTREE_TREE_ATTN_CONTEXT": "triton"}
 
 
 def is_fixed_budget(name: str) -> bool:
@@ -697,7 +700,8 @@ def is_fixed_budget(name: str) -> bool:
 def flash_context_jobs(jobs: list[dict], spec: str) -> list[dict]:
     """Copies of the DDTree engines ``spec`` names (budgets and ``auto``, comma-separated)
     whose TREE_ATTN takes the context through FlashAttention, each named after its engine
-    with ``FLASH_SUFFIX``; ValueError for a name that is not one of ``jobs``' DDTree engines."""
+    with ``FLASH_SUFFIX``; the engines copied are set to the tree kernel alone (in place).
+    ValueError for a name that is not one of ``jobs``' DDTree engines."""
     by_name = {job["name"]: job for job in jobs}
     named = {n.rsplit("_b", 1)[-1]: n for n in by_name if is_fixed_budget(n)}
     if AUTO in by_name:
@@ -708,7 +712,9 @@ def flash_context_jobs(jobs: list[dict], spec: str) -> list[dict]:
             raise ValueError(
                 f"--flash-context {item!r}: not an engine of this grid; allowed: {list(named)}"
             )
-        job = copy.deepcopy(by_name[named[item]])
+        original = by_name[named[item]]
+        original["env"] = dict(original["env"], **TREE_KERNEL_ENV)
+        job = copy.deepcopy(original)
         job["name"] = named[item] + FLASH_SUFFIX
         job["env"] = dict(job["env"], **FLASH_ENV)
         copies.append(job)

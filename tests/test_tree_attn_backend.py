@@ -161,7 +161,7 @@ def test_builder_treats_cuda_graph_padding_requests_as_causal():
     state.publish(None)
     assert builder.build(0, padded).is_tree.tolist() == [0, 0, 0, 0]
     # Where FlashAttention computes the contexts' share, the padding request has none.
-    builder.context_fa_version = 3
+    builder.context_fa_version, builder.context_min_tokens = 3, 0  # "flash_attn"
     builder._context_lens = torch.full((8,), 99, dtype=torch.int32)
     builder._full_graphs, builder._max_graph_tokens, builder._graph_splits = True, 16, 32
     metadata = builder.build(0, padded)
@@ -177,12 +177,54 @@ def test_the_context_switch_names_its_allowed_values(monkeypatch):
     from tree_attn_backend.backend import CONTEXT_ENV, context_choice
 
     monkeypatch.delenv(CONTEXT_ENV, raising=False)
-    assert context_choice() == "triton"
+    assert context_choice() == "auto"
     monkeypatch.setenv(CONTEXT_ENV, "Flash_Attn")
     assert context_choice() == "flash_attn"
+    monkeypatch.setenv(CONTEXT_ENV, "triton")
+    assert context_choice() == "triton"
     monkeypatch.setenv(CONTEXT_ENV, "fa3")
-    with pytest.raises(ValueError, match="'triton' or 'flash_attn'"):
+    with pytest.raises(ValueError, match="'auto', 'triton' or 'flash_attn'"):
         context_choice()
+
+
+def test_by_default_flash_attention_takes_the_context_of_batches_of_many_query_tokens():
+    """ "auto": FlashAttention's extra launch loses where a verify has few query tokens (one
+    request, 16-32 nodes over a short context), so those batches keep the tree kernel alone.
+    Every batch fills the contexts: a FULL graph captured on the FlashAttention path reads
+    them when vLLM replays it for a batch it pads."""
+    from types import SimpleNamespace
+
+    from tree_attn_backend.backend import FLASH_CONTEXT_MIN_TOKENS, TreeAttentionMetadataBuilder
+
+    builder = object.__new__(TreeAttentionMetadataBuilder)
+    builder._is_tree = torch.zeros(16, dtype=torch.int32)
+    builder._tree_mask = torch.zeros((512, 2), dtype=torch.int32)
+    builder._context_lens = torch.full((16,), 99, dtype=torch.int32)
+    builder._full_graphs, builder._max_graph_tokens, builder._graph_splits = True, 512, 32
+    builder.context_fa_version, builder.context_min_tokens = 3, FLASH_CONTEXT_MIN_TOKENS
+
+    def batch(requests, width):
+        tokens = requests * width
+        return SimpleNamespace(
+            num_reqs=requests,
+            num_actual_tokens=tokens,
+            max_query_len=width,
+            max_seq_len=100 + width,
+            query_start_loc=torch.arange(0, tokens + 1, width, dtype=torch.int32),
+            seq_lens=torch.full((requests,), 100 + width, dtype=torch.int32),
+            block_table_tensor=torch.zeros((requests, 8), dtype=torch.int32),
+            slot_mapping=torch.arange(tokens),
+            positions=None,
+        )
+
+    one_tree = builder.build(0, batch(1, 17))  # one request, budget 16: the tree kernel
+    assert one_tree.context_fa_version is None
+    assert one_tree.context_lens.tolist() == [100]
+    builder._context_lens.fill_(99)
+    many = builder.build(0, batch(4, 17))  # 68 query tokens: FlashAttention
+    assert (many.context_fa_version, many.context_max_splits) == (3, 32)
+    assert many.context_lens.tolist() == [100] * 4
+    assert FLASH_CONTEXT_MIN_TOKENS <= 68 and FLASH_CONTEXT_MIN_TOKENS > 33
 
 
 def test_only_vllms_flash_attention_on_cuda_in_half_precision_takes_the_context():

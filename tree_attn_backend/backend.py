@@ -44,14 +44,18 @@ logger = init_logger("vllm.tree_attn_backend")
 BACKEND_NAME = "TREE_ATTN"
 MAX_TREE_TOKENS = 1025  # budget 1024 + root
 MASK_WORDS = (MAX_TREE_TOKENS + 31) // 32
-# Who computes the committed context's share of the attention: "triton" (the tree kernel
-# over every key; the default) or "flash_attn" (vLLM's FlashAttention where it serves the
-# shape, then the tree kernel over the in-block keys: faster in 21 of 24 verify shapes at
-# Qwen3-8B's attention on an H200, benchmarks/results/2026-12-04_af263dc_kernels-context-paths;
-# the default once an engine run has checked it end to end).
+# Who computes the committed context's share of the attention: "triton" (the tree kernel over
+# every key), "flash_attn" (vLLM's FlashAttention where it serves the shape, then the tree
+# kernel over the in-block keys) or "auto", the default: FlashAttention for batches of at least
+# FLASH_CONTEXT_MIN_TOKENS query tokens. At Qwen3-8B's attention on an H200 FlashAttention's
+# path was faster in every verify shape of 65 query tokens or more and lost at one request with
+# 16-32 nodes over a short context (benchmarks/results/2026-12-04_cd5632b_kernels-context-paths);
+# in the 8B engine it served budget 16 at 16 requests 3-5% faster and one request 4-5% slower
+# (benchmarks/results/2026-12-04_cd5632b_scale-8b-flash-context).
 CONTEXT_ENV = "VLLM_DDTREE_TREE_ATTN_CONTEXT"
-CONTEXT_CHOICES = ("triton", "flash_attn")
-DEFAULT_CONTEXT = "triton"
+CONTEXT_CHOICES = ("auto", "triton", "flash_attn")
+DEFAULT_CONTEXT = "auto"
+FLASH_CONTEXT_MIN_TOKENS = 64
 
 
 def context_choice() -> str:
@@ -59,7 +63,8 @@ def context_choice() -> str:
     if value not in CONTEXT_CHOICES:
         raise ValueError(
             f"{CONTEXT_ENV}={os.environ[CONTEXT_ENV]!r}: allowed values are "
-            + " or ".join(repr(choice) for choice in CONTEXT_CHOICES)
+            + ", ".join(repr(choice) for choice in CONTEXT_CHOICES[:-1])
+            + f" or {CONTEXT_CHOICES[-1]!r}"
         )
     return value
 
@@ -86,9 +91,10 @@ class TreeAttentionMetadata:
     is_tree: torch.Tensor  # int32 [R]
     tree_mask: torch.Tensor  # int32 [T, MASK_WORDS]
     has_trees: bool
-    # The committed context (seq_len - query_len) of each request, and the FlashAttention
-    # version that computes its share (None: the tree kernel reads every key); its split-KV
-    # bound (0: FlashAttention's own choice, outside FULL CUDA graphs).
+    # The committed context (seq_len - query_len) of each request (filled wherever
+    # FlashAttention may serve: a graph captured on its path reads them when replayed), and the
+    # FlashAttention version that computes this batch's share (None: the tree kernel reads every
+    # key); its split-KV bound (0: FlashAttention's own choice, outside FULL CUDA graphs).
     context_lens: torch.Tensor | None = None
     context_fa_version: int | None = None
     context_max_splits: int = 0
@@ -102,6 +108,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     tree_source: TreeVerifySource | None = None  # handed by tree_verify.bind_tree_source
     context_fa_version: int | None = None  # FlashAttention computes the context's share
+    context_min_tokens: int = 0  # ... of batches of at least this many query tokens
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -110,10 +117,12 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         self._is_tree = torch.zeros(scheduler.max_num_seqs, dtype=torch.int32, device=device)
         self._tree_mask = torch.zeros((max_tokens, MASK_WORDS), dtype=torch.int32, device=device)
         self._context_lens = torch.zeros(scheduler.max_num_seqs, dtype=torch.int32, device=device)
-        if context_choice() == "flash_attn":
+        choice = context_choice()
+        if choice != "triton":
             self.context_fa_version = flash_attention_version(
                 kv_cache_spec.head_size, kv_cache_spec.dtype, torch.device(device)
             )
+            self.context_min_tokens = FLASH_CONTEXT_MIN_TOKENS if choice == "auto" else 0
         compilation = vllm_config.compilation_config
         self._full_graphs = compilation.cudagraph_mode.has_full_cudagraphs()
         self._max_graph_tokens = compilation.max_cudagraph_capture_size or 0
@@ -121,7 +130,10 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         if torch.device(device).type != "cuda":
             path = "PyTorch reference"
         elif self.context_fa_version is not None:
-            path = f"FlashAttention {self.context_fa_version} over the context, Triton kernel"
+            path = f"FlashAttention {self.context_fa_version} over the context"
+            if self.context_min_tokens:
+                path += f" of batches of {self.context_min_tokens} query tokens or more"
+            path += ", Triton kernel"
         else:
             path = "Triton kernel"
         logger.info_once("TREE_ATTN: tree attention backend active (%s)", path)
@@ -151,14 +163,16 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             tree_mask[:rows, :words].copy_(published.tree_mask[:rows], non_blocking=True)
         else:
             is_tree.zero_()
-        context_lens = None
+        context_lens = fa_version = None
         max_splits = 0
         if self.context_fa_version is not None:
             context_lens = committed_context_lens(
                 cad.query_start_loc, cad.seq_lens[:num_reqs], out=self._context_lens[:num_reqs]
             )
-            if self._full_graphs and num_tokens <= self._max_graph_tokens:
-                max_splits = self._graph_splits  # fixed at capture, as vLLM's own backend
+            if num_tokens >= self.context_min_tokens:
+                fa_version = self.context_fa_version
+                if self._full_graphs and num_tokens <= self._max_graph_tokens:
+                    max_splits = self._graph_splits  # fixed at capture, as vLLM's own backend
         return TreeAttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=cad.max_query_len,
@@ -172,7 +186,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             tree_mask=tree_mask,
             has_trees=published is not None,
             context_lens=context_lens,
-            context_fa_version=self.context_fa_version,
+            context_fa_version=fa_version,
             context_max_splits=max_splits,
             tree_source=source,
         )
