@@ -188,6 +188,16 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
         )
 
 
+def start_groups(jobs: list[dict]) -> list[list[dict]]:
+    """The order ``Engines`` starts ``jobs`` in: every job side by side, then each job marked
+    ``"start_alone"`` on its own once the others are ready. An online "auto" engine times its
+    CUDA graphs as it captures them (``vllm_ddtree/step_costs.py``): beside other engines
+    capturing theirs on the same GPU, its timings came out up to twice the graphs' cost."""
+    together = [job for job in jobs if not job.get("start_alone")]
+    alone = [[job] for job in jobs if job.get("start_alone")]
+    return ([together] if together else []) + alone
+
+
 class Engines:
     """Every job's engine in its own process, started side by side and kept until ``close``.
 
@@ -207,18 +217,20 @@ class Engines:
         self.workers = {}
         self.ready: dict[str, dict] = {}
         try:
-            for job in jobs:
-                parent, child = context.Pipe()
-                args = engine_args(job, target, overrides)
-                process = context.Process(
-                    target=engine_worker, args=(job, args, child, engine_core_process)
-                )
-                process.start()
-                child.close()  # the worker's end: EOF here once the worker is gone
-                self.workers[job["name"]] = (process, parent)
-            deadline = time.time() + timeout
-            for name, (process, conn) in self.workers.items():
-                self.ready[name] = self._wait_ready(name, process, conn, deadline)
+            for group in start_groups(jobs):
+                for job in group:
+                    parent, child = context.Pipe()
+                    args = engine_args(job, target, overrides)
+                    process = context.Process(
+                        target=engine_worker, args=(job, args, child, engine_core_process)
+                    )
+                    process.start()
+                    child.close()  # the worker's end: EOF here once the worker is gone
+                    self.workers[job["name"]] = (process, parent)
+                deadline = time.time() + timeout
+                for job in group:
+                    process, conn = self.workers[job["name"]]
+                    self.ready[job["name"]] = self._wait_ready(job["name"], process, conn, deadline)
         except BaseException:
             self.close()
             raise

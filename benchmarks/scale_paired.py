@@ -763,6 +763,7 @@ def auto_job(drafter: str, depth: int, max_seqs: int, runner: str) -> dict:
         "env": {"VLLM_DDTREE_RUNNER": runner},
         "max_seqs": max_seqs,
         "cudagraph_capture_sizes": None,
+        "start_alone": True,  # its graph timings at start, with no other engine capturing
     }
 
 

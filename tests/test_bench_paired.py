@@ -307,3 +307,18 @@ def test_an_engine_that_fails_to_start_raises_its_error_at_once(tiny_target_path
     with pytest.raises(RuntimeError, match="engine ar did not start: .*not_an_engine_arg"):
         bench_paired.Engines(jobs, tiny_target_path, {"not_an_engine_arg": 1}, timeout=600)
     assert time.time() - started < 120
+
+
+def test_engines_marked_to_start_alone_start_after_the_others_one_by_one():
+    """An online "auto" engine times its graphs as it captures them: it starts once the
+    other engines are ready, alone; the rest start side by side as before."""
+    from benchmarks.bench_paired import start_groups
+    from benchmarks.scale_paired import auto_job
+
+    auto = auto_job("drafter", 15, 64, "v2")
+    copy = dict(auto, name=auto["name"] + "_fa")
+    jobs = [{"name": "ar"}, auto, {"name": "dflash"}, copy, {"name": "ddtree_v2_b16"}]
+    groups = [[job["name"] for job in group] for group in start_groups(jobs)]
+    assert groups == [["ar", "dflash", "ddtree_v2_b16"], [auto["name"]], [copy["name"]]]
+    assert start_groups([auto]) == [[auto]]
+    assert start_groups([{"name": "ar"}]) == [[{"name": "ar"}]]
