@@ -555,11 +555,80 @@ def test_with_vllms_default_graph_sizes_every_verify_batch_of_a_wide_tree_has_a_
     for a tree of budget 16 and up (verify width 17 and up) every uniform verify batch within
     the largest graph has a FULL graph in vLLM's V2 manager (its own ``dispatch``), unlike the
     bench's ladder of ea98718. Narrower trees (budgets 4 and 8) leave some batch sizes
-    piecewise there (``README``: small budgets above batch 1)."""
+    piecewise there, which the plugin's sizes fill (the test after this one)."""
     sizes = vllm_default_sizes(max_num_seqs=max_num_seqs, num_speculative_tokens=budget)
     modes = vllm_v2_verify_modes(sizes, max_num_seqs, 1 + budget)
     within = {b: mode for b, mode in modes.items() if b * (1 + budget) <= max(sizes)}
     assert within and set(within.values()) == {"FULL"}, within
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs,budget", [(4, 4), (16, 4), (64, 4), (64, 8), (256, 8), (64, 16)]
+)
+def test_narrow_trees_get_a_full_graph_at_every_batch_size_on_v2(max_num_seqs, budget):
+    """vLLM's default sizes step by 8 tokens, then 16: a verify width below 16 can fall between
+    two sizes, and vLLM's V2 graph manager then has no FULL graph for that batch (budget 4 at
+    3 requests; budget 8 from 30 requests up). The plugin adds ``requests x width`` for each
+    such batch, so every uniform verify batch within the largest graph lands on a FULL graph
+    (vLLM's own ``_init_candidates`` and ``dispatch``); widths of 17 and more add nothing."""
+    from vllm_ddtree.vllm_patches import largest_graph_for, verify_graph_sizes
+
+    width = 1 + budget
+    defaults = vllm_default_sizes(max_num_seqs, budget, largest_graph_for(max_num_seqs, budget, 15))
+
+    def holes(sizes):
+        modes = vllm_v2_verify_modes(sizes, max_num_seqs, width)
+        return [b for b, mode in modes.items() if mode != "FULL" and b * width <= max(sizes)]
+
+    sizes = verify_graph_sizes(defaults, [width], max_num_seqs)
+    assert holes(sizes) == []
+    assert set(defaults) <= set(sizes) and max(sizes) == max(defaults)
+    added = sorted(set(sizes) - set(defaults))
+    assert all(size % width == 0 for size in added)
+    if budget < 16 and max_num_seqs > 4:
+        assert holes(defaults) and added  # what the added sizes are for
+    if budget >= 16:
+        assert added == []
+
+
+def test_a_v2_engine_s_capture_sizes_cover_every_width_it_can_serve():
+    """The engine's sizes, once vLLM has made them (the plugin sized the graphs): completed
+    for the tree budget, its per-batch-size schedule and the budgets "auto" moves among, then
+    vLLM's own post-init again; a V1 engine's are left as they are (its dispatcher rounds
+    sizes to the width)."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.config import DDTreeConfig
+    from vllm_ddtree.vllm_patches import complete_verify_graph_sizes
+
+    def config(runner, online=()):
+        posted = []
+        compilation = SimpleNamespace(
+            cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64],
+            max_cudagraph_capture_size=64,
+            post_init_cudagraph_sizes=lambda: posted.append(True),
+        )
+        ddtree = DDTreeConfig(
+            tree_budget=8, tree_top_k=8, depth=15, runner=runner, online_budgets=online
+        )
+        vllm_config = SimpleNamespace(
+            compilation_config=compilation,
+            scheduler_config=SimpleNamespace(max_num_seqs=16),
+            speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=[[1, 16, 4]]),
+        )
+        return vllm_config, ddtree, posted
+
+    vllm_config, ddtree, posted = config("v2", online=(2, 4, 8))
+    complete_verify_graph_sizes(vllm_config, ddtree)
+    sizes = vllm_config.compilation_config.cudagraph_capture_sizes
+    assert posted and max(sizes) == 64
+    for width in (3, 5, 9):  # the schedule's 4, "auto"'s 2 and the budget, 8
+        for requests in range(1, min(16, 64 // width) + 1):  # max_num_seqs 16
+            assert any(width * (requests - 1) < size <= width * requests for size in sizes)
+    vllm_config, ddtree, posted = config("v1")
+    complete_verify_graph_sizes(vllm_config, ddtree)
+    assert vllm_config.compilation_config.cudagraph_capture_sizes[-1] == 64 and not posted
+    assert len(vllm_config.compilation_config.cudagraph_capture_sizes) == 11
 
 
 def test_engines_the_tree_step_cannot_serve_exactly_are_refused_before_they_start(

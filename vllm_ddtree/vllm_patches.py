@@ -234,6 +234,9 @@ def _wrap_create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
         check_hybrid_state_memory(config)
+        ddtree = get_ddtree_config(config.speculative_config)
+        if ddtree is not None and getattr(self, "_ddtree_sized_graphs", False):
+            complete_verify_graph_sizes(config, ddtree)
         return config
 
     return create_engine_config
@@ -369,6 +372,47 @@ def largest_graph_for(max_num_seqs: int, tree_budget: int, depth: int) -> int:
     return max(_vllm_largest_graph(max_num_seqs, width), -(-batch // 16) * 16)
 
 
+def verify_graph_sizes(sizes: list[int], widths, max_num_seqs: int) -> list[int]:
+    """``sizes`` (CUDA-graph capture sizes, tokens) with ``requests x width`` added for every
+    uniform verify batch of a ``width`` in ``widths`` that would have no FULL graph in vLLM's
+    V2 graph manager: it captures one per size rounded up to a multiple of the width, so the
+    batch of ``k`` requests has one only where some size lies in ``(width x (k - 1), width x
+    k]``. vLLM's default sizes step by 8 tokens, then 16, so only widths below 16 can miss.
+    Batches past ``max_num_seqs`` or the largest size get nothing."""
+    if not sizes:
+        return list(sizes)
+    largest = max(sizes)
+    chosen = sorted(set(sizes))
+    for width in sorted(set(widths)):
+        for requests in range(1, min(max_num_seqs, largest // width) + 1):
+            low, high = width * (requests - 1), width * requests
+            if not any(low < size <= high for size in chosen):
+                chosen = sorted({*chosen, high})
+    return chosen
+
+
+def complete_verify_graph_sizes(vllm_config, ddtree: DDTreeConfig) -> None:
+    """On the V2 runner, once vLLM has made the engine's capture sizes, add what every verify
+    width the engine can serve needs (``verify_graph_sizes``): the tree budget's, its
+    per-batch-size schedule's and those "auto" moves among. The V1 runner's dispatcher rounds
+    the sizes to the width itself."""
+    compilation = vllm_config.compilation_config
+    pass_config = getattr(compilation, "pass_config", None)
+    if ddtree.runner != "v2" or getattr(pass_config, "enable_sp", False):
+        return  # (sequence parallelism keeps sizes that are multiples of its world size)
+    sizes = list(compilation.cudagraph_capture_sizes or [])
+    schedule = getattr(
+        vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None
+    )
+    budgets = {ddtree.tree_budget, *ddtree.online_budgets, *(entry[2] for entry in schedule or [])}
+    completed = verify_graph_sizes(
+        sizes, [1 + budget for budget in budgets], vllm_config.scheduler_config.max_num_seqs
+    )
+    if completed != sorted(sizes):
+        compilation.cudagraph_capture_sizes = completed
+        compilation.post_init_cudagraph_sizes()
+
+
 def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None):
     """Give every verify batch and the DFlash drafter's batches a FULL CUDA graph.
 
@@ -395,6 +439,7 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None):
     )
     if any(value is not None for value in chosen):
         return None
+    engine_args._ddtree_sized_graphs = True  # create_engine_config completes the sizes
     max_num_seqs = _max_num_seqs(engine_args) or 1
     width = 1 + ddtree.tree_budget
     largest = largest_graph_for(max_num_seqs, ddtree.tree_budget, ddtree.depth)
