@@ -693,7 +693,7 @@ TREE_KERNEL_ENV = {"VLLM_DDTREE_TREE_ATTN_CONTEXT": "triton"}
 
 
 def is_fixed_budget(name: str) -> bool:
-    """A DDTree engine of one fixed budget on the default attention path."""
+    """A DDTree engine of one fixed budget, not a ``--flash-context`` copy of one."""
     return name.startswith("ddtree") and name != AUTO and not name.endswith(FLASH_SUFFIX)
 
 
