@@ -403,7 +403,8 @@ def test_the_cost_model_command_says_what_auto_serves():
     v2 = run("--runner", "v2", "--max-num-seqs", "256")
     assert "choice: trees (budget 16 at 256 requests)" in v2
     assert "budget per batch size: 1-4: 128," in v2 and "-256: 16\n" in v2
-    assert v2.rstrip().endswith("moves among budgets [16, 32, 64, 128] as it learns the acceptance")
+    moves = "moves among budgets [8, 16, 32, 64, 128] as it learns the acceptance"
+    assert v2.rstrip().endswith(moves)
     v1 = run("--runner", "v1", "--max-num-seqs", "8")
     assert "choice: the DFlash chain" in v1 and "moves" not in v1
 
@@ -567,11 +568,13 @@ def test_auto_on_v1_moves_between_budgets_online_and_a_fixed_budget_does_not(tmp
     assert ddtree.cost_profile == os.path.abspath(path)
     _, fixed = split({"method": "ddtree", "model": "d", "tree_budget": 16})
     assert fixed.online_budgets == () and fixed.cost_profile is None
-    # V2: the budgets of its per-batch-size schedule (one budget at batch 1: nothing to move).
-    _, v2 = split_speculative_config(
+    # V2: the budgets of its per-batch-size schedule and the smaller online candidates (one
+    # budget of 16 at batch 1: it may move down to 8).
+    v2_part, v2 = split_speculative_config(
         auto(tmp_path, 3.0), VLLM_FIELDS, DFLASH, max_num_seqs=1, runner="v2"
     )
-    assert v2.online_budgets == ()
+    assert v2_part["num_speculative_tokens_per_batch_size"][0] == [1, 1, 16]
+    assert v2.online_budgets == (8, 16)
     vllm_part, v2 = split_speculative_config(
         {"method": "ddtree", "model": "d", "tree_budget": "auto"},
         VLLM_FIELDS,

@@ -244,7 +244,9 @@ def test_without_a_budget_the_engine_gets_the_cost_model_s_choice(
     # 128 for one request down to 16 for many, the engine's budget the largest of them.
     config = engine_config(tiny_target_path, spec)
     assert config.scheduler_config.max_num_seqs >= 128
-    schedule = [tuple(e) for e in config.speculative_config.num_speculative_tokens_per_batch_size]
+    max_num_seqs = config.scheduler_config.max_num_seqs
+    entries = config.speculative_config.num_speculative_tokens_per_batch_size
+    schedule = [tuple(e) for e in entries if e[0] <= max_num_seqs]  # (past it: graphs only)
     budgets = [budget for _, _, budget in schedule]
     assert schedule[0][:2] == (1, 4) and budgets[0] == 128 and budgets[-1] == 16
     assert budgets == sorted(budgets, reverse=True) and len(budgets) > 2
@@ -499,6 +501,7 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
     fits the largest graph: also at 4 requests, whose schedule has one budget (the others
     have entries past ``max_num_seqs`` for their graphs)."""
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
+    from vllm_ddtree.vllm_patches import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path}
@@ -510,7 +513,10 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
     schedule = config.speculative_config.num_speculative_tokens_per_batch_size
     assert schedule is not None and len(ddtree.online_budgets) > 1
     assert ddtree.online_budgets[-1] == budget
-    sizes = vllm_default_sizes(max_num_seqs, budget, args.max_cudagraph_capture_size)
+    defaults = vllm_default_sizes(max_num_seqs, budget, args.max_cudagraph_capture_size)
+    # As on a GPU: vLLM's sizes completed for every width (``complete_verify_graph_sizes``).
+    widths = [1 + b for b in {*ddtree.online_budgets, *(entry[2] for entry in schedule)}]
+    sizes = verify_graph_sizes(defaults, widths, max_num_seqs)
     modes = vllm_v2_scheduled_verify_modes(sizes, max_num_seqs, schedule, budget)
     assert {mode for _, mode in modes.values()} == {"FULL"}, modes
     if max_num_seqs > 4:  # the widths do change with the batch
@@ -751,6 +757,7 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
     from vllm_ddtree.cost_model import choose_live_schedule, load_profile
     from vllm_ddtree.online_budget import max_verify_tokens, moves_online
+    from vllm_ddtree.vllm_patches import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path}
@@ -759,8 +766,11 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     ddtree = get_ddtree_config(config.speculative_config)
     captured = config.speculative_config.num_speculative_tokens_per_batch_size
     assert moves_online(config) and len(ddtree.online_budgets) > 1
-    sizes = vllm_default_sizes(max_num_seqs, ddtree.tree_budget, args.max_cudagraph_capture_size)
-    # As on a GPU (this CPU config has no graphs): vLLM's default mode and these sizes.
+    defaults = vllm_default_sizes(max_num_seqs, ddtree.tree_budget, args.max_cudagraph_capture_size)
+    # As on a GPU (this CPU config has no graphs): vLLM's default mode and sizes, completed for
+    # every width the engine can serve (``complete_verify_graph_sizes``).
+    widths = [1 + b for b in {*ddtree.online_budgets, *(e[2] for e in captured)}]
+    sizes = verify_graph_sizes(defaults, widths, max_num_seqs)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     config.compilation_config.max_cudagraph_capture_size = max(sizes)
     profile = load_profile(None, "V2")

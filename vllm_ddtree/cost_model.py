@@ -64,6 +64,12 @@ HOLD_MARGIN = 0.03
 # then 16 tokens) give a FULL graph in its V2 manager; narrower trees leave some batch sizes
 # piecewise there.
 SCHEDULE_CANDIDATES = tuple(b for b in BUDGET_CANDIDATES if b >= 16)
+# What an online "auto" on V2 may move down to once it learns the acceptance: budget 8 as well,
+# whose verify batches get FULL graphs from the sizes the plugin adds
+# (``vllm_patches.verify_graph_sizes``). At many requests a tree of 9 verify tokens a request
+# can beat the chain's 16 where a tree of 17 cannot: on the 8B scale model budget 16 accepts
+# little more than the chain there (benchmarks/results/2026-12-04_cd5632b_scale-8b-flash-context).
+ONLINE_CANDIDATES = tuple(b for b in BUDGET_CANDIDATES if b >= 8)
 # An online "auto" tries the next larger budget of a batch size, when it has no live estimate,
 # if predicted at most this much slower than the fastest (cost_model.choose_live_schedule).
 EXPLORE_MARGIN = 0.10
@@ -303,14 +309,14 @@ def online_schedule(
     schedule: list[tuple[int, int, int]], max_num_seqs: int
 ) -> tuple[list[tuple[int, int, int]], tuple[int, ...]]:
     """V2 "auto": the per-batch-size schedule to give vLLM and the budgets the engine moves
-    among online. Those are the schedule's budgets and every smaller ``SCHEDULE_CANDIDATES``
+    among online. Those are the schedule's budgets and every smaller ``ONLINE_CANDIDATES``
     budget, so that "auto" can move at every batch size, also where the schedule has one budget
     (an engine of 1-4 requests). vLLM captures FULL graphs for the budget of every entry at
     every batch size, and its lookup ignores entries past ``max_num_seqs``: each budget the
     schedule lacks gets an entry of its own past ``max_num_seqs`` (one batch size each), for
     its graphs only."""
     scheduled = sorted({budget for _, _, budget in schedule})
-    budgets = sorted(set(scheduled) | {b for b in SCHEDULE_CANDIDATES if b < scheduled[-1]})
+    budgets = sorted(set(scheduled) | {b for b in ONLINE_CANDIDATES if b < scheduled[-1]})
     missing = [b for b in budgets if b not in scheduled]
     graphs_only = [(max_num_seqs + 1 + i, max_num_seqs + 1 + i, b) for i, b in enumerate(missing)]
     return list(schedule) + graphs_only, tuple(budgets)
