@@ -54,8 +54,10 @@ def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=16)
     assert ddtree is None and vllm_part["method"] == "dflash"
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=256)
-    schedule = vllm_part["num_speculative_tokens_per_batch_size"]
+    entries = vllm_part["num_speculative_tokens_per_batch_size"]
+    schedule = [entry for entry in entries if entry[0] <= 256]  # (past it: graphs only)
     assert schedule[0][:2] == [1, 4] and schedule[0][2] == 128 and schedule[-1][1:] == [256, 16]
+    assert entries[len(schedule) :] == [[257, 257, 8]]  # budget 8's graphs, for moving online
     assert ddtree is not None and ddtree.tree_budget == 128
     assert vllm_part["num_speculative_tokens"] == 128
 
