@@ -221,6 +221,29 @@ def test_the_steps_right_after_a_change_are_not_counted():
     assert realised.ratios().by_pair[(64, 1)] == pytest.approx(1.0)
 
 
+def test_a_stall_later_in_a_steady_run_does_not_move_the_ratio():
+    """A Triton kernel can compile at any step, not only after a change (vLLM's DFlash input
+    kernel compiled four times in an engine's first steps): a pair's ratio is the median of its
+    latest counted intervals, so a stall among them is not the budget's cost while a budget
+    slow at every step still shows. On the 8B grid at 9a55b03, with such compilations logged in the
+    engine's first steps, budget 128 kept a ratio of 2.78 at one request from them and was not
+    served again."""
+    from vllm_ddtree.step_costs import RealisedStepTimes
+
+    now = [0.0]
+    realised = RealisedStepTimes(
+        half_life_steps=1e9, min_steps=2.5, settle_steps=2, clock=lambda: now[0]
+    )
+    for step in range(12):
+        realised.tick(1, 0, 128, 10.0)
+        now[0] += 0.5 if step == 6 else 0.010  # one compiling step in a steady run
+    assert realised.ratios().by_pair == {(128, 1): pytest.approx(1.0)}
+    for _ in range(12):
+        realised.tick(2, 0, 64, 5.0)
+        now[0] += 0.015  # slow at every step
+    assert realised.ratios().by_pair[(64, 2)] == pytest.approx(3.0)
+
+
 def test_a_budget_is_judged_by_its_ratio_at_this_batch_size_only():
     """A ratio measured at a few requests (steps the host fills) does not stand in for 16
     requests: there the budget is judged by what was served at 16 until served itself. Failed

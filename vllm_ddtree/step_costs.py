@@ -21,7 +21,9 @@ width was not measured it is the profile's alone.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -268,8 +270,12 @@ class RealisedStepTimes:
     when the batch neither grew nor shrank, nothing waited (no prefill in it) and the budget
     did not change, and not in the ``settle_steps`` intervals after any such change: the first
     steps of a new shape pay one-time costs (Triton compiling a kernel for it) that are not
-    what the budget costs. Decayed means: a step's weight halves after ``half_life_steps``
-    more counted steps."""
+    what the budget costs. A kernel can compile at a later step too (the 8B grid at 9a55b03
+    logged vLLM's DFlash input kernel compiling four times in an engine's first steps), so a
+    pair's ratio is the median of its latest ``window`` counted intervals: a stall among them
+    does not move it, a budget slow at every step still shows. A pair stands while its
+    decayed step count is at least ``min_steps`` (a step's weight halves after
+    ``half_life_steps`` more counted steps)."""
 
     def __init__(
         self,
@@ -277,10 +283,12 @@ class RealisedStepTimes:
         min_steps: float,
         settle_steps: int = 0,
         clock: Callable[[], float] = time.perf_counter,
+        window: int = 16,
     ):
         self.min_steps, self.settle_steps, self.clock = min_steps, settle_steps, clock
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._ratio_sums: dict[tuple[int, int], float] = {}
+        self._latest: dict[tuple[int, int], deque[float]] = {}
+        self._window = window
         self._steps: dict[tuple[int, int], float] = {}
         self._last: tuple[float, int, int, int, float | None] | None = None
         self._steady_run = 0  # steady intervals in a row, up to this one
@@ -301,10 +309,9 @@ class RealisedStepTimes:
             return
         ratio = min(max(1e3 * (now - then) / last_predicted, RATIO_CLIP[0]), RATIO_CLIP[1])
         for key in self._steps:
-            self._ratio_sums[key] *= self._decay
             self._steps[key] *= self._decay
         key = (last_budget, batch_bucket(last_batch))
-        self._ratio_sums[key] = self._ratio_sums.get(key, 0.0) + ratio
+        self._latest.setdefault(key, deque(maxlen=self._window)).append(ratio)
         self._steps[key] = self._steps.get(key, 0.0) + 1.0
 
     def ratios(self) -> RealisedRatios:
@@ -314,7 +321,7 @@ class RealisedStepTimes:
         best-behaved served one), so that it is tried, while a served one that ran slower than
         predicted is judged by what it realised (``RealisedRatios.ratio``)."""
         by_pair = {
-            key: self._ratio_sums[key] / steps
+            key: statistics.median(self._latest[key])
             for key, steps in self._steps.items()
             if steps >= self.min_steps
         }
