@@ -59,10 +59,10 @@ NEAR_TIE = 0.05
 # rows, its budget at batch 1 moving between 16, 32 and 64 from one refresh to the next.
 LIVE_NEAR_TIE = 0.01
 HOLD_MARGIN = 0.03
-# What "auto" schedules per batch size on the V2 runner (``choose_schedule``): trees of 17 verify
-# tokens and more, whose every uniform verify batch vLLM's default graph sizes (steps of 8,
-# then 16 tokens) give a FULL graph in its V2 manager; narrower trees leave some batch sizes
-# piecewise there.
+# What "auto" schedules per batch size at start on the V2 runner (``choose_schedule``): trees of
+# 17 verify tokens and more, whose every uniform verify batch vLLM's default graph sizes (steps
+# of 8, then 16 tokens) give a FULL graph in its V2 manager. Narrower trees need the sizes the
+# plugin adds, and "auto" reaches them online only, from live acceptance (``ONLINE_CANDIDATES``).
 SCHEDULE_CANDIDATES = tuple(b for b in BUDGET_CANDIDATES if b >= 16)
 # What an online "auto" on V2 may move down to once it learns the acceptance: budget 8 as well,
 # whose verify batches get FULL graphs from the sizes the plugin adds
