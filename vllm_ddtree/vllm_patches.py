@@ -30,6 +30,7 @@ so ``--attention-backend TREE_ATTN`` parses and the member pickles as the static
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import os
@@ -386,8 +387,9 @@ def verify_graph_sizes(sizes: list[int], widths, max_num_seqs: int) -> list[int]
     for width in sorted(set(widths)):
         for requests in range(1, min(max_num_seqs, largest // width) + 1):
             low, high = width * (requests - 1), width * requests
-            if not any(low < size <= high for size in chosen):
-                chosen = sorted({*chosen, high})
+            above = bisect.bisect_right(chosen, low)  # the first size past ``low``
+            if above == len(chosen) or chosen[above] > high:
+                chosen.insert(above, high)
     return chosen
 
 
