@@ -8,7 +8,9 @@ temperature and batch) runs on every engine in turn, the order rotating per repe
 ratio to the chain compares runs seconds apart. Reported per row: each engine's median tok/s
 and acceptance length, and per engine the median (and range) of its per-repeat ratio to the
 chain; what ``"tree_budget": "auto"`` serves at ``max_num_seqs`` = batch (the packaged profile
-of DDTree's runner, or ``--cost-profile``) is marked.
+of DDTree's runner, or ``--cost-profile``) is marked. With ``--online-auto`` the marked engine is
+"auto" itself, an engine of its own that moves its budget online (``online_budget.py``), held
+against the chain and each row's fastest fixed budget.
 
 Engines: ``ar``, ``dflash`` and DDTree on the V2 runner at every budget ``"auto"`` picks over
 the batches, plus ``--budgets``, less ``--skip``. Rows as in bench_e2e.py: batch 1 per prompt
@@ -40,6 +42,7 @@ from benchmarks.bench_e2e import (
 )
 
 CHAIN = "dflash"
+AUTO = "ddtree_v2_auto"  # the engine of "tree_budget": "auto" (``auto_job``)
 
 
 def engine_jobs(
@@ -97,6 +100,28 @@ def without_engines(jobs: list[dict], skipped: list[str]) -> list[dict]:
     return [job for job in jobs if job["name"] not in skipped]
 
 
+def auto_job(drafter: str, depth: int, max_seqs: int, runner: str) -> dict:
+    """An engine of DDTree ``"tree_budget": "auto"`` at ``max_num_seqs`` = ``max_seqs``, its
+    CUDA graphs sized by the plugin (``cudagraph_capture_sizes`` None), its width the widest
+    budget "auto" may serve. It starts alone, after the other engines: it times its graphs
+    as it captures them."""
+    from vllm_ddtree.cost_model import load_profile
+
+    widest = load_profile(runner=runner.upper()).measured_range()[1]
+    return {
+        "name": AUTO,
+        "kwargs": {
+            "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": "auto"}
+        },
+        "width": 1 + widest,
+        "drafter_width": 1 + depth,
+        "env": {"VLLM_DDTREE_RUNNER": runner},
+        "max_seqs": max_seqs,
+        "cudagraph_capture_sizes": None,
+        "start_alone": True,
+    }
+
+
 def engine_args(job: dict, target: str, overrides: dict | None = None) -> dict:
     """``LLM(...)`` arguments of a job: bf16, CUDA graphs at the job's sizes, a fixed KV cache
     (no memory profiling, so engines can start side by side); ``overrides`` replace them (a
@@ -112,7 +137,10 @@ def engine_args(job: dict, target: str, overrides: dict | None = None) -> dict:
         "kv_cache_memory_bytes": 4 << 30,
         "seed": 0,
         "disable_log_stats": False,
-        "compilation_config": {"cudagraph_capture_sizes": job["cudagraph_capture_sizes"]},
+        # None: the plugin's sizes (an "auto" engine's, ``auto_job``)
+        "compilation_config": {"cudagraph_capture_sizes": job["cudagraph_capture_sizes"]}
+        if job["cudagraph_capture_sizes"]
+        else {},
         **job["kwargs"],
         **(overrides or {}),
     }
@@ -317,14 +345,25 @@ def summarize_row(runs: dict[str, list[dict]], chain: str = CHAIN) -> dict:
         }
     ratios = {}
     if chain in rates:
-        for name, own in rates.items():
-            paired = [a / b for a, b in zip(own, rates[chain], strict=True)]
-            ratios[name] = {
-                "median": statistics.median(paired),
-                "min": min(paired),
-                "max": max(paired),
-            }
+        ratios = {name: paired_ratio(own, rates[chain]) for name, own in rates.items()}
     return {"engines": engines, "over_chain": ratios}
+
+
+def paired_ratio(own: list[float], other: list[float]) -> dict:
+    """Median, min and max of the per-round ratios ``own[r] / other[r]``."""
+    paired = [a / b for a, b in zip(own, other, strict=True)]
+    return {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
+
+
+def is_fixed_budget(name: str) -> bool:
+    """A DDTree engine of one fixed budget (not ``AUTO``)."""
+    return name.startswith("ddtree") and name != AUTO
+
+
+def fastest_fixed(engines: dict, over_chain: dict, is_fixed=is_fixed_budget) -> str | None:
+    """The engine ``is_fixed`` accepts with the highest median ratio to the chain."""
+    trees = [n for n in engines if is_fixed(n) and n in over_chain]
+    return max(trees, key=lambda name: over_chain[name]["median"]) if trees else None
 
 
 def row_groups(prompt_sets: dict, batch: int, batch1_prompts: int) -> dict[str, list]:
@@ -374,8 +413,8 @@ def write_report(summary: dict, out: str) -> None:
         "",
         f"Commit {summary['commit']}, {summary['gpu']}, target {summary['target_name']}, "
         f"drafter {summary['drafter_name']}, engine core "
-        f'{summary.get("engine_core", "in process")}; "auto" judged by the cost profile of '
-        f"{summary.get('cost_profile', 'the package')}; {summary['repeats']} rounds per row "
+        f"{summary.get('engine_core', 'in process')}; {auto_source(summary)}; "
+        f"{summary['repeats']} rounds per row "
         "after one untimed run, each round every engine once (order rotating). over chain: "
         "the median (min-max) of the per-round ratios of tok/s to the chain's round.",
         "",
@@ -408,8 +447,45 @@ def write_report(summary: dict, out: str) -> None:
                 f"{e['tok_per_s']:.0f} | {e['mean_acceptance_length']:.2f} | {ratio} | "
                 f"{'auto' if name == row['auto_serves'] else ''} |"
             )
+    if summary.get("online_auto"):
+        lines += ["", '## DDTree "auto" against the fastest fixed budget', "", *auto_table(summary)]
     with open(os.path.join(out, "bench_paired.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def auto_source(summary: dict) -> str:
+    """What the report's "auto" is: the online engine, or what the cost profile serves."""
+    if summary.get("online_auto"):
+        return f'"auto": the engine of "tree_budget": "auto" ({AUTO}), moving its budget online'
+    return f'"auto" judged by the cost profile of {summary.get("cost_profile", "the package")}'
+
+
+def auto_table(summary: dict) -> list[str]:
+    """Markdown lines: per row, the ``AUTO`` engine against the chain and against the row's
+    fastest fixed budget (per-round ratios, by turns)."""
+    lines = [
+        '| dataset | batch | T | chain tok/s | fastest fixed budget | "auto" tok/s (acceptance) '
+        '| "auto" / chain | "auto" / fastest fixed |',
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in summary["rows"]:
+        engines, over = row["engines"], row["over_chain"]
+        if AUTO not in engines:
+            continue
+        auto, best = engines[AUTO], fastest_fixed(engines, over)
+        versus = "-"
+        if best:
+            versus = ratio_text(
+                paired_ratio(auto["runs_tok_per_s"], engines[best]["runs_tok_per_s"])
+            )
+        lines.append(
+            f"| {row['dataset']} | {row['batch']} | {row['temperature']:g} | "
+            f"{engines[CHAIN]['tok_per_s']:.0f} | "
+            f"{'b' + best.rsplit('_b', 1)[-1] if best else '-'} | "
+            f"{auto['tok_per_s']:.0f} ({auto['mean_acceptance_length']:.2f}) | "
+            f"{ratio_text(over.get(AUTO), '-')} | {versus} |"
+        )
+    return lines
 
 
 README_BEGIN = "<!-- bench_paired table: generated by benchmarks/bench_paired.py --readme -->"
@@ -501,7 +577,17 @@ def main(argv: list[str] | None = None) -> int:
         " as runs before 2026-12-01 did) instead of vLLM's default, a process of its own",
     )
     parser.add_argument("--deadline", type=int, default=560, help="no row starts after this")
+    parser.add_argument(
+        "--online-auto",
+        action="store_true",
+        help='also run DDTree "tree_budget": "auto" as an engine of its own (V2 runner, '
+        "max_num_seqs the largest batch, the plugin's CUDA graphs, started alone), which "
+        'moves its budget online; rows mark it as "auto" instead of what the cost profile '
+        "would serve",
+    )
     args = parser.parse_args(argv)
+    if args.online_auto and args.ddtree_runner != "v2":
+        parser.error("--online-auto: an engine with CUDA graphs moves its budget on V2 only")
     if args.readme:
         update_readme(args.readme, [p for p in args.readme_from.split(",") if p])
         return 0
@@ -523,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = set(served.values()) - {None}
     budgets = sorted(chosen | {int(b) for b in args.budgets.split(",") if b})
     jobs = engine_jobs(args.drafter, depth, budgets, max(batches), args.ddtree_runner)
+    if args.online_auto:
+        jobs.append(auto_job(args.drafter, depth, max(batches), args.ddtree_runner))
     try:
         jobs = without_engines(jobs, [name for name in args.skip.split(",") if name])
     except ValueError as error:
@@ -560,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             "drafter_sha256": weights_sha256(args.drafter),
             "depth": depth,
             "cost_profile": load_profile(args.cost_profile, args.ddtree_runner.upper()).source,
+            "online_auto": args.online_auto,
             "repeats": args.repeats,
             "max_tokens": args.max_tokens,
             "engines": engines.ready,
@@ -577,7 +666,8 @@ def main(argv: list[str] | None = None) -> int:
                     runs = measure_row(run, names, prompts, temperature, batch, args.repeats)
                     row = {"dataset": dataset, "batch": batch, "temperature": temperature}
                     row.update(summarize_row(runs))
-                    row["auto_serves"] = engine_name(served[batch], args.ddtree_runner)
+                    row["profile_serves"] = engine_name(served[batch], args.ddtree_runner)
+                    row["auto_serves"] = AUTO if args.online_auto else row["profile_serves"]
                     summary["rows"].append(row)
                     summary["wall_seconds"] = time.time() - started
                     write_report(summary, args.out)

@@ -52,11 +52,15 @@ import sys
 import time
 
 from benchmarks.bench_paired import (
+    AUTO,
     CHAIN,
     Engines,
+    auto_job,
     engine_jobs,
+    fastest_fixed,
     graph_sizes,
     measure_row,
+    paired_ratio,
     ratio_text,
     row_groups,
     summarize_row,
@@ -344,7 +348,7 @@ def headline(summary: dict, link: str) -> str:
     for (_, dataset, batch), phases in rows.items():
         engines = {k: v for row in phases for k, v in row["engines"].items()}
         over = {k: v for row in phases for k, v in row["over_chain"].items()}
-        best = fastest_fixed(engines, over)
+        best = fastest_fixed(engines, over, is_fixed_budget)
         lines.append(
             f"| {dataset} | {batch} | {phases[0]['temperature']:g} | "
             f"{cell(engines['ar']) if 'ar' in engines else '-'} | {cell(engines[CHAIN])} | "
@@ -352,18 +356,6 @@ def headline(summary: dict, link: str) -> str:
             f"{ratio(over.get(best))} | {ratio(over.get('ar'))} |"
         )
     return "\n".join(lines)
-
-
-def fastest_fixed(engines: dict, over_chain: dict) -> str | None:
-    """The DDTree engine of a fixed budget with the highest median ratio to the chain."""
-    trees = [n for n in engines if is_fixed_budget(n) and n in over_chain]
-    return max(trees, key=lambda name: over_chain[name]["median"]) if trees else None
-
-
-def paired_ratio(own: list[float], other: list[float]) -> dict:
-    """Median, min and max of the per-round ratios ``own[r] / other[r]``."""
-    paired = [a / b for a, b in zip(own, other, strict=True)]
-    return {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
 
 
 def auto_table(summary: dict) -> list[str]:
@@ -379,7 +371,7 @@ def auto_table(summary: dict) -> list[str]:
         engines, over = row["engines"], row["over_chain"]
         if AUTO not in engines:
             continue
-        best = fastest_fixed(engines, over)
+        best = fastest_fixed(engines, over, is_fixed_budget)
         auto = engines[AUTO]
         versus = (
             ratio_text(paired_ratio(auto["runs_tok_per_s"], engines[best]["runs_tok_per_s"]))
@@ -683,7 +675,6 @@ def main(argv: list[str] | None = None) -> int:
 SPLIT_KINDS = ("step_split", "host_phases", "host_profile")
 
 
-AUTO = "ddtree_v2_auto"
 # An engine named with this suffix is a copy of another DDTree engine whose TREE_ATTN takes the
 # committed context through vLLM's FlashAttention (``--flash-context``); the engine it copies
 # then keeps the tree kernel alone for every batch.
@@ -744,27 +735,6 @@ def flash_context_table(summary: dict) -> list[str]:
                 f"{ratio_text(over.get(name), '-')} |"
             )
     return lines if len(lines) > 2 else []
-
-
-def auto_job(drafter: str, depth: int, max_seqs: int, runner: str) -> dict:
-    """An engine of DDTree ``"tree_budget": "auto"`` at ``max_num_seqs`` = ``max_seqs``, its
-    CUDA graphs sized by the plugin (``cudagraph_capture_sizes`` None), its width the widest
-    budget "auto" may serve."""
-    from vllm_ddtree.cost_model import load_profile
-
-    widest = load_profile(runner=runner.upper()).measured_range()[1]
-    return {
-        "name": AUTO,
-        "kwargs": {
-            "speculative_config": {"method": "ddtree", "model": drafter, "tree_budget": "auto"}
-        },
-        "width": 1 + widest,
-        "drafter_width": 1 + depth,
-        "env": {"VLLM_DDTREE_RUNNER": runner},
-        "max_seqs": max_seqs,
-        "cudagraph_capture_sizes": None,
-        "start_alone": True,  # its graph timings at start, with no other engine capturing
-    }
 
 
 def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dict:

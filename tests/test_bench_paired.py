@@ -111,15 +111,10 @@ def test_auto_is_judged_by_the_cost_profile_given(tmp_path):
     assert bench_paired.auto_engine(16, "v2") != "ddtree_v2_b32"
 
 
-def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serves(
-    tmp_path, monkeypatch
-):
-    """``main`` end to end with a stand-in engine per job (no vLLM): ``--skip ar`` starts no
-    AR engine, ``--cost-profile`` decides the marked engine, and the summary records the depth
-    and the profile's source (what ``cost_model`` fits a profile from)."""
-    from benchmarks.fit_cost_profile import fit_profile
-
-    profile = flat_profile(tmp_path, "calibration", {16: 2.0, 32: 4.0})
+def stand_in_bench(tmp_path, monkeypatch, seconds: dict[str, float]):
+    """``bench_paired.main`` with a stand-in engine per job (no vLLM), each round of engine
+    ``name`` taking ``seconds.get(name, 0.5)``. Returns the argv of a run (before its
+    options) and the list the stand-in records each started engine's job in."""
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps({"block_size": 16}))
@@ -129,12 +124,12 @@ def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serve
 
     class StandIn:
         def __init__(self, jobs, target, overrides, timeout, engine_core_process):
-            started.extend(job["name"] for job in jobs)
+            started.extend(jobs)
             self.ready = {job["name"]: {"gpu": "gpu", "device_id": "id"} for job in jobs}
 
         def run(self, name, prompts, temperature, one_at_a_time, max_tokens):
-            seconds = {"dflash": 1.0}.get(name, 0.5)
-            return answer(max_tokens * len(prompts), seconds, drafts=4, accepted=4)
+            took = seconds.get(name, 0.5)
+            return answer(max_tokens * len(prompts), took, drafts=4, accepted=4)
 
         def close(self):
             pass
@@ -147,12 +142,25 @@ def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serve
     monkeypatch.setattr(
         "transformers.AutoTokenizer.from_pretrained", lambda path: Tokenizer(), raising=True
     )
-    out = tmp_path / "out"
     argv = ["--target", "t", "--drafter", str(drafter), "--prompts", str(tmp_path / "prompts.json")]
+    return argv, started
+
+
+def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serves(
+    tmp_path, monkeypatch
+):
+    """``main`` end to end with a stand-in engine per job (no vLLM): ``--skip ar`` starts no
+    AR engine, ``--cost-profile`` decides the marked engine, and the summary records the depth
+    and the profile's source (what ``cost_model`` fits a profile from)."""
+    from benchmarks.fit_cost_profile import fit_profile
+
+    profile = flat_profile(tmp_path, "calibration", {16: 2.0, 32: 4.0})
+    argv, started = stand_in_bench(tmp_path, monkeypatch, {"dflash": 1.0})
+    out = tmp_path / "out"
     argv += ["--out", str(out), "--batches", "4", "--temperatures", "0", "--repeats", "2"]
     argv += ["--skip", "ar", "--cost-profile", profile, "--budgets", "16"]
     assert bench_paired.main(argv) == 0
-    assert started == ["dflash", "ddtree_v2_b16", "ddtree_v2_b32"]
+    assert [job["name"] for job in started] == ["dflash", "ddtree_v2_b16", "ddtree_v2_b32"]
     summary = json.loads((out / "bench_paired.json").read_text())
     assert summary["depth"] == 15 and summary["cost_profile"] == "calibration"
     (row,) = summary["rows"]
@@ -162,6 +170,40 @@ def test_a_run_leaves_out_skipped_engines_and_marks_what_the_given_profile_serve
     assert "judged by the cost profile of calibration" in (out / "bench_paired.md").read_text()
     with pytest.raises(SystemExit):
         bench_paired.main(argv[:-4] + ["--skip", "dflash"])
+
+
+def test_online_auto_runs_the_auto_engine_and_judges_it_against_the_fastest_fixed_budget(
+    tmp_path, monkeypatch
+):
+    """``--online-auto``: the engine of "tree_budget": "auto" starts alone (the plugin's CUDA
+    graphs, ``max_num_seqs`` the largest batch) beside the fixed budgets; every row marks it
+    as "auto" (the profile's choice kept as ``profile_serves``) and the report holds it
+    against the chain and the row's fastest fixed budget, round by round."""
+    profile = flat_profile(tmp_path, "calibration", {16: 2.0, 32: 4.0})
+    seconds = {"dflash": 1.0, "ddtree_v2_b16": 0.8, "ddtree_v2_b32": 0.4, bench_paired.AUTO: 0.5}
+    argv, started = stand_in_bench(tmp_path, monkeypatch, seconds)
+    out = tmp_path / "out"
+    argv += ["--out", str(out), "--batches", "1,4", "--temperatures", "0", "--repeats", "2"]
+    argv += ["--cost-profile", profile, "--budgets", "16", "--online-auto"]
+    assert bench_paired.main(argv) == 0
+    auto = next(job for job in started if job["name"] == bench_paired.AUTO)
+    assert auto["start_alone"] and auto["max_seqs"] == 4
+    assert auto["kwargs"]["speculative_config"]["tree_budget"] == "auto"
+    assert bench_paired.engine_args(auto, "t")["compilation_config"] == {}
+    summary = json.loads((out / "bench_paired.json").read_text())
+    assert summary["online_auto"]
+    for row in summary["rows"]:
+        assert row["auto_serves"] == bench_paired.AUTO
+        assert row["profile_serves"] == "ddtree_v2_b32"
+        assert row["over_chain"][bench_paired.AUTO]["median"] == pytest.approx(2.0)
+    report = (out / "bench_paired.md").read_text()
+    assert '"auto": the engine of "tree_budget": "auto"' in report
+    # b32 is the fastest fixed budget: "auto" at 0.5 s a round against its 0.4 s.
+    table = report.split('## DDTree "auto" against the fastest fixed budget')[1]
+    assert table.count("| b32 |") == len(summary["rows"]) == 4
+    assert "| 2.00 (2.00-2.00) | 0.80 (0.80-0.80) |" in table
+    with pytest.raises(SystemExit):
+        bench_paired.main(argv + ["--ddtree-runner", "v1"])
 
 
 def test_rows_are_per_set_at_batch_1_and_mixed_above():
