@@ -608,6 +608,45 @@ def test_the_live_schedule_keeps_larger_budgets_no_worse_and_explores_the_next_o
     ]
 
 
+def test_exploring_serves_the_next_smaller_budget_where_its_step_time_is_unknown():
+    """A smaller budget's acceptance is learned from the larger trees, its step time only by
+    serving it. On the 8B scale model at 16 requests "auto" kept budget 16, judging the
+    never-served budget 8 by a profile of another pair, while budget 8 ran faster
+    (benchmarks/results/2026-12-04_ed73855_scale-8b-grid). An exploring refresh now serves
+    the next smaller budget where the engine served that batch size but never timed that
+    budget there and it is predicted within EXPLORE_MARGIN; not once it is timed, not when
+    predicted further off, and not without the engine's timings."""
+    from vllm_ddtree.cost_model import EXPLORE_MARGIN, choose_live_schedule
+
+    cheap = profile(2.0)  # steps of 2 ms + 0.01 ms a verify token
+    candidates = [8, 16]
+    live = {8: (5.0, 50.0), 16: (5.3, 50.0)}  # budget 16 about 2% faster: it is served
+    assert choose_live_schedule(cheap, live, candidates, 1, 2048, 16.0)[0] == [(1, 1, 16)]
+    asked = []
+
+    def untimed(budget, batch):
+        asked.append((budget, batch))
+        return budget == 8
+
+    explored, _ = choose_live_schedule(
+        cheap, live, candidates, 1, 2048, 16.0, explore=True, untimed=untimed
+    )
+    assert explored == [(1, 1, 8)] and asked == [(8, 1)]
+    for steady in (
+        dict(explore=False, untimed=untimed),  # not an exploring refresh
+        dict(explore=True, untimed=lambda budget, batch: False),  # budget 8 timed
+        dict(explore=True),  # no timings at all
+    ):
+        assert choose_live_schedule(cheap, live, candidates, 1, 2048, 16.0, **steady)[0] == [
+            (1, 1, 16)
+        ]
+    far = {8: (5.3 * (1 - EXPLORE_MARGIN) * 0.9, 50.0), 16: (5.3, 50.0)}
+    schedule, _ = choose_live_schedule(
+        cheap, far, candidates, 1, 2048, 16.0, explore=True, untimed=untimed
+    )
+    assert schedule == [(1, 1, 16)]
+
+
 def test_a_stale_estimate_below_a_smaller_budgets_is_explored_again():
     """A workload shift: budget 8 was measured while trees accepted little, then the engine
     served budget 4 and its trees began to accept deeply. A best-first tree of 8 holds the tree

@@ -169,6 +169,38 @@ def test_a_budget_whose_served_steps_ran_slower_than_predicted_is_left(tmp_path,
     )
 
 
+def test_a_smaller_budget_never_timed_where_the_engine_serves_is_explored_and_kept(tmp_path):
+    """Budget 32 is the profile's fastest at 4 requests and budget 16 predicted within
+    EXPLORE_MARGIN of it; 16's steps would take half their predicted time. Its acceptance is
+    known from 32's trees, its time only by serving it: the EXPLORE_EVERY-th refresh serves
+    16 at 3-4 requests (served with 32 there, never with 16), its steps are timed, and it
+    stays. Failed before: 32 was served to the end (the 8B grid at ed73855 kept budget 16
+    at 16 requests where budget 8 ran faster, budget 8 never served there)."""
+    core, tracker = engine_core(tmp_path, budgets=(16, 32), runner="v2")
+    controller = online_budget.online_budget(core)
+    observe(tracker, 11, steps=200)
+    controller.refresh()
+    assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
+    now = [0.0]
+    controller.realised.clock = lambda: now[0]
+    core.scheduler.running = ["r"] * 4
+    served = []
+    for _ in range(online_budget.REFRESH_STEPS * (online_budget.EXPLORE_EVERY + 2)):
+        observe(tracker, 11, steps=1)
+        budget = core.scheduler.dynamic_sd_lookup[4]
+        served.append(budget)
+        controller.before_step()
+        predicted = controller.profile.tree.step_ms(4 * (1 + budget), 4, budget)
+        now[0] += (0.5 if budget == 16 else 1.0) * predicted / 1e3
+    ratios = controller.realised.ratios().by_pair
+    assert ratios[(32, 4)] == pytest.approx(1.0) and ratios[(16, 4)] == pytest.approx(0.5)
+    # The first refresh ran before the loop: the EXPLORE_EVERY-th comes 7 refreshes into it.
+    explored_from = online_budget.REFRESH_STEPS * (online_budget.EXPLORE_EVERY - 1)
+    assert set(served[:explored_from]) == {32} and served[explored_from] == 16
+    assert set(served[-online_budget.REFRESH_STEPS :]) == {16}
+    assert core.scheduler.dynamic_sd_lookup[1:3] == [32, 32]  # 1-2 requests: never served
+
+
 def test_an_exploration_is_judged_again_as_soon_as_its_estimates_can_stand(tmp_path, monkeypatch):
     """An exploring refresh (every EXPLORE_EVERY-th) that serves a larger budget is followed
     by the next refresh after ``exploration_steps`` (enough trees at the running batch size,

@@ -290,3 +290,17 @@ def test_a_budget_unserved_at_a_batch_size_is_judged_by_that_batch_sizes_ratios(
     assert slow.ratio(32, 16) == pytest.approx(1.0)  # never above its prediction: it is tried
     assert ratios.ratio(32, 4) == pytest.approx(0.61)  # nothing served at 3-4: the default
     assert ratios.ratio(64, 1) == pytest.approx(0.63)  # its own
+
+
+def test_a_budget_is_untimed_where_its_batch_size_was_served_with_other_budgets_only():
+    """``untimed`` names the budgets worth timing by serving them: none of their own steps
+    stand at a batch size (its bucket) where other budgets' steps do. Where nothing was
+    served, nothing is untimed: no batch size is explored that the engine never runs."""
+    from vllm_ddtree.step_costs import RealisedRatios
+
+    ratios = RealisedRatios({(16, 16): 0.77, (64, 1): 0.64}, default=0.64)
+    assert ratios.untimed(8, 16) and ratios.untimed(8, 9)  # 9-16 requests: 16's only
+    assert not ratios.untimed(16, 12)  # its own ratio stands there
+    assert ratios.untimed(32, 1) and not ratios.untimed(64, 1)
+    assert not ratios.untimed(8, 4)  # nothing served at 3-4 requests
+    assert not RealisedRatios().untimed(8, 1)

@@ -331,6 +331,7 @@ def choose_live_schedule(
     min_trees: float,
     explore: bool = False,
     served: list[tuple[int, int, int]] | None = None,
+    untimed=None,
 ) -> tuple[list[tuple[int, int, int]], dict[int, float]]:
     """``choose_schedule`` over ``candidates`` with the acceptance this engine reached
     (``live``: ``{budget: (tokens per verify step, decayed trees behind it)}``,
@@ -340,7 +341,11 @@ def choose_live_schedule(
     shift, and judged as unmeasured); the profile's step costs. With ``explore``, a batch
     size whose next larger fitting budget has no live estimate is given it when predicted
     within ``EXPLORE_MARGIN`` of its fastest (so a budget above the one served is measured
-    again). A batch size gets the smallest budget within ``LIVE_NEAR_TIE`` of the fastest,
+    again); else, given ``untimed(budget, batch)`` (whether the engine served that batch size
+    but never timed that budget's steps there), it is given the next smaller fitting budget
+    when that one is untimed and predicted within ``EXPLORE_MARGIN`` (a smaller budget's
+    acceptance is learned for free, its step time only by serving it). A batch size gets the
+    smallest budget within ``LIVE_NEAR_TIE`` of the fastest,
     unless the budget ``served`` there (the schedule being served) is predicted within
     ``HOLD_MARGIN`` of the fastest: then it keeps it. Returns the schedule and the tokens per
     step it used by budget."""
@@ -364,10 +369,16 @@ def choose_live_schedule(
         held = served_budget(served, batch)
         if held in predicted and predicted[held] >= (1 - HOLD_MARGIN) * predicted[best]:
             best = held
+        if not explore:
+            return best
         larger = sorted(b for b in predicted if b > best)
-        if explore and larger and larger[0] not in known:
+        if larger and larger[0] not in known:
             if predicted[larger[0]] >= (1 - EXPLORE_MARGIN) * predicted[best]:
                 return larger[0]
+        smaller = sorted((b for b in predicted if b < best), reverse=True)
+        if untimed is not None and smaller and untimed(smaller[0], batch):
+            if predicted[smaller[0]] >= (1 - EXPLORE_MARGIN) * predicted[best]:
+                return smaller[0]
         return best
 
     return _ranges(max_num_seqs, budget_at), acceptance

@@ -16,7 +16,10 @@ between steady engine steps, so whatever the start-up timing missed counts). A
 budget below the one scheduled is learned for free; one above it only while it is scheduled, so once
 unscheduled its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a
 smaller budget's), and every ``EXPLORE_EVERY``-th refresh serves it where predicted close to the
-fastest, so a workload whose acceptance rose moves the budget up again; the next refresh then
+fastest, so a workload whose acceptance rose moves the budget up again. A smaller budget's step
+time is learned only by serving it: at a batch size served with other budgets but never with
+it, the same refresh serves it instead when predicted close (so a narrower tree that a profile of
+another pair misjudges is measured, not assumed). The next refresh then
 comes as soon as its estimates can stand (``OnlineBudget.exploration_steps``), not a whole
 refresh later.
 
@@ -208,6 +211,7 @@ class OnlineBudget:
                 MIN_TREES,
                 explore=explore,
                 served=self.schedule,
+                untimed=ratios.untimed,
             )
 
         explore = self.refreshes % EXPLORE_EVERY == 0

@@ -228,6 +228,14 @@ class RealisedRatios:
         here = [ratio for (_, at), ratio in self.by_pair.items() if at == bucket]
         return min([1.0, *here]) if here else self.default
 
+    def untimed(self, budget: int, batch: int) -> bool:
+        """Whether steps at ``batch`` requests (its bucket) were timed for other budgets but
+        not for ``budget``: where the engine serves, a budget whose step time is unknown."""
+        bucket = batch_bucket(batch)
+        if (budget, bucket) in self.by_pair:
+            return False
+        return any(at == bucket for _, at in self.by_pair)
+
     def describe(self) -> str:
         """``"16 at 9-16: 0.77, 64 at 1: 0.64"`` (budget at requests: ratio), or
         ``"none yet"``."""
