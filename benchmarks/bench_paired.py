@@ -460,31 +460,37 @@ def auto_source(summary: dict) -> str:
     return f'"auto" judged by the cost profile of {summary.get("cost_profile", "the package")}'
 
 
+AUTO_COLUMNS = (
+    '| chain tok/s | fastest fixed budget | "auto" tok/s (acceptance) | "auto" / chain '
+    '| "auto" / fastest fixed |'
+)
+
+
+def auto_cells(row: dict, is_fixed=is_fixed_budget) -> str | None:
+    """A row's ``AUTO_COLUMNS`` cells: the ``AUTO`` engine against the chain and against the
+    row's fastest fixed budget (``fastest_fixed`` by ``is_fixed``; per-round ratios, by
+    turns); None where no "auto" engine ran."""
+    engines, over = row["engines"], row["over_chain"]
+    if AUTO not in engines:
+        return None
+    auto, best = engines[AUTO], fastest_fixed(engines, over, is_fixed)
+    versus = "-"
+    if best:
+        versus = ratio_text(paired_ratio(auto["runs_tok_per_s"], engines[best]["runs_tok_per_s"]))
+    return (
+        f" {engines[CHAIN]['tok_per_s']:.0f} | {'b' + best.rsplit('_b', 1)[-1] if best else '-'} "
+        f"| {auto['tok_per_s']:.0f} ({auto['mean_acceptance_length']:.2f}) | "
+        f"{ratio_text(over.get(AUTO), '-')} | {versus} |"
+    )
+
+
 def auto_table(summary: dict) -> list[str]:
-    """Markdown lines: per row, the ``AUTO`` engine against the chain and against the row's
-    fastest fixed budget (per-round ratios, by turns)."""
-    lines = [
-        '| dataset | batch | T | chain tok/s | fastest fixed budget | "auto" tok/s (acceptance) '
-        '| "auto" / chain | "auto" / fastest fixed |',
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    """Markdown lines: per row, ``auto_cells`` after its dataset, batch and temperature."""
+    lines = ["| dataset | batch | T " + AUTO_COLUMNS, "| --- " * 8 + "|"]
     for row in summary["rows"]:
-        engines, over = row["engines"], row["over_chain"]
-        if AUTO not in engines:
-            continue
-        auto, best = engines[AUTO], fastest_fixed(engines, over)
-        versus = "-"
-        if best:
-            versus = ratio_text(
-                paired_ratio(auto["runs_tok_per_s"], engines[best]["runs_tok_per_s"])
-            )
-        lines.append(
-            f"| {row['dataset']} | {row['batch']} | {row['temperature']:g} | "
-            f"{engines[CHAIN]['tok_per_s']:.0f} | "
-            f"{'b' + best.rsplit('_b', 1)[-1] if best else '-'} | "
-            f"{auto['tok_per_s']:.0f} ({auto['mean_acceptance_length']:.2f}) | "
-            f"{ratio_text(over.get(AUTO), '-')} | {versus} |"
-        )
+        cells = auto_cells(row)
+        if cells is not None:
+            lines.append(f"| {row['dataset']} | {row['batch']} | {row['temperature']:g} |" + cells)
     return lines
 
 

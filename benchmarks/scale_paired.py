@@ -53,8 +53,10 @@ import time
 
 from benchmarks.bench_paired import (
     AUTO,
+    AUTO_COLUMNS,
     CHAIN,
     Engines,
+    auto_cells,
     auto_job,
     engine_jobs,
     fastest_fixed,
@@ -360,31 +362,13 @@ def headline(summary: dict, link: str) -> str:
 
 def auto_table(summary: dict) -> list[str]:
     """Markdown lines: per row, what DDTree ``"auto"`` served against the chain and against
-    the fastest fixed budget of the same phase (per-round ratios, by turns); none without an
+    the fastest fixed budget of the same phase (``bench_paired.auto_cells``); none without an
     auto engine."""
-    lines = [
-        '| mode | dataset | batch | chain tok/s | fastest fixed budget | "auto" tok/s '
-        '(acceptance) | "auto" / chain | "auto" / fastest fixed |',
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    lines = ["| mode | dataset | batch " + AUTO_COLUMNS, "| --- " * 8 + "|"]
     for row in summary["rows"]:
-        engines, over = row["engines"], row["over_chain"]
-        if AUTO not in engines:
-            continue
-        best = fastest_fixed(engines, over, is_fixed_budget)
-        auto = engines[AUTO]
-        versus = (
-            ratio_text(paired_ratio(auto["runs_tok_per_s"], engines[best]["runs_tok_per_s"]))
-            if best
-            else "-"
-        )
-        lines.append(
-            f"| {row['mode']} | {row['dataset']} | {row['batch']} | "
-            f"{engines[CHAIN]['tok_per_s']:.0f} | "
-            f"{'b' + best.rsplit('_b', 1)[-1] if best else '-'} | "
-            f"{auto['tok_per_s']:.0f} ({auto['mean_acceptance_length']:.2f}) | "
-            f"{ratio_text(over.get(AUTO), '-')} | {versus} |"
-        )
+        cells = auto_cells(row, is_fixed_budget)
+        if cells is not None:
+            lines.append(f"| {row['mode']} | {row['dataset']} | {row['batch']} |" + cells)
     return lines if len(lines) > 2 else []
 
 
