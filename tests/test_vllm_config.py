@@ -501,7 +501,7 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
     fits the largest graph: also at 4 requests, whose schedule has one budget (the others
     have entries past ``max_num_seqs`` for their graphs)."""
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
-    from vllm_ddtree.vllm_patches import served_verify_widths, verify_graph_sizes
+    from vllm_ddtree.vllm_patches import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path}
@@ -515,7 +515,7 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
     assert ddtree.online_budgets[-1] == budget
     defaults = vllm_default_sizes(max_num_seqs, budget, args.max_cudagraph_capture_size)
     # As on a GPU: vLLM's sizes completed for every width (``complete_verify_graph_sizes``).
-    sizes = verify_graph_sizes(defaults, served_verify_widths(ddtree, schedule), max_num_seqs)
+    sizes = verify_graph_sizes(defaults, ddtree.served_verify_widths(schedule), max_num_seqs)
     modes = vllm_v2_scheduled_verify_modes(sizes, max_num_seqs, schedule, budget)
     assert {mode for _, mode in modes.values()} == {"FULL"}, modes
     if max_num_seqs > 4:  # the widths do change with the batch
@@ -756,7 +756,7 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
     from vllm_ddtree.cost_model import choose_live_schedule, load_profile
     from vllm_ddtree.online_budget import max_verify_tokens, moves_online
-    from vllm_ddtree.vllm_patches import served_verify_widths, verify_graph_sizes
+    from vllm_ddtree.vllm_patches import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path}
@@ -768,7 +768,7 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     defaults = vllm_default_sizes(max_num_seqs, ddtree.tree_budget, args.max_cudagraph_capture_size)
     # As on a GPU (this CPU config has no graphs): vLLM's default mode and sizes, completed for
     # every width the engine can serve (``complete_verify_graph_sizes``).
-    sizes = verify_graph_sizes(defaults, served_verify_widths(ddtree, captured), max_num_seqs)
+    sizes = verify_graph_sizes(defaults, ddtree.served_verify_widths(captured), max_num_seqs)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     config.compilation_config.max_cudagraph_capture_size = max(sizes)
     profile = load_profile(None, "V2")

@@ -88,6 +88,13 @@ class DDTreeConfig:
         tree is narrower than the drafter is deep)."""
         return max(self.tree_budget, self.depth) + 1
 
+    def served_verify_widths(self, schedule=None) -> list[int]:
+        """Every verify width (``1 + budget`` tokens a request) the engine can serve: its tree
+        budget's, its per-batch-size ``schedule``'s (vLLM's entries, or None) and those
+        "auto" moves among."""
+        budgets = {self.tree_budget, *self.online_budgets, *(entry[2] for entry in schedule or [])}
+        return sorted(1 + budget for budget in budgets)
+
 
 def _check_int(key: str, value: Any, low: int, high: int | None, why: str = "") -> int:
     allowed = f"{low}..{high}" if high is not None else f">= {low}"

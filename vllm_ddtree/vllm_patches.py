@@ -393,18 +393,11 @@ def verify_graph_sizes(sizes: list[int], widths, max_num_seqs: int) -> list[int]
     return chosen
 
 
-def served_verify_widths(ddtree: DDTreeConfig, schedule) -> list[int]:
-    """Every verify width (``1 + budget`` tokens a request) an engine can serve: its tree
-    budget's, its per-batch-size ``schedule``'s (vLLM's entries, or None) and those "auto"
-    moves among."""
-    budgets = {ddtree.tree_budget, *ddtree.online_budgets, *(entry[2] for entry in schedule or [])}
-    return sorted(1 + budget for budget in budgets)
-
-
 def complete_verify_graph_sizes(vllm_config, ddtree: DDTreeConfig) -> None:
     """On the V2 runner, once vLLM has made the engine's capture sizes, add what every verify
-    width the engine can serve needs (``verify_graph_sizes`` of ``served_verify_widths``). The
-    V1 runner's dispatcher rounds the sizes to the width itself."""
+    width the engine can serve needs (``verify_graph_sizes`` of
+    ``DDTreeConfig.served_verify_widths``). The V1 runner's dispatcher rounds the sizes to the
+    width itself."""
     compilation = vllm_config.compilation_config
     pass_config = getattr(compilation, "pass_config", None)
     if ddtree.runner != "v2" or getattr(pass_config, "enable_sp", False):
@@ -414,7 +407,7 @@ def complete_verify_graph_sizes(vllm_config, ddtree: DDTreeConfig) -> None:
         vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None
     )
     completed = verify_graph_sizes(
-        sizes, served_verify_widths(ddtree, schedule), vllm_config.scheduler_config.max_num_seqs
+        sizes, ddtree.served_verify_widths(schedule), vllm_config.scheduler_config.max_num_seqs
     )
     if completed != sorted(sizes):
         compilation.cudagraph_capture_sizes = completed
