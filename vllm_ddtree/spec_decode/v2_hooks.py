@@ -39,6 +39,7 @@ from vllm_ddtree.ops.row_paths import row_layout, row_path_tokens
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode import step_checks
+from vllm_ddtree.spec_decode.drafter_warmup import warm_drafter_inputs
 from vllm_ddtree.spec_decode.speculator import (
     chain_oracle_speculator_class,
     ddtree_speculator_class,
@@ -104,15 +105,24 @@ def _wrap_init_speculator(original):
 
 def _wrap_capture_model(original):
     """An online "auto" engine times each graph as vLLM captures it (``step_costs.py``): the
-    step costs it judges budgets by."""
+    step costs it judges budgets by. Then every DDTree engine compiles vLLM's DFlash input
+    kernel for each verify width it can serve (``drafter_warmup.py``)."""
 
     def capture_model(self):
         speculator = _ddtree_speculator(self)
-        if speculator is None or speculator.state.acceptance is None:
+        if speculator is None:
             return original(self)
-        timers = time_graphs_as_captured(self, _synchronize_stream)
-        captured = original(self)
-        _keep_step_costs(speculator.state, timers)
+        if speculator.state.acceptance is None:
+            captured = original(self)
+        else:
+            timers = time_graphs_as_captured(self, _synchronize_stream)
+            captured = original(self)
+            _keep_step_costs(speculator.state, timers)
+        schedule = getattr(
+            self.vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None
+        )
+        widths = speculator.ddtree.served_verify_widths(schedule)
+        warm_drafter_inputs(self, speculator, widths)
         return captured
 
     return capture_model
