@@ -77,6 +77,10 @@ def warm_drafter_inputs(runner, speculator, widths) -> list[int]:
                     speculator.sample_from_anchor,
                 )
             warmed.append(width)
+        logger.info(
+            "vllm-ddtree: vLLM's DFlash input kernel launched at start for verify widths %s",
+            warmed,
+        )
     except Exception as exc:  # a warm-up: the engine serves without it
         logger.warning(
             "vllm-ddtree: compiling vLLM's DFlash input kernel for the verify widths at start "
