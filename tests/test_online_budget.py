@@ -125,6 +125,29 @@ def test_device_times_measured_at_start_decide_where_the_profile_would_not(tmp_p
     assert "device times measured at start" in caplog.text
 
 
+def timed_server(core, tracker, controller, num_accepted: int, realised: dict[int, float]):
+    """A stand-in clock for ``controller``'s realised step times and ``serve(steps)``: that
+    many engine steps at 4 requests, each observing paths ``num_accepted`` deep and taking
+    ``realised.get(budget, 1)`` times its predicted time at the budget served; returns the
+    budget of each step."""
+    now = [0.0]
+    controller.realised.clock = lambda: now[0]
+    core.scheduler.running = ["r"] * 4
+
+    def serve(steps: int) -> list[int]:
+        served = []
+        for _ in range(steps):
+            observe(tracker, num_accepted, steps=1)
+            budget = core.scheduler.dynamic_sd_lookup[4]
+            served.append(budget)
+            controller.before_step()
+            predicted = controller.profile.tree.step_ms(4 * (1 + budget), 4, budget)
+            now[0] += realised.get(budget, 1.0) * predicted / 1e3
+        return served
+
+    return serve
+
+
 def test_a_budget_whose_served_steps_ran_slower_than_predicted_is_left(tmp_path, caplog):
     """Deep paths make budget 32 the fastest by the profile; once its served steps took three
     times their predicted time (steady batches, nothing waiting), "auto" serves 16, whose
@@ -135,21 +158,7 @@ def test_a_budget_whose_served_steps_ran_slower_than_predicted_is_left(tmp_path,
     observe(tracker, 12, steps=200)
     controller.refresh()
     assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
-    now = [0.0]
-    controller.realised.clock = lambda: now[0]
-    core.scheduler.running = ["r"] * 4
-
-    def serve(steps):
-        served = []
-        for _ in range(steps):
-            observe(tracker, 12, steps=1)
-            budget = core.scheduler.dynamic_sd_lookup[4]
-            served.append(budget)
-            controller.before_step()
-            predicted = controller.profile.tree.step_ms(4 * (1 + budget), 4, budget)
-            now[0] += (3 if budget == 32 else 1) * predicted / 1e3
-        return served
-
+    serve = timed_server(core, tracker, controller, 12, {32: 3.0})
     core.scheduler.waiting = ["w"]  # a prefill in every interval: nothing counted
     assert set(serve(online_budget.REFRESH_STEPS)) == {32}
     assert controller.realised.ratios().by_pair == {}
@@ -181,17 +190,8 @@ def test_a_smaller_budget_never_timed_where_the_engine_serves_is_explored_and_ke
     observe(tracker, 11, steps=200)
     controller.refresh()
     assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
-    now = [0.0]
-    controller.realised.clock = lambda: now[0]
-    core.scheduler.running = ["r"] * 4
-    served = []
-    for _ in range(online_budget.REFRESH_STEPS * (online_budget.EXPLORE_EVERY + 2)):
-        observe(tracker, 11, steps=1)
-        budget = core.scheduler.dynamic_sd_lookup[4]
-        served.append(budget)
-        controller.before_step()
-        predicted = controller.profile.tree.step_ms(4 * (1 + budget), 4, budget)
-        now[0] += (0.5 if budget == 16 else 1.0) * predicted / 1e3
+    serve = timed_server(core, tracker, controller, 11, {16: 0.5})
+    served = serve(online_budget.REFRESH_STEPS * (online_budget.EXPLORE_EVERY + 2))
     ratios = controller.realised.ratios().by_pair
     assert ratios[(32, 4)] == pytest.approx(1.0) and ratios[(16, 4)] == pytest.approx(0.5)
     # The first refresh ran before the loop: the EXPLORE_EVERY-th comes 7 refreshes into it.
