@@ -1,6 +1,6 @@
 """vllm_ddtree/spec_decode/drafter_warmup.py: vLLM's DFlash input kernel compiled at start for
-every verify width a V2 engine can serve (its launches recorded here; the kernel itself needs
-a GPU: the 8B scale-model grid runs it)."""
+every block size it can take on a V2 engine (its launches recorded here; the kernel itself
+needs a GPU: the 8B scale-model grid runs it)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ def test_the_block_size_follows_vllms_rule():
             assert drafter_warmup.drafter_block_size(width, query) == expected, (width, query)
 
 
-def test_one_width_per_block_size_narrowest_first():
-    """Budgets 8-128 (widths 9-129) with a drafter query of 16 need block sizes 32, 64, 128
-    and 256: widths 17 and 33 share 64."""
-    widths = [129, 9, 33, 17, 65]
-    assert drafter_warmup.widths_to_warm(widths, 16) == [9, 17, 65, 129]
-    assert drafter_warmup.widths_to_warm([17], 16) == [17]
-    assert drafter_warmup.widths_to_warm([], 16) == []
+def test_one_width_per_block_size_the_kernel_can_take():
+    """A drafter query of 16: block sizes 32, 64, 128 and 256, from requests of 16, 48, 112
+    and 240 tokens (each width lands on its block size); none past the token budget."""
+    widths = drafter_warmup.widths_to_warm(16, 8192)
+    assert widths == [16, 48, 112, 240]
+    assert [drafter_warmup.drafter_block_size(w, 16) for w in widths] == [32, 64, 128, 256]
+    assert drafter_warmup.widths_to_warm(16, 100) == [16, 48]
+    assert drafter_warmup.widths_to_warm(8, 8192) == [8, 24, 56, 120, 248]
 
 
 def stand_ins(monkeypatch, fail_at: int | None = None):
@@ -53,6 +54,7 @@ def stand_ins(monkeypatch, fail_at: int | None = None):
     monkeypatch.setattr(input_batch.InputBatch, "make_dummy", staticmethod(make_dummy))
     monkeypatch.setattr(dflash, "prepare_dflash_inputs", prepare)
     runner = SimpleNamespace(
+        max_num_tokens=8256,
         input_buffers=SimpleNamespace(device=torch.device("cpu")),
         req_states=SimpleNamespace(last_sampled_tokens="last", next_prefill_tokens="next"),
     )
@@ -84,12 +86,12 @@ def test_the_kernel_is_launched_once_per_block_size_and_group_with_the_engines_b
     monkeypatch,
 ):
     runner, speculator, launches = stand_ins(monkeypatch)
-    warmed = drafter_warmup.warm_drafter_inputs(runner, speculator, [9, 17, 33, 65, 129])
-    assert warmed == [9, 17, 65, 129]
+    warmed = drafter_warmup.warm_drafter_inputs(runner, speculator)
+    assert warmed == [16, 48, 112, 240]
     assert [(n, width) for n, width, _ in launches] == [
-        (1, w) for w in (9, 9, 17, 17, 65, 65, 129, 129)
+        (1, w) for w in (16, 16, 48, 48, 112, 112, 240, 240)
     ]
-    _, _, args = launches[1]  # width 9, the second draft KV-cache group
+    _, _, args = launches[1]  # width 16, the second draft KV-cache group
     assert args[:7] == (
         "drafter inputs",
         "slots 5",
@@ -106,36 +108,27 @@ def test_the_kernel_is_launched_once_per_block_size_and_group_with_the_engines_b
 def test_a_failed_warm_up_is_a_warning_not_an_engine_failure(monkeypatch, caplog):
     """The engine serves without the warm-up (the kernel compiles when a width is first
     served): a failure logs what failed and returns the widths warmed before it."""
-    runner, speculator, launches = stand_ins(monkeypatch, fail_at=65)
+    runner, speculator, launches = stand_ins(monkeypatch, fail_at=48)
     with caplog.at_level(logging.WARNING, logger="vllm.ddtree"):
-        warmed = drafter_warmup.warm_drafter_inputs(runner, speculator, [9, 65, 129])
-    assert warmed == [9] and len(launches) == 2
+        warmed = drafter_warmup.warm_drafter_inputs(runner, speculator)
+    assert warmed == [16] and len(launches) == 2
     assert "RuntimeError: no driver" in caplog.text
-    assert "compiles at the first step of each width instead" in caplog.text
+    assert "compiles at the first step that needs each block size instead" in caplog.text
 
 
-def test_every_ddtree_v2_engine_warms_the_widths_it_can_serve_after_capture(monkeypatch):
-    """``v2_hooks``' capture wrapper: after vLLM captured its graphs, a DDTree engine warms
-    the widths of its budget, its per-batch-size schedule and "auto"'s budgets; an engine
-    without DDTree is left alone."""
+def test_every_ddtree_v2_engine_warms_the_kernel_after_capture(monkeypatch):
+    """``v2_hooks``' capture wrapper: after vLLM captured its graphs, a DDTree engine (fixed
+    budget or "auto") warms the kernel; an engine without DDTree is left alone."""
     pytest.importorskip("vllm")
     from vllm_ddtree.config import DDTreeConfig
     from vllm_ddtree.spec_decode import v2_hooks
     from vllm_ddtree.spec_decode.step_state import StepState
 
     warmed = []
-    monkeypatch.setattr(
-        v2_hooks, "warm_drafter_inputs", lambda runner, spec, widths: warmed.append(widths)
-    )
+    monkeypatch.setattr(v2_hooks, "warm_drafter_inputs", lambda runner, spec: warmed.append(runner))
     capture = v2_hooks._wrap_capture_model(lambda runner: "captured")
-    ddtree = DDTreeConfig(32, 8, 15, runner="v2", online_budgets=(8, 16))
-    schedule = [[1, 4, 32], [5, 64, 16]]
-    runner = SimpleNamespace(
-        speculator=SimpleNamespace(ddtree=ddtree, state=StepState()),
-        vllm_config=SimpleNamespace(
-            speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=schedule)
-        ),
-    )
-    assert capture(runner) == "captured" and warmed == [[9, 17, 33]]
-    chain = SimpleNamespace(speculator=SimpleNamespace(), vllm_config=runner.vllm_config)
-    assert capture(chain) == "captured" and warmed == [[9, 17, 33]]
+    ddtree = DDTreeConfig(32, 8, 15, runner="v2")
+    runner = SimpleNamespace(speculator=SimpleNamespace(ddtree=ddtree, state=StepState()))
+    assert capture(runner) == "captured" and warmed == [runner]
+    chain = SimpleNamespace(speculator=SimpleNamespace())
+    assert capture(chain) == "captured" and warmed == [runner]

@@ -106,7 +106,7 @@ def _wrap_init_speculator(original):
 def _wrap_capture_model(original):
     """An online "auto" engine times each graph as vLLM captures it (``step_costs.py``): the
     step costs it judges budgets by. Then every DDTree engine compiles vLLM's DFlash input
-    kernel for each verify width it can serve (``drafter_warmup.py``)."""
+    kernel for every block size it can take (``drafter_warmup.py``)."""
 
     def capture_model(self):
         speculator = _ddtree_speculator(self)
@@ -118,11 +118,7 @@ def _wrap_capture_model(original):
             timers = time_graphs_as_captured(self, _synchronize_stream)
             captured = original(self)
             _keep_step_costs(speculator.state, timers)
-        schedule = getattr(
-            self.vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None
-        )
-        widths = speculator.ddtree.served_verify_widths(schedule)
-        warm_drafter_inputs(self, speculator, widths)
+        warm_drafter_inputs(self, speculator)
         return captured
 
     return capture_model
