@@ -125,11 +125,17 @@ def test_device_times_measured_at_start_decide_where_the_profile_would_not(tmp_p
     assert "device times measured at start" in caplog.text
 
 
-def timed_server(core, tracker, controller, num_accepted: int, realised: dict[int, float]):
-    """A stand-in clock for ``controller``'s realised step times and ``serve(steps)``: that
-    many engine steps at 4 requests, each observing paths ``num_accepted`` deep and taking
-    ``realised.get(budget, 1)`` times its predicted time at the budget served; returns the
-    budget of each step."""
+def timed_server(tmp_path, num_accepted: int, realised: dict[int, float]):
+    """A V2 engine core of 4 requests between budgets 16 and 32, refreshed once on paths
+    ``num_accepted`` deep (budget 32 the profile's fastest), with a stand-in clock for its
+    realised step times; and ``serve(steps)``: that many engine steps at 4 requests, each
+    observing such paths and taking ``realised.get(budget, 1)`` times its predicted time at
+    the budget served, returning the budget of each step."""
+    core, tracker = engine_core(tmp_path, budgets=(16, 32), runner="v2")
+    controller = online_budget.online_budget(core)
+    observe(tracker, num_accepted, steps=200)
+    controller.refresh()
+    assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
     now = [0.0]
     controller.realised.clock = lambda: now[0]
     core.scheduler.running = ["r"] * 4
@@ -145,7 +151,7 @@ def timed_server(core, tracker, controller, num_accepted: int, realised: dict[in
             now[0] += realised.get(budget, 1.0) * predicted / 1e3
         return served
 
-    return serve
+    return core, controller, serve
 
 
 def test_a_budget_whose_served_steps_ran_slower_than_predicted_is_left(tmp_path, caplog):
@@ -153,12 +159,7 @@ def test_a_budget_whose_served_steps_ran_slower_than_predicted_is_left(tmp_path,
     times their predicted time (steady batches, nothing waiting), "auto" serves 16, whose
     steps take their predicted time, and it does not explore 32 again while that stands.
     Steps while a request waits are not counted."""
-    core, tracker = engine_core(tmp_path, budgets=(16, 32), runner="v2")
-    controller = online_budget.online_budget(core)
-    observe(tracker, 12, steps=200)
-    controller.refresh()
-    assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
-    serve = timed_server(core, tracker, controller, 12, {32: 3.0})
+    core, controller, serve = timed_server(tmp_path, 12, {32: 3.0})
     core.scheduler.waiting = ["w"]  # a prefill in every interval: nothing counted
     assert set(serve(online_budget.REFRESH_STEPS)) == {32}
     assert controller.realised.ratios().by_pair == {}
@@ -185,12 +186,7 @@ def test_a_smaller_budget_never_timed_where_the_engine_serves_is_explored_and_ke
     16 at 3-4 requests (served with 32 there, never with 16), its steps are timed, and it
     stays. Failed before: 32 was served to the end (the 8B grid at ed73855 kept budget 16
     at 16 requests where budget 8 ran faster, budget 8 never served there)."""
-    core, tracker = engine_core(tmp_path, budgets=(16, 32), runner="v2")
-    controller = online_budget.online_budget(core)
-    observe(tracker, 11, steps=200)
-    controller.refresh()
-    assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
-    serve = timed_server(core, tracker, controller, 11, {16: 0.5})
+    core, controller, serve = timed_server(tmp_path, 11, {16: 0.5})
     served = serve(online_budget.REFRESH_STEPS * (online_budget.EXPLORE_EVERY + 2))
     ratios = controller.realised.ratios().by_pair
     assert ratios[(32, 4)] == pytest.approx(1.0) and ratios[(16, 4)] == pytest.approx(0.5)
