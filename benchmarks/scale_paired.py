@@ -51,6 +51,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks import bench_paired
 from benchmarks.bench_paired import (
     AUTO,
     AUTO_COLUMNS,
@@ -668,8 +669,9 @@ TREE_KERNEL_ENV = {"VLLM_DDTREE_TREE_ATTN_CONTEXT": "triton"}
 
 
 def is_fixed_budget(name: str) -> bool:
-    """A DDTree engine of one fixed budget, not a ``--flash-context`` copy of one."""
-    return name.startswith("ddtree") and name != AUTO and not name.endswith(FLASH_SUFFIX)
+    """A DDTree engine of one fixed budget (``bench_paired.is_fixed_budget``), not a
+    ``--flash-context`` copy of one."""
+    return bench_paired.is_fixed_budget(name) and not name.endswith(FLASH_SUFFIX)
 
 
 def flash_context_jobs(jobs: list[dict], spec: str) -> list[dict]:
