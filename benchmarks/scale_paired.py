@@ -524,14 +524,18 @@ def main(argv: list[str] | None = None) -> int:
         job["cudagraph_capture_sizes"] = graph_sizes(
             job["width"], job["max_seqs"], job["drafter_width"]
         )
-    overrides = engine_overrides(model, args, budgets, batches)
+    auto = None
     if args.auto_max_seqs:
-        job = auto_job(drafter, model.block_size - 1, args.auto_max_seqs, runner)
-        jobs.append(job)
-        served[job["name"]] = list(batches)
+        auto = auto_job(drafter, model.block_size - 1, args.auto_max_seqs, runner)
+        jobs.append(auto)
+        served[auto["name"]] = list(batches)
+    # Room for two trees of the widest budget any engine verifies, "auto"'s included: a tree
+    # cut at max_model_len leaves the FULL CUDA graph.
+    overrides = engine_overrides(model, args, verified_budgets(jobs), batches)
+    if auto is not None:
         # vLLM asks a DFlash engine's token budget to cover max_num_seqs whole verify batches.
         overrides["max_num_batched_tokens"] = max(
-            overrides["max_num_batched_tokens"], job["width"] * job["max_seqs"]
+            overrides["max_num_batched_tokens"], auto["width"] * auto["max_seqs"]
         )
     if args.flash_context:
         try:
@@ -723,8 +727,15 @@ def flash_context_table(summary: dict) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def verified_budgets(jobs: list[dict]) -> list[int]:
+    """The drafts per request each speculating engine of ``jobs`` may verify (its widest:
+    for "auto", the widest budget it may move to), for ``engine_overrides``."""
+    return [job["width"] - 1 for job in jobs if job["name"] != "ar"]
+
+
 def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dict:
-    """``LLM(...)`` arguments every engine of the run shares (``bench_paired.engine_args``)."""
+    """``LLM(...)`` arguments every engine of the run shares (``bench_paired.engine_args``);
+    ``budgets``: the drafts per request the engines verify (``verified_budgets``)."""
     overrides = {
         "skip_tokenizer_init": True,
         "max_num_batched_tokens": max(2048, (1 + max(budgets, default=15)) * max(batches)),

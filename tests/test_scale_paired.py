@@ -484,3 +484,25 @@ def test_flash_context_engines_copy_theirs_with_the_switch_and_are_set_against_t
     )
     with pytest.raises(SystemExit):
         _run_on_stand_ins(tmp_path, monkeypatch, argv + ["--flash-context", "64"])
+
+
+def test_max_model_len_leaves_room_for_two_of_the_auto_engines_widest_trees():
+    """The 8B grid at cedb958 gave every engine a max_model_len for two trees of the grid's
+    widest fixed budget (32), while its "auto" engine served budgets up to 128: vLLM cut the
+    trees of a request's last steps at max_model_len, those verifies left the FULL CUDA graph
+    (the engine's log: the tree attention kernel compiling during inference), and "auto"'s
+    steps at one request ran 10.7 ms where fixed budgets ran 8.4. The length is sized from
+    every engine's widest tree, "auto"'s included."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_paired import auto_job, engine_jobs
+    from benchmarks.scale_paired import engine_overrides, verified_budgets
+
+    args = SimpleNamespace(prompt_len=128, max_tokens=256, kv_cache_gb=1.0)
+    jobs = engine_jobs("d", 15, [8, 32], 1, "v2")
+    assert verified_budgets(jobs) == [15, 8, 32]
+    auto = auto_job("d", 15, 64, "v2")
+    widest = auto["width"] - 1
+    assert widest >= 128  # the packaged profile's widest measured budget
+    overrides = engine_overrides(QWEN3_8B, args, verified_budgets([*jobs, auto]), [1, 16])
+    assert overrides["max_model_len"] >= 128 + 256 + 2 * (1 + widest)
