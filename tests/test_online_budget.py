@@ -231,3 +231,53 @@ def test_an_exploration_is_judged_again_as_soon_as_its_estimates_can_stand(tmp_p
     assert core.scheduler.dynamic_sd_lookup[1:] == [4, 4, 4, 4]  # back after judging it
     core.scheduler.running = [object()]  # one request: 16 steps for 16 trees
     assert controller.exploration_steps() == 16 + online_budget.SNAPSHOT_LAG_STEPS
+
+
+def test_steps_of_a_request_whose_tree_vllm_cuts_at_max_model_len_are_not_timed(tmp_path):
+    """A request whose next tree would pass ``max_model_len`` has it cut by vLLM's scheduler
+    (``num_tokens_with_spec + num_output_placeholders`` past ``max_model_len`` less the
+    tokens a step samples); the step leaves the FULL CUDA graph. "auto" does not time such
+    steps: on the 8B scale model at cedb958 it read budget 128 at one request at 5.08 times
+    its prediction from them. Failed before: the cut steps' ratio (5) stood for budget 32."""
+    slowdown = {32: 5.0}  # serve() reads it at every step
+    core, controller, serve = timed_server(tmp_path, 12, slowdown)
+    core.scheduler.max_model_len = 1000
+    core.scheduler.num_sampled_tokens_per_step = 1
+    # 970 tokens and a 32-node tree: 1002 past 1000 less the 1 a step samples. (The far
+    # request's 532 are not.)
+    near = SimpleNamespace(num_tokens_with_spec=970 + 32, num_output_placeholders=0)
+    far = SimpleNamespace(num_tokens_with_spec=500 + 32, num_output_placeholders=0)
+    core.scheduler.running = [far, far, far, near]
+    assert set(serve(online_budget.REFRESH_STEPS - 1)) == {32}
+    assert (32, 4) not in controller.realised.ratios().by_pair
+    core.scheduler.running = [far] * 4  # the near request left; its successor is far
+    slowdown[32] = 1.0
+    assert set(serve(16)) == {32}
+    assert controller.realised.ratios().by_pair[(32, 4)] == pytest.approx(1.0)
+
+
+def test_the_cut_rule_is_the_one_vllms_scheduler_applies():
+    """``tree_is_cut`` mirrors vLLM's scheduler: a running request is given at most
+    ``max_model_len - num_computed_tokens - num_sampled_tokens_per_step`` tokens, of the
+    ``num_tokens_with_spec + num_output_placeholders - num_computed_tokens`` it has. A vLLM
+    that changes the rule or the names fails here (and "auto" would time cut steps)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    source = " ".join(inspect.getsource(Scheduler.schedule).split())
+    assert (
+        "request.num_tokens_with_spec + request.num_output_placeholders - "
+        "request.num_computed_tokens" in source
+    )
+    assert (
+        "self.max_model_len - request.num_computed_tokens - self.num_sampled_tokens_per_step"
+        in source
+    )
+    assert isinstance(Request.num_tokens_with_spec, property)
+    scheduler = SimpleNamespace(max_model_len=100, num_sampled_tokens_per_step=1)
+    request = SimpleNamespace(num_tokens_with_spec=90, num_output_placeholders=9)
+    assert not online_budget.tree_is_cut(scheduler, request)  # 99 tokens: room for them
+    request.num_output_placeholders = 10
+    assert online_budget.tree_is_cut(scheduler, request)

@@ -221,6 +221,29 @@ def test_the_steps_right_after_a_change_are_not_counted():
     assert realised.ratios().by_pair[(64, 1)] == pytest.approx(1.0)
 
 
+def test_a_step_whose_trees_were_cut_at_max_model_len_is_not_counted():
+    """vLLM cuts the trees of a request near ``max_model_len``; a cut tree is narrower than
+    every captured verify width, so its step runs outside the FULL CUDA graph and costs what
+    the budget does not. On the 8B scale model at cedb958 "auto" judged budget 128 at one
+    request by such steps (realised / predicted 5.08) and never served it again. Those
+    intervals are not counted, nor the settling ones after them."""
+    from vllm_ddtree.step_costs import RealisedStepTimes
+
+    now = [0.0]
+    realised = RealisedStepTimes(
+        half_life_steps=1e9, min_steps=2.5, settle_steps=2, clock=lambda: now[0]
+    )
+    for step in range(16):
+        cut = 8 <= step < 12
+        realised.tick(1, 0, 128, 10.0, cut=cut)
+        now[0] += 0.050 if cut else 0.010  # eager verifies of cut trees: 5x
+    assert realised.ratios().by_pair == {(128, 1): pytest.approx(1.0)}
+    for _ in range(12):
+        realised.tick(1, 0, 64, 5.0, cut=True)
+        now[0] += 0.025
+    assert (64, 1) not in realised.ratios().by_pair
+
+
 def test_a_stall_later_in_a_steady_run_does_not_move_the_ratio():
     """A Triton kernel can compile at any step, not only after a change (vLLM's DFlash input
     kernel compiled four times in an engine's first steps): a pair's ratio is the median of its

@@ -122,6 +122,19 @@ def make_tracker(vllm_config, device: torch.device):
     return OnlineAcceptance(list(ddtree.online_budgets), HALF_LIFE_STEPS, device)
 
 
+def tree_is_cut(scheduler, request) -> bool:
+    """Whether vLLM's scheduler cuts ``request``'s next tree at ``max_model_len`` (its rule:
+    a running request is scheduled at most ``max_model_len`` less its computed tokens less
+    the tokens a step samples; with async scheduling the step in flight counts as
+    computed). False where either side is unknown."""
+    limit = getattr(scheduler, "max_model_len", None)
+    tokens = getattr(request, "num_tokens_with_spec", None)
+    if limit is None or tokens is None:
+        return False
+    tokens += getattr(request, "num_output_placeholders", 0)
+    return tokens > limit - getattr(scheduler, "num_sampled_tokens_per_step", 1)
+
+
 class OnlineBudget:
     """One engine core's online budget: reads the workers' acceptance, sets the scheduler's
     per-batch-size budgets."""
@@ -174,7 +187,8 @@ class OnlineBudget:
         lookup = scheduler.dynamic_sd_lookup
         budget = lookup[batch] if lookup is not None and 0 < batch < len(lookup) else None
         budget = budget or scheduler.num_spec_tokens
-        self.realised.tick(batch, waiting, budget, self._predicted_ms(batch, budget))
+        cut = any(tree_is_cut(scheduler, request) for request in scheduler.running)
+        self.realised.tick(batch, waiting, budget, self._predicted_ms(batch, budget), cut)
 
     def _predicted_ms(self, batch: int, budget: int) -> float | None:
         """The profile's step time for ``batch`` trees of ``budget`` nodes (fixed for the

@@ -275,10 +275,11 @@ class RealisedStepTimes:
     whose graphs timed 7% slower than the next smaller one's served steps more than twice as
     long (``benchmarks/results/2026-12-03_7d61089_scale-8b-auto-grid``). ``tick`` runs at every
     engine step with that step's requests and budget; the interval up to the next tick counts
-    when the batch neither grew nor shrank, nothing waited (no prefill in it) and the budget
-    did not change, and not in the ``settle_steps`` intervals after any such change: the first
-    steps of a new shape pay one-time costs (Triton compiling a kernel for it) that are not
-    what the budget costs. A kernel can compile at a later step too (the 8B grid at 9a55b03
+    when the batch neither grew nor shrank, nothing waited (no prefill in it), the budget
+    did not change and vLLM cut no tree of the step at ``max_model_len`` (a cut tree's verify
+    leaves the FULL CUDA graph), and not in the ``settle_steps`` intervals after any such
+    change: the first steps of a new shape pay one-time costs (Triton compiling a kernel for
+    it) that are not what the budget costs. A kernel can compile at a later step too (the 8B grid at 9a55b03
     logged vLLM's DFlash input kernel compiling four times in an engine's first steps), so a
     pair's ratio is the median of its latest ``window`` counted intervals: a stall among them
     does not move it, a budget slow at every step still shows. A pair stands while its
@@ -298,19 +299,31 @@ class RealisedStepTimes:
         self._latest: dict[tuple[int, int], deque[float]] = {}
         self._window = window
         self._steps: dict[tuple[int, int], float] = {}
-        self._last: tuple[float, int, int, int, float | None] | None = None
+        self._last: tuple[float, int, int, int, float | None, bool] | None = None
         self._steady_run = 0  # steady intervals in a row, up to this one
 
-    def tick(self, batch: int, waiting: int, tree_budget: int, predicted_ms: float | None):
+    def tick(
+        self,
+        batch: int,
+        waiting: int,
+        tree_budget: int,
+        predicted_ms: float | None,
+        cut: bool = False,
+    ):
         """One engine step of ``batch`` running requests (``waiting`` more queued) served
-        ``tree_budget`` nodes a tree, predicted to take ``predicted_ms`` (None: unknown)."""
+        ``tree_budget`` nodes a tree, predicted to take ``predicted_ms`` (None: unknown);
+        ``cut``: vLLM cuts a tree of the step at ``max_model_len`` (the step leaves the FULL
+        CUDA graph: not what the budget costs, not counted)."""
         now = self.clock()
-        last, self._last = self._last, (now, batch, waiting, tree_budget, predicted_ms)
+        last, self._last = self._last, (now, batch, waiting, tree_budget, predicted_ms, cut)
         if last is None:
             return
-        then, last_batch, last_waiting, last_budget, last_predicted = last
+        then, last_batch, last_waiting, last_budget, last_predicted, last_cut = last
         steady = (
-            batch == last_batch > 0 and waiting == last_waiting == 0 and tree_budget == last_budget
+            batch == last_batch > 0
+            and waiting == last_waiting == 0
+            and tree_budget == last_budget
+            and not last_cut
         )
         self._steady_run = self._steady_run + 1 if steady else 0
         if self._steady_run <= self.settle_steps or not last_predicted:
