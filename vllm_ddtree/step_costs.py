@@ -270,21 +270,21 @@ class RealisedStepTimes:
     """The wall time between an engine core's steps, over the cost model's prediction for the
     step, by the tree budget served and the batch size (its bucket, ``batch_bucket``).
 
-    A start-up measurement times each CUDA graph alone; a served step adds the host's work,
-    the sampler, the tree walk and anything the measurement missed, and on the H200 a budget
-    whose graphs timed 7% slower than the next smaller one's served steps more than twice as
-    long (``benchmarks/results/2026-12-03_7d61089_scale-8b-auto-grid``). ``tick`` runs at every
+    A start-up measurement times each CUDA graph alone; a served step adds the host's work, the
+    sampler, the tree walk and anything the measurement missed, and on the H200 a budget whose
+    graphs timed 7% slower than the next smaller one's served steps more than twice as long
+    (``benchmarks/results/2026-12-03_7d61089_scale-8b-auto-grid``). ``tick`` runs at every
     engine step with that step's requests and budget; the interval up to the next tick counts
-    when the batch neither grew nor shrank, nothing waited (no prefill in it), the budget
-    did not change and vLLM cut no tree of the step at ``max_model_len`` (a cut tree's verify
-    leaves the FULL CUDA graph), and not in the ``settle_steps`` intervals after any such
-    change: the first steps of a new shape pay one-time costs (Triton compiling a kernel for
-    it) that are not what the budget costs. A kernel can compile at a later step too (the 8B grid at 9a55b03
+    when the batch neither grew nor shrank, nothing waited (no prefill in it), the budget did
+    not change and vLLM cut no tree of the step at ``max_model_len`` (a cut tree's verify leaves
+    the FULL CUDA graph), and not in the ``settle_steps`` intervals after any such change: the
+    first steps of a new shape pay one-time costs (Triton compiling a kernel for it) that are
+    not what the budget costs. A kernel can compile at a later step too (the 8B grid at 9a55b03
     logged vLLM's DFlash input kernel compiling four times in an engine's first steps), so a
     pair's ratio is the median of its latest ``window`` counted intervals: a stall among them
-    does not move it, a budget slow at every step still shows. A pair stands while its
-    decayed step count is at least ``min_steps`` (a step's weight halves after
-    ``half_life_steps`` more counted steps)."""
+    does not move it, a budget slow at every step still shows. A pair stands while its decayed
+    step count is at least ``min_steps`` (a step's weight halves after ``half_life_steps`` more
+    counted steps)."""
 
     def __init__(
         self,
