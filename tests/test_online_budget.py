@@ -281,3 +281,45 @@ def test_the_cut_rule_is_the_one_vllms_scheduler_applies():
     assert not online_budget.tree_is_cut(scheduler, request)  # 99 tokens: room for them
     request.num_output_placeholders = 10
     assert online_budget.tree_is_cut(scheduler, request)
+
+
+def test_a_budget_is_lowered_to_a_candidate_whose_tree_fits_before_max_model_len():
+    """``fit_budget``: the served budget where its next verify fits the tightest request's
+    room, else the largest smaller candidate that fits, else the smallest candidate."""
+    candidates = [8, 16, 32, 64, 128]
+    assert online_budget.fit_budget(64, 65, candidates) == 64
+    assert online_budget.fit_budget(64, 64, candidates) == 32
+    assert online_budget.fit_budget(128, 20, candidates) == 16
+    assert online_budget.fit_budget(32, 5, candidates) == 8  # cut either way: the narrowest
+    assert online_budget.fit_budget(8, 5, candidates) == 8
+    assert online_budget.fit_budget(0, 5, candidates) == 0  # vLLM's entry for no requests
+
+
+def test_auto_drafts_trees_that_fit_before_max_model_len_where_verifies_replay_graphs(tmp_path):
+    """vLLM cuts a tree that would pass ``max_model_len``, and the cut verify runs outside the
+    FULL CUDA graph (the 8B scale model at cedb958: "auto"'s one-request steps at budget 128
+    near the bench's max_model_len ran eagerly). An engine with graphs drafts, while a running
+    request is that close, with the largest candidate budget whose tree fits (each has its
+    graphs), and serves its schedule again once no request is; one without graphs keeps its
+    budgets (a cut costs it nothing)."""
+    for mode, lowered in ((CUDAGraphMode.FULL_DECODE_ONLY, True), (CUDAGraphMode.NONE, False)):
+        core, tracker = engine_core(tmp_path, cudagraph_mode=mode, runner="v2")
+        controller = online_budget.online_budget(core)
+        observe(tracker, 12, steps=200)
+        controller.refresh()
+        served = list(core.scheduler.dynamic_sd_lookup)
+        assert 32 in served[1:]
+        scheduler = core.scheduler
+        scheduler.max_model_len, scheduler.num_sampled_tokens_per_step = 1000, 1
+        # 950 tokens and a 32-node tree scheduled next: 999 - 982 = 17 tokens of room, so
+        # the tree drafted now fits with 16 nodes, not 32.
+        near = SimpleNamespace(num_tokens_with_spec=950 + 32, num_output_placeholders=0)
+        far = SimpleNamespace(num_tokens_with_spec=100 + 32, num_output_placeholders=0)
+        scheduler.running = [far, near]
+        controller.before_step()
+        expected = [min(budget, 16) for budget in served] if lowered else served
+        assert scheduler.dynamic_sd_lookup == expected
+        assert controller.lookup == served  # the schedule itself is kept
+        scheduler.running = [far, far]
+        controller.before_step()
+        assert scheduler.dynamic_sd_lookup == served

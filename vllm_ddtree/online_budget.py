@@ -23,6 +23,11 @@ another pair misjudges is measured, not assumed). The next refresh then
 comes as soon as its estimates can stand (``OnlineBudget.exploration_steps``), not a whole
 refresh later.
 
+Near ``max_model_len`` vLLM's scheduler cuts a request's tree, and a cut verify leaves the
+FULL CUDA graph: while a running request is that close, an engine with graphs drafts with the
+largest candidate budget whose tree fits (``OnlineBudget.fit_trees``), and such steps are not
+timed.
+
 Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets: on the V2 runner
 the budgets of "auto"'s per-batch-size schedule (vLLM captures FULL graphs for each of their
 widths; a verify batch is never given more tokens than the largest graph), on the V1 runner
@@ -85,6 +90,12 @@ def worker_step_costs(worker):
     return getattr(_worker_step_state(worker), "step_costs", None)
 
 
+def _no_graphs():
+    from vllm.config import CUDAGraphMode
+
+    return CUDAGraphMode.NONE
+
+
 def moves_online(vllm_config) -> bool:
     """Whether this engine's "auto" moves its budget online: several budgets to move between
     (``DDTreeConfig.online_budgets``), each with its verify graphs (V2: the schedule's widths)
@@ -122,17 +133,35 @@ def make_tracker(vllm_config, device: torch.device):
     return OnlineAcceptance(list(ddtree.online_budgets), HALF_LIFE_STEPS, device)
 
 
-def tree_is_cut(scheduler, request) -> bool:
-    """Whether vLLM's scheduler cuts ``request``'s next tree at ``max_model_len`` (its rule:
-    a running request is scheduled at most ``max_model_len`` less its computed tokens less
-    the tokens a step samples; with async scheduling the step in flight counts as
-    computed). False where either side is unknown."""
+def tree_room(scheduler, request) -> int | None:
+    """Tokens past ``request``'s scheduled ones that vLLM's scheduler still gives it before
+    ``max_model_len`` (its rule: a running request is scheduled at most ``max_model_len``
+    less its computed tokens less the tokens a step samples; with async scheduling the
+    tokens in flight count as computed); below 0: its next tree is cut. None where either
+    side is unknown."""
     limit = getattr(scheduler, "max_model_len", None)
     tokens = getattr(request, "num_tokens_with_spec", None)
     if limit is None or tokens is None:
-        return False
+        return None
     tokens += getattr(request, "num_output_placeholders", 0)
-    return tokens > limit - getattr(scheduler, "num_sampled_tokens_per_step", 1)
+    return limit - getattr(scheduler, "num_sampled_tokens_per_step", 1) - tokens
+
+
+def tree_is_cut(scheduler, request) -> bool:
+    """Whether vLLM's scheduler cuts ``request``'s next tree at ``max_model_len``."""
+    room = tree_room(scheduler, request)
+    return room is not None and room < 0
+
+
+def fit_budget(budget: int, room: int, candidates) -> int:
+    """The budget to draft with where the tightest running request has ``room`` tokens
+    (``tree_room``): ``budget`` when its verify (``1 + budget`` tokens, at the next step)
+    fits, else the largest smaller candidate that fits, else the smallest candidate (a cut
+    tree either way, the narrower the cheaper)."""
+    if budget <= 0 or 1 + budget <= room:
+        return budget
+    fitting = [c for c in candidates if c < budget and 1 + c <= room]
+    return max(fitting) if fitting else min(budget, *candidates)
 
 
 class OnlineBudget:
@@ -162,12 +191,37 @@ class OnlineBudget:
             REALISED_HALF_LIFE_STEPS, MIN_REALISED_STEPS, settle_steps=SETTLE_STEPS
         )
         self._predicted: dict[tuple[int, int], float] = {}
+        # The per-batch-size budgets served (vLLM's lookup list; from the config until the
+        # first refresh), and whether verifies replay CUDA graphs (trees kept from a cut).
+        self.lookup: list[int] | None = None
+        self.fits_trees = config.compilation_config.cudagraph_mode != _no_graphs()
 
     def before_step(self) -> None:
+        self.fit_trees()
         self._time_step()
         self.steps += 1
         if self.steps >= self.next_refresh:
             self.refresh()
+            self.fit_trees()
+
+    def fit_trees(self) -> None:
+        """Give the scheduler the served budgets, each lowered where needed so that the
+        next tree of every running request fits before ``max_model_len`` (``fit_budget``):
+        vLLM would cut it, and a cut tree's verify leaves the FULL CUDA graph, while a
+        smaller candidate budget has its graphs. Engines without CUDA graphs keep them."""
+        scheduler = self.engine_core.scheduler
+        if self.lookup is None:
+            self.lookup = scheduler.dynamic_sd_lookup
+        if self.lookup is None:
+            return
+        fitted = self.lookup
+        if self.fits_trees:
+            rooms = [tree_room(scheduler, request) for request in scheduler.running]
+            room = min((r for r in rooms if r is not None), default=None)
+            if room is not None and room < 1 + max(self.lookup):
+                fitted = [fit_budget(budget, room, self.candidates) for budget in self.lookup]
+        if scheduler.dynamic_sd_lookup != fitted:
+            scheduler.dynamic_sd_lookup = fitted
 
     def exploration_steps(self) -> int:
         """Steps an explored budget is served before the next refresh judges it: until its
@@ -237,11 +291,12 @@ class OnlineBudget:
         set_predictions(scheduler, acceptance)  # for the log line and /metrics
         if schedule == self.schedule:
             return
-        scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+        self.lookup = build_dynamic_sd_schedule_lookup(
             [list(entry) for entry in schedule],
             vllm_max_batch_size=self.max_num_seqs,
             vllm_num_speculative_tokens=scheduler.num_spec_tokens,
         )
+        scheduler.dynamic_sd_lookup = self.lookup
         self.schedule = schedule
         logger.info(
             "vllm-ddtree: tree_budget 'auto' now serves (requests: budget) %s; tokens per "
