@@ -415,6 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-batches", default="1", help="'' for none")
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="every engine's max_model_len (0: room past the output for two of the widest "
+        "trees); a tight one makes requests' last trees meet it (vLLM cuts them)",
+    )
+    parser.add_argument(
         "--max-verify-tokens",
         type=int,
         default=0,
@@ -742,7 +749,8 @@ def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dic
         # Room past the output for two trees: with async scheduling vLLM counts the step in
         # flight as computed and cuts the next tree at max_model_len (a cut tree leaves the
         # uniform-decode CUDA graph).
-        "max_model_len": args.prompt_len
+        "max_model_len": getattr(args, "max_model_len", 0)
+        or args.prompt_len
         + args.max_tokens
         + 2 * (1 + max(budgets, default=15))
         + 2 * model.block_size,

@@ -506,3 +506,16 @@ def test_max_model_len_leaves_room_for_two_of_the_auto_engines_widest_trees():
     assert widest >= 128  # the packaged profile's widest measured budget
     overrides = engine_overrides(QWEN3_8B, args, verified_budgets([*jobs, auto]), [1, 16])
     assert overrides["max_model_len"] >= 128 + 256 + 2 * (1 + widest)
+
+
+def test_max_model_len_can_be_set_for_every_engine():
+    """``--max-model-len``: a tight length makes requests' last trees meet it, the case where
+    vLLM cuts trees and "auto" drafts narrower ones that fit."""
+    from types import SimpleNamespace
+
+    from benchmarks.scale_paired import engine_overrides
+
+    args = SimpleNamespace(prompt_len=128, max_tokens=256, kv_cache_gb=1.0, max_model_len=400)
+    assert engine_overrides(QWEN3_8B, args, [64], [1])["max_model_len"] == 400
+    args.max_model_len = 0
+    assert engine_overrides(QWEN3_8B, args, [64], [1])["max_model_len"] > 128 + 256 + 2 * 65
