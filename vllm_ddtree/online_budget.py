@@ -218,7 +218,8 @@ class OnlineBudget:
         if self.fits_trees:
             rooms = [tree_room(scheduler, request) for request in scheduler.running]
             room = min((r for r in rooms if r is not None), default=None)
-            if room is not None and room < 1 + max(self.lookup):
+            # (The widest budget is the largest candidate, or below it.)
+            if room is not None and room < 1 + max(self.candidates):
                 fitted = [fit_budget(budget, room, self.candidates) for budget in self.lookup]
         if scheduler.dynamic_sd_lookup != fitted:
             scheduler.dynamic_sd_lookup = fitted
