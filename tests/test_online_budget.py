@@ -257,7 +257,7 @@ def test_steps_of_a_request_whose_tree_vllm_cuts_at_max_model_len_are_not_timed(
 
 
 def test_the_cut_rule_is_the_one_vllms_scheduler_applies():
-    """``tree_is_cut`` mirrors vLLM's scheduler: a running request is given at most
+    """``tree_room`` mirrors vLLM's scheduler: a running request is given at most
     ``max_model_len - num_computed_tokens - num_sampled_tokens_per_step`` tokens, of the
     ``num_tokens_with_spec + num_output_placeholders - num_computed_tokens`` it has. A vLLM
     that changes the rule or the names fails here (and "auto" would time cut steps)."""
@@ -278,9 +278,11 @@ def test_the_cut_rule_is_the_one_vllms_scheduler_applies():
     assert isinstance(Request.num_tokens_with_spec, property)
     scheduler = SimpleNamespace(max_model_len=100, num_sampled_tokens_per_step=1)
     request = SimpleNamespace(num_tokens_with_spec=90, num_output_placeholders=9)
-    assert not online_budget.tree_is_cut(scheduler, request)  # 99 tokens: room for them
+    assert online_budget.tree_room(scheduler, request) == 0  # 99 tokens: room for them
     request.num_output_placeholders = 10
-    assert online_budget.tree_is_cut(scheduler, request)
+    assert online_budget.tree_room(scheduler, request) == -1  # cut
+    scheduler.running = [request, SimpleNamespace(num_tokens_with_spec=50)]
+    assert online_budget.tightest_room(scheduler) == -1
 
 
 def test_a_budget_is_lowered_to_a_candidate_whose_tree_fits_before_max_model_len():

@@ -90,12 +90,6 @@ def worker_step_costs(worker):
     return getattr(_worker_step_state(worker), "step_costs", None)
 
 
-def _no_graphs():
-    from vllm.config import CUDAGraphMode
-
-    return CUDAGraphMode.NONE
-
-
 def moves_online(vllm_config) -> bool:
     """Whether this engine's "auto" moves its budget online: several budgets to move between
     (``DDTreeConfig.online_budgets``), each with its verify graphs (V2: the schedule's widths)
@@ -147,10 +141,11 @@ def tree_room(scheduler, request) -> int | None:
     return limit - getattr(scheduler, "num_sampled_tokens_per_step", 1) - tokens
 
 
-def tree_is_cut(scheduler, request) -> bool:
-    """Whether vLLM's scheduler cuts ``request``'s next tree at ``max_model_len``."""
-    room = tree_room(scheduler, request)
-    return room is not None and room < 0
+def tightest_room(scheduler) -> int | None:
+    """The least ``tree_room`` of the scheduler's running requests (below 0: vLLM cuts a
+    tree of the next step), or None where none is known."""
+    rooms = (tree_room(scheduler, request) for request in scheduler.running)
+    return min((room for room in rooms if room is not None), default=None)
 
 
 def fit_budget(budget: int, room: int, candidates) -> int:
@@ -194,33 +189,34 @@ class OnlineBudget:
         # The per-batch-size budgets served (vLLM's lookup list; from the config until the
         # first refresh), and whether verifies replay CUDA graphs (trees kept from a cut).
         self.lookup: list[int] | None = None
-        self.fits_trees = config.compilation_config.cudagraph_mode != _no_graphs()
+        from vllm.config import CUDAGraphMode
+
+        self.fits_trees = config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
 
     def before_step(self) -> None:
-        self.fit_trees()
-        self._time_step()
+        room = tightest_room(self.engine_core.scheduler)
+        self.fit_trees(room)
+        self._time_step(cut=room is not None and room < 0)
         self.steps += 1
         if self.steps >= self.next_refresh:
             self.refresh()
-            self.fit_trees()
+            self.fit_trees(room)
 
-    def fit_trees(self) -> None:
+    def fit_trees(self, room: int | None) -> None:
         """Give the scheduler the served budgets, each lowered where needed so that the
-        next tree of every running request fits before ``max_model_len`` (``fit_budget``):
-        vLLM would cut it, and a cut tree's verify leaves the FULL CUDA graph, while a
-        smaller candidate budget has its graphs. Engines without CUDA graphs keep them."""
+        next tree of every running request fits before ``max_model_len`` (``fit_budget``;
+        ``room``: ``tightest_room``): vLLM would cut it, and a cut tree's verify leaves the
+        FULL CUDA graph, while a smaller candidate budget has its graphs. Engines without
+        CUDA graphs keep them."""
         scheduler = self.engine_core.scheduler
         if self.lookup is None:
             self.lookup = scheduler.dynamic_sd_lookup
         if self.lookup is None:
             return
         fitted = self.lookup
-        if self.fits_trees:
-            rooms = [tree_room(scheduler, request) for request in scheduler.running]
-            room = min((r for r in rooms if r is not None), default=None)
-            # (The widest budget is the largest candidate, or below it.)
-            if room is not None and room < 1 + max(self.candidates):
-                fitted = [fit_budget(budget, room, self.candidates) for budget in self.lookup]
+        # (The widest budget is the largest candidate, or below it.)
+        if self.fits_trees and room is not None and room < 1 + max(self.candidates):
+            fitted = [fit_budget(budget, room, self.candidates) for budget in self.lookup]
         if scheduler.dynamic_sd_lookup != fitted:
             scheduler.dynamic_sd_lookup = fitted
 
@@ -234,15 +230,15 @@ class OnlineBudget:
         steps = max(trees, SETTLE_STEPS + int(MIN_REALISED_STEPS)) + SNAPSHOT_LAG_STEPS
         return min(steps, REFRESH_STEPS)
 
-    def _time_step(self) -> None:
+    def _time_step(self, cut: bool) -> None:
         """Tell ``realised`` this step's running requests, queued ones and budget, with the
-        step time the (uncorrected) cost model predicts for them."""
+        step time the (uncorrected) cost model predicts for them; ``cut``: vLLM cuts a tree
+        of the step at ``max_model_len``."""
         scheduler = self.engine_core.scheduler
         batch, waiting = len(scheduler.running), len(scheduler.waiting)
         lookup = scheduler.dynamic_sd_lookup
         budget = lookup[batch] if lookup is not None and 0 < batch < len(lookup) else None
         budget = budget or scheduler.num_spec_tokens
-        cut = any(tree_is_cut(scheduler, request) for request in scheduler.running)
         self.realised.tick(batch, waiting, budget, self._predicted_ms(batch, budget), cut)
 
     def _predicted_ms(self, batch: int, budget: int) -> float | None:
