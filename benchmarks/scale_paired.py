@@ -749,7 +749,7 @@ def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dic
         # Room past the output for two trees: with async scheduling vLLM counts the step in
         # flight as computed and cuts the next tree at max_model_len (a cut tree leaves the
         # uniform-decode CUDA graph).
-        "max_model_len": getattr(args, "max_model_len", 0)
+        "max_model_len": args.max_model_len
         or args.prompt_len
         + args.max_tokens
         + 2 * (1 + max(budgets, default=15))

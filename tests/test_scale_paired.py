@@ -269,7 +269,7 @@ def test_a_hybrid_target_is_served_text_only_with_ddtrees_hybrid_settings_by_eve
     from benchmarks.scale_paired import engine_overrides
     from vllm_ddtree.config import HYBRID_ENGINE_ARGS
 
-    args = SimpleNamespace(prompt_len=128, max_tokens=128, kv_cache_gb=1.0)
+    args = SimpleNamespace(prompt_len=128, max_tokens=128, kv_cache_gb=1.0, max_model_len=0)
     hybrid = engine_overrides(QWEN3_6_27B, args, [32, 64], [1, 4])
     assert hybrid["language_model_only"] is True
     assert hybrid["additional_config"] == {"gdn_prefill_backend": "triton"}
@@ -498,7 +498,7 @@ def test_max_model_len_leaves_room_for_two_of_the_auto_engines_widest_trees():
     from benchmarks.bench_paired import auto_job, engine_jobs
     from benchmarks.scale_paired import engine_overrides, verified_budgets
 
-    args = SimpleNamespace(prompt_len=128, max_tokens=256, kv_cache_gb=1.0)
+    args = SimpleNamespace(prompt_len=128, max_tokens=256, kv_cache_gb=1.0, max_model_len=0)
     jobs = engine_jobs("d", 15, [8, 32], 1, "v2")
     assert verified_budgets(jobs) == [15, 8, 32]
     auto = auto_job("d", 15, 64, "v2")
