@@ -128,3 +128,25 @@ def test_a_tree_searched_short_of_its_width_tells_only_the_budgets_within_its_no
     )
     observe_acceptance(SimpleNamespace(acceptance=tracker), step)
     assert sorted(tracker.snapshot()) == [4, 8]
+
+
+def test_a_wide_budget_is_judged_on_the_trees_it_shares_with_the_narrower_ones():
+    """A budget counts only the trees at least that wide: "auto" serves wide trees where few
+    requests run, i.e. to a batch's last requests, which accept least (they finish last). A
+    wide budget's tokens per step then comes from other requests than a narrow one's, and on
+    the 8B scale model "auto"'s estimates of budgets 32 and 64 sat within 0.2 of budget 16's
+    where fixed engines accepted 0.65 more with 32 (benchmarks/results/
+    2026-12-04_0003f14_scale-8b-grid). So each budget is judged by its gain over the next
+    narrower one on the same trees, applied to that one's estimate. Failed before: budget 8
+    read 3.0 tokens per step, below budget 4's 3.5."""
+    tracker = OnlineAcceptance([4, 8], half_life_steps=1e9, device=torch.device("cpu"))
+    # Ten requests near their ends with trees of 8 nodes: 1 token within budget 4, 2 within 8.
+    tail = torch.tensor([[0, 2, 5, -1, -1]]).repeat(10, 1)
+    tracker.observe(tail, torch.full((10,), 2), torch.full((10,), 8))
+    # Ten busy steps' requests with trees of 4 nodes, accepting 4 tokens each.
+    busy = torch.tensor([[0, 1, 2, 3, 4]]).repeat(10, 1)
+    tracker.observe(busy, torch.full((10,), 4), torch.full((10,), 4))
+    snapshot = tracker.snapshot()
+    assert snapshot[4] == pytest.approx((1.0 + 50 / 20, 20.0))
+    # On the tail's trees budget 8 reached 3 tokens per step where budget 4 reached 2.
+    assert snapshot[8] == pytest.approx((3.5 * 3.0 / 2.0, 10.0))

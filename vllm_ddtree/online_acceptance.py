@@ -8,6 +8,11 @@ among the first ``b``: since tree indices grow along a path, the path's nodes wi
 most ``b`` (``accepted_within_budgets``). One verified tree therefore tells the acceptance of
 every budget up to the nodes it verified; ``OnlineAcceptance`` keeps decayed sums of them per
 candidate budget on the device (no host synchronisation per step) for ``"auto"`` to read.
+
+A budget learns only from trees at least that wide, and "auto" serves wide trees where few
+requests run: to a batch's last requests, which accept least. So a budget's estimate is its
+gain over the next narrower budget on the trees both saw, applied to the narrower one's
+estimate, down to the narrowest, which every tree tells.
 """
 
 from __future__ import annotations
@@ -31,11 +36,33 @@ def accepted_within_budgets(
     return within.sum(dim=1)
 
 
+def paired_estimates(
+    budgets: list[int], accepted: list[float], trees: list[float], narrower: list[float]
+) -> dict[int, tuple[float, float]]:
+    """``{budget: (tokens per verify step, trees behind it)}`` from ``OnlineAcceptance``'s
+    sums by budget (ascending): the narrowest budget's mean, then each wider budget's
+    tokens per step over the next narrower one's on the same trees, times that one's
+    estimate. Budgets without a tree are left out (and every wider one: they have fewer)."""
+    estimates: dict[int, tuple[float, float]] = {}
+    tokens = 0.0
+    for c, budget in enumerate(budgets):
+        n = trees[c]
+        if n <= 0:
+            break
+        if c == 0:
+            tokens = 1.0 + accepted[0] / n
+        else:
+            tokens *= (n + accepted[c]) / (n + narrower[c])
+        estimates[budget] = (tokens, n)
+    return estimates
+
+
 class OnlineAcceptance:
     """Decayed per-budget acceptance of one engine's verified trees.
 
     Each step, every request whose verified tree had at least ``b`` nodes adds one tree to
-    budget ``b``'s count and its counterfactual accepted tokens to its sum; both decay by
+    budget ``b``'s count, its counterfactual accepted tokens to its sum, and those of the next
+    narrower budget to a third sum (the pair ``snapshot`` compares); all decay by
     ``0.5 ** (1 / half_life_steps)`` per step, so a workload shift is followed within a few
     half-lives. A budget above the nodes a request verified learns nothing from it."""
 
@@ -49,8 +76,10 @@ class OnlineAcceptance:
         self.budgets = sorted(set(budgets))
         self._budgets = torch.tensor(self.budgets, dtype=torch.long, device=device)
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        # Row 0: decayed accepted drafted tokens, row 1: decayed trees, by budget.
-        self._sums = torch.zeros(2, len(self.budgets), dtype=torch.float64, device=device)
+        # By budget, decayed over the trees at least that wide: row 0 its accepted drafted
+        # tokens, row 1 the trees, row 2 the next narrower budget's accepted drafted tokens
+        # (the budget's own for the narrowest).
+        self._sums = torch.zeros(3, len(self.budgets), dtype=torch.float64, device=device)
         # Host copies of ``_sums``, made without waiting (see ``_publish``): two pinned
         # buffers taking turns, each with the event of its last copy.
         on_cuda = torch.device(device).type == "cuda"
@@ -72,7 +101,14 @@ class OnlineAcceptance:
         ``num_nodes`` verified nodes (long ``[R]``; 0 for a request without a tree)."""
         counts = accepted_within_budgets(accepted, num_accepted, self._budgets)
         known = num_nodes.unsqueeze(1) >= self._budgets.unsqueeze(0)  # [R, C]
-        step = torch.stack((torch.where(known, counts, 0).sum(0), known.sum(0))).to(self._sums)
+        narrower = torch.cat((counts[:, :1], counts[:, :-1]), dim=1)
+        step = torch.stack(
+            (
+                torch.where(known, counts, 0).sum(0),
+                known.sum(0),
+                torch.where(known, narrower, 0).sum(0),
+            )
+        ).to(self._sums)
         self._sums.mul_(self._decay).add_(step)
         self._publish()
 
@@ -95,19 +131,15 @@ class OnlineAcceptance:
     def snapshot(self) -> dict[int, tuple[float, float]]:
         """``{budget: (tokens per verify step, decayed trees behind it)}`` as of the newest
         finished host copy (on a GPU at most a step or two behind; never a wait for the
-        device), tokens per step being 1 + the mean accepted drafted tokens; budgets without a
-        tree left out."""
+        device); budgets without a tree left out. Tokens per step: for the narrowest budget 1
+        + its mean accepted drafted tokens; for a wider one the next narrower budget's times
+        their ratio on the trees at least this wide (``paired_estimates``)."""
         newest = self._newest
         for turn in () if newest is None else (newest, newest ^ 1):
             event = self._copied[turn]
             # Synchronous copies (no events) are done as made; otherwise a buffer without an
             # event was never copied into.
             if self._copy_event is None or (event is not None and event.query()):
-                accepted, trees = self._host[turn].tolist()
-                self._last_read = {
-                    b: (1.0 + a / n, n)
-                    for b, a, n in zip(self.budgets, accepted, trees, strict=True)
-                    if n > 0
-                }
+                self._last_read = paired_estimates(self.budgets, *self._host[turn].tolist())
                 break
         return dict(self._last_read)

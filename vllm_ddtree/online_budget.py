@@ -2,7 +2,8 @@
 
 At start, "auto" picks a budget from a cost profile measured on another pair
 (``config._automatic_budget``). Once trees run, every verified tree tells the acceptance of every
-smaller budget (``online_acceptance.py``, kept by each worker). Every ``REFRESH_STEPS`` engine steps
+smaller budget (``online_acceptance.py``, kept by each worker; a budget judged by its gain over the
+next narrower one on the trees both saw). Every ``REFRESH_STEPS`` engine steps
 the engine core reads the first worker's estimates and sets vLLM's per-batch-size budget lookup (the
 scheduler's ``dynamic_sd_lookup``, what ``num_speculative_tokens_per_batch_size`` configures) to the
 budget predicted fastest at each batch size (a batch size keeps the budget it is served while that
