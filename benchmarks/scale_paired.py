@@ -102,6 +102,14 @@ def oracle_spec(pools: dict, references: dict, calibration: dict, seed: int = 0)
     return {"seed": seed, "sequences": sequences, "rank_models": models, "sequence_models": chosen}
 
 
+def free_gpu_bytes() -> int:
+    """The GPU memory free for the run's engines, this process's cache given back first."""
+    import torch
+
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
 def copy_bandwidth(gigabytes: float = 4.0, repeats: int = 10) -> float:
     """Bytes per second a device-to-device copy moves (read + write) on this GPU, the best
     of ``repeats``."""
@@ -154,6 +162,11 @@ def kv_bytes_per_token(model) -> int:
 
 
 SSM_STATE_BYTES = 4  # the engines' SSM states are float32 (HYBRID_ENGINE_ARGS)
+# What an engine holds beyond its weights and KV cache (CUDA context, graphs, activations),
+# about: of seven 8B engines started side by side, AR held 17.46 GiB for 15.26 of weights and
+# 1 of KV cache, the speculative ones 20.37-21.92 GiB before the seventh ran out of memory
+# (benchmarks/results/2026-12-04_0003f14_scale-8b-grid/log-seven-engines).
+ENGINE_OVERHEAD_BYTES = 3 << 30
 
 
 def state_bytes_per_request(model, ssm_bytes: int = SSM_STATE_BYTES) -> int:
@@ -569,6 +582,11 @@ def main(argv: list[str] | None = None) -> int:
         job["kwargs"] = dict(
             job["kwargs"], compilation_config=compile_config(job), kv_cache_memory_bytes=kv_bytes
         )
+    target_bytes, drafter_bytes = checkpoint_bytes(target), floor_bytes["drafter"]
+    need = {job["name"]: engine_bytes(job, target_bytes, drafter_bytes) for job in jobs}
+    advice = memory_advice([job["name"] for job in jobs], need, free_gpu_bytes(), args.per_phase)
+    if advice:
+        parser.error(advice)
     ar_job, spec_jobs = jobs[0], jobs[1:]
 
     # 1-2. AR alone, then the references the oracle ranks.
@@ -764,6 +782,43 @@ def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dic
         overrides["language_model_only"] = True
         overrides["additional_config"] = {"gdn_prefill_backend": "triton"}
     return overrides
+
+
+def memory_advice(
+    names: list[str], need: dict[str, int], free_bytes: int, per_phase: int
+) -> str | None:
+    """None when every phase's engines (``engine_phases``) fit side by side in
+    ``free_bytes`` (``need``: bytes by engine, ``engine_bytes``); else what to pass instead:
+    the largest ``--per-phase`` whose phases fit, or that none does."""
+
+    def widest(k: int) -> tuple[int, int]:  # (engines, bytes) of the phase needing the most
+        return max((sum(need[n] for n in phase), len(phase)) for phase in engine_phases(names, k))[
+            ::-1
+        ]
+
+    engines, needed = widest(per_phase)
+    if needed <= free_bytes:
+        return None
+    budgets = len([n for n in names if n not in ("ar", CHAIN)])
+    fitting = [k for k in range(1, budgets + 1) if widest(k)[1] <= free_bytes]
+    gib = 1 << 30
+    what = (
+        f"pass --per-phase {fitting[-1]} (DDTree engines beside the chain per phase)"
+        if fitting
+        else "even one DDTree engine beside the chain does not fit"
+    )
+    return (
+        f"{engines} engines side by side need about {needed / gib:.0f} GiB (weights, KV cache "
+        f"and {ENGINE_OVERHEAD_BYTES / gib:.0f} GiB each beyond them) where the GPU has "
+        f"{free_bytes / gib:.0f} GiB free: {what}, or give fewer --budgets"
+    )
+
+
+def engine_bytes(job: dict, target_bytes: int, drafter_bytes: int) -> int:
+    """What one engine of the run holds on the GPU, about: the target's weights, the
+    drafter's beside a speculative one, its KV cache and ``ENGINE_OVERHEAD_BYTES``."""
+    drafter = drafter_bytes if job["name"] != "ar" else 0
+    return target_bytes + drafter + job["kwargs"]["kv_cache_memory_bytes"] + ENGINE_OVERHEAD_BYTES
 
 
 def engine_phases(names: list[str], per_phase: int) -> list[list[str]]:

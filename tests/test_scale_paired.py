@@ -86,6 +86,29 @@ def test_phases_keep_the_chain_in_each_and_ar_beside_it():
     ]
 
 
+def test_engines_that_cannot_fit_side_by_side_stop_the_run_before_any_starts():
+    """Seven 8B engines (AR, the chain, budgets 8-64, "auto") ran out of GPU memory at the
+    seventh start, minutes into a lease, where six had fit (benchmarks/results/
+    2026-12-04_0003f14_scale-8b-grid/log-seven-engines). The bench now adds up each phase's engines
+    (weights, KV cache, ``ENGINE_OVERHEAD_BYTES``) against the GPU's free memory first, and
+    names the ``--per-phase`` that fits."""
+    from benchmarks.scale_paired import ENGINE_OVERHEAD_BYTES, memory_advice
+
+    gib = 1 << 30
+    fixed = ["ddtree_v2_b8", "ddtree_v2_b16", "ddtree_v2_b32", "ddtree_v2_b64"]
+    names = ["ar", "dflash", *fixed, "ddtree_v2_auto"]
+    need = {name: 21 * gib for name in names} | {"ar": 16 * gib, "ddtree_v2_auto": 24 * gib}
+    free = 139 * gib
+    advice = memory_advice(names, need, free, per_phase=0)
+    assert advice is not None
+    assert "7 engines" in advice and "145 GiB" in advice and "139 GiB" in advice
+    assert "--per-phase 5" in advice  # AR with the chain, then the chain and five DDTree
+    assert memory_advice(names, need, free, per_phase=5) is None
+    assert memory_advice(names[:-2] + names[-1:], need, free, per_phase=0) is None  # six fit
+    assert "does not fit" in memory_advice(names, need, 40 * gib, per_phase=0)
+    assert 1 * gib < ENGINE_OVERHEAD_BYTES < 8 * gib
+
+
 def test_the_report_is_written_from_a_committed_run(tmp_path):
     """The committed scale run (before phases) and its table rebuild as they were measured."""
     import json
@@ -186,6 +209,7 @@ def _run_on_stand_ins(tmp_path, monkeypatch, argv: list[str]) -> dict:
 
     monkeypatch.setattr(subprocess, "run", build)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(bench, "free_gpu_bytes", lambda: 1 << 50)  # (its own test)
     monkeypatch.setattr(bench, "checkpoint_bytes", lambda path, leave_out=(): 16e9)
     monkeypatch.setattr(bench, "Engines", _FakeEngines)
     _FakeEngines.started, _FakeEngines.max_seqs = [], {}
