@@ -338,9 +338,11 @@ README_END = "<!-- /scale_paired table -->"
 
 def headline(summary: dict, link: str) -> str:
     """Markdown: the run (random weights at the model's shapes, synthetic calibrated
-    acceptance) and per row AR, the chain and the fastest DDTree budget: tok/s (acceptance
-    length) and the median (min-max) of the per-round ratios to the chain."""
+    acceptance) and per row AR, the chain, the fastest fixed DDTree budget and, where the run
+    had its engine, DDTree "auto": tok/s (acceptance length) and the median (min-max) of the
+    per-round ratios to the chain."""
     shapes = summary["model"].removesuffix("-successor")
+    with_auto = any(AUTO in row["engines"] for row in summary["rows"])
     lines = [
         f"- [{link.rsplit('/', 2)[-2]}]({link}): commit {str(summary['commit'])[:7]}, "
         f"{summary['gpu']}, **random weights at {shapes}'s shapes, acceptance "
@@ -348,8 +350,8 @@ def headline(summary: dict, link: str) -> str:
         f"{summary['repeats']} rounds per row, {summary['max_tokens']} tokens per request",
         "",
         "| profile | batch | T | AR | DFlash chain | fastest DDTree | DDTree / chain "
-        "| AR / chain |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| AR / chain |" + (' DDTree "auto" | "auto" / chain |' if with_auto else ""),
+        "| --- " * (10 if with_auto else 8) + "|",
     ]
 
     def cell(e: dict) -> str:
@@ -370,6 +372,11 @@ def headline(summary: dict, link: str) -> str:
             f"{cell(engines['ar']) if 'ar' in engines else '-'} | {cell(engines[CHAIN])} | "
             f"{cell(engines[best]) + ', b' + best.rsplit('_b', 1)[-1] if best else '-'} | "
             f"{ratio(over.get(best))} | {ratio(over.get('ar'))} |"
+            + (
+                f" {cell(engines[AUTO]) if AUTO in engines else '-'} | {ratio(over.get(AUTO))} |"
+                if with_auto
+                else ""
+            )
         )
     return "\n".join(lines)
 

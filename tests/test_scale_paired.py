@@ -145,6 +145,40 @@ def test_the_readme_headline_says_what_was_measured_and_picks_the_fastest_budget
     assert f"b{best.rsplit('_b', 1)[-1]} |" in math500
 
 
+def test_the_readme_headline_shows_what_auto_served_beside_the_fastest_fixed_budget():
+    """Users run "auto": where the run had its engine, the headline gives its tok/s
+    (acceptance) and its ratio to the chain in every row."""
+    import json
+    import os
+
+    from benchmarks.common import ROOT
+    from benchmarks.scale_paired import AUTO, headline, ratio_text
+
+    run = "benchmarks/results/2026-12-04_0003f14_scale-8b-grid/scale_paired.json"
+    with open(os.path.join(ROOT, run)) as f:
+        summary = json.load(f)
+    lines = headline(summary, "benchmarks/results/RUN/scale_paired.md").splitlines()
+    assert '| DDTree "auto" | "auto" / chain |' in next(
+        x for x in lines if x.startswith("| profile")
+    )
+    for row in summary["rows"]:
+        auto = row["engines"][AUTO]
+        cells = (
+            f"| {auto['tok_per_s']:.0f} ({auto['mean_acceptance_length']:.2f}) "
+            f"| {ratio_text(row['over_chain'][AUTO], '-')} |"
+        )
+        prefix = f"| {row['dataset']} | {row['batch']} | {row['temperature']:g} |"
+        assert next(x for x in lines if x.startswith(prefix)).endswith(cells), prefix
+    without = dict(
+        summary,
+        rows=[
+            dict(r, engines={k: v for k, v in r["engines"].items() if k != AUTO})
+            for r in summary["rows"]
+        ],
+    )
+    assert '"auto"' not in headline(without, "benchmarks/results/RUN/scale_paired.md")
+
+
 def test_a_hybrids_step_reads_its_recurrent_state_once_per_request():
     from benchmarks.scale_paired import state_bytes_per_request
 
