@@ -798,16 +798,16 @@ def memory_advice(
     ``free_bytes`` (``need``: bytes by engine, ``engine_bytes``); else what to pass instead:
     the largest ``--per-phase`` whose phases fit, or that none does."""
 
-    def widest(k: int) -> tuple[int, int]:  # (engines, bytes) of the phase needing the most
-        return max((sum(need[n] for n in phase), len(phase)) for phase in engine_phases(names, k))[
-            ::-1
-        ]
+    def neediest(k: int) -> tuple[int, int]:
+        """(bytes, engines) of the phase that needs the most at ``--per-phase k``."""
+        phases = engine_phases(names, k)
+        return max((sum(need[name] for name in phase), len(phase)) for phase in phases)
 
-    engines, needed = widest(per_phase)
+    needed, engines = neediest(per_phase)
     if needed <= free_bytes:
         return None
     budgets = len([n for n in names if n not in ("ar", CHAIN)])
-    fitting = [k for k in range(1, budgets + 1) if widest(k)[1] <= free_bytes]
+    fitting = [k for k in range(1, budgets + 1) if neediest(k)[0] <= free_bytes]
     gib = 1 << 30
     what = (
         f"pass --per-phase {fitting[-1]} (DDTree engines beside the chain per phase)"
