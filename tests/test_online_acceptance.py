@@ -150,3 +150,24 @@ def test_a_wide_budget_is_judged_on_the_trees_it_shares_with_the_narrower_ones()
     assert snapshot[4] == pytest.approx((1.0 + 50 / 20, 20.0))
     # On the tail's trees budget 8 reached 3 tokens per step where budget 4 reached 2.
     assert snapshot[8] == pytest.approx((3.5 * 3.0 / 2.0, 10.0))
+
+
+def test_auto_serves_the_wider_budget_its_shared_trees_show_faster():
+    """The decision the estimates feed (``cost_model.choose_live_schedule``): budget 32 served
+    only to low-accepting requests at their ends, budget 16 to the rest. On the trees both
+    saw, 32 gave 4/3 of 16's tokens a step (3 + 1 against 2 + 1), for a step 7% longer
+    here: one request gets 32."""
+    from tests.test_cost_model import profile
+    from vllm_ddtree.cost_model import choose_live_schedule
+
+    tracker = OnlineAcceptance([8, 16, 32], half_life_steps=1e9, device=torch.device("cpu"))
+    # 20 trees of 32 nodes accepting tree indices 2, 12, 20: 1 within 8, 2 within 16, 3 in 32.
+    tail = torch.tensor([[0, 2, 12, 20, -1, -1, -1]]).repeat(20, 1)
+    tracker.observe(tail, torch.full((20,), 3), torch.full((20,), 32))
+    # 60 trees of 16 nodes accepting 1, 2, 3, 5, 9, 14: 4 within 8, 6 within 16.
+    busy = torch.tensor([[0, 1, 2, 3, 5, 9, 14]]).repeat(60, 1)
+    tracker.observe(busy, torch.full((60,), 6), torch.full((60,), 16))
+    live = tracker.snapshot()
+    assert live[32][0] == pytest.approx(live[16][0] * 4 / 3)
+    schedule, _ = choose_live_schedule(profile(2.0), live, [8, 16, 32], 1, 2048, 16.0)
+    assert schedule == [(1, 1, 32)]
