@@ -36,9 +36,21 @@ def engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.NONE, budgets=(4, 8, 16, 
         model_runner=SimpleNamespace(**{HANDLE: StepState(acceptance=tracker)})
     )
     executor = SimpleNamespace(collective_rpc=lambda fn: [fn(worker)])
-    scheduler = SimpleNamespace(num_spec_tokens=32, dynamic_sd_lookup=None, running=[], waiting=[])
+    scheduler = SimpleNamespace(
+        num_spec_tokens=32,
+        dynamic_sd_lookup=None,
+        running=[],
+        waiting=[],
+        max_model_len=1 << 20,
+        num_sampled_tokens_per_step=1,
+    )
     core = SimpleNamespace(vllm_config=config, model_executor=executor, scheduler=scheduler)
     return core, tracker
+
+
+def running_request(tokens: int = 100) -> SimpleNamespace:
+    """A request of vLLM's scheduler with ``tokens`` tokens and the next tree scheduled."""
+    return SimpleNamespace(num_tokens_with_spec=tokens, num_output_placeholders=0)
 
 
 def observe(tracker, num_accepted: int, steps: int = 20):
@@ -138,7 +150,7 @@ def timed_server(tmp_path, num_accepted: int, realised: dict[int, float]):
     assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
     now = [0.0]
     controller.realised.clock = lambda: now[0]
-    core.scheduler.running = ["r"] * 4
+    core.scheduler.running = [running_request()] * 4
 
     def serve(steps: int) -> list[int]:
         served = []
@@ -213,7 +225,7 @@ def test_an_exploration_is_judged_again_as_soon_as_its_estimates_can_stand(tmp_p
 
     monkeypatch.setattr(cost_model, "choose_live_schedule", choose)
     controller = online_budget.online_budget(core)
-    core.scheduler.running = [object()] * 4  # 4 requests: 16 trees in 4 steps
+    core.scheduler.running = [running_request()] * 4  # 4 requests: 16 trees in 4 steps
     lengths = []
     last = 0
     while controller.refreshes < online_budget.EXPLORE_EVERY + 1:
@@ -229,7 +241,7 @@ def test_an_exploration_is_judged_again_as_soon_as_its_estimates_can_stand(tmp_p
     # The EXPLORE_EVERY-th refresh explored (budget 8 at 1-4), the next came `wait` later.
     assert lengths == [every] * online_budget.EXPLORE_EVERY + [wait]
     assert core.scheduler.dynamic_sd_lookup[1:] == [4, 4, 4, 4]  # back after judging it
-    core.scheduler.running = [object()]  # one request: 16 steps for 16 trees
+    core.scheduler.running = [running_request()]  # one request: 16 steps for 16 trees
     assert controller.exploration_steps() == 16 + online_budget.SNAPSHOT_LAG_STEPS
 
 
@@ -281,7 +293,7 @@ def test_the_cut_rule_is_the_one_vllms_scheduler_applies():
     assert online_budget.tree_room(scheduler, request) == 0  # 99 tokens: room for them
     request.num_output_placeholders = 10
     assert online_budget.tree_room(scheduler, request) == -1  # cut
-    scheduler.running = [request, SimpleNamespace(num_tokens_with_spec=50)]
+    scheduler.running = [request, running_request(50)]
     assert online_budget.tightest_room(scheduler) == -1
 
 

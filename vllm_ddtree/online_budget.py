@@ -128,25 +128,19 @@ def make_tracker(vllm_config, device: torch.device):
     return OnlineAcceptance(list(ddtree.online_budgets), HALF_LIFE_STEPS, device)
 
 
-def tree_room(scheduler, request) -> int | None:
+def tree_room(scheduler, request) -> int:
     """Tokens past ``request``'s scheduled ones that vLLM's scheduler still gives it before
     ``max_model_len`` (its rule: a running request is scheduled at most ``max_model_len``
     less its computed tokens less the tokens a step samples; with async scheduling the
-    tokens in flight count as computed); below 0: its next tree is cut. None where either
-    side is unknown."""
-    limit = getattr(scheduler, "max_model_len", None)
-    tokens = getattr(request, "num_tokens_with_spec", None)
-    if limit is None or tokens is None:
-        return None
-    tokens += getattr(request, "num_output_placeholders", 0)
-    return limit - getattr(scheduler, "num_sampled_tokens_per_step", 1) - tokens
+    tokens in flight count as computed); below 0: its next tree is cut."""
+    tokens = request.num_tokens_with_spec + request.num_output_placeholders
+    return scheduler.max_model_len - scheduler.num_sampled_tokens_per_step - tokens
 
 
 def tightest_room(scheduler) -> int | None:
     """The least ``tree_room`` of the scheduler's running requests (below 0: vLLM cuts a
-    tree of the next step), or None where none is known."""
-    rooms = (tree_room(scheduler, request) for request in scheduler.running)
-    return min((room for room in rooms if room is not None), default=None)
+    tree of the next step), or None when none runs."""
+    return min((tree_room(scheduler, request) for request in scheduler.running), default=None)
 
 
 def fit_budget(budget: int, room: int, candidates) -> int:
