@@ -474,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         "--shift",
         help="a workload shift instead of the grid: these datasets one after another (e.g. "
         "humaneval,mtbench), each in --shift-chunks chunks of --shift-batch requests, every "
-        'engine by turns per chunk (greedy; the "auto" engine sees the chunks in order)',
+        'engine by turns per chunk (greedy; the "auto" engine sees the chunks in order); '
+        "every engine serves --shift-batch requests beside --batches",
     )
     parser.add_argument("--shift-chunks", type=int, default=12)
     parser.add_argument("--shift-batch", type=int, default=1)
@@ -529,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         "state": state_bytes_per_request(model),
     }
     batches = [int(b) for b in args.batches.split(",")]
+    if args.shift:  # engines sized for the chunks' requests (AR's references too)
+        batches = sorted({*batches, args.shift_batch})
     modes = [m for m in args.modes.split(",") if m]
     pool_size = max(max(batches), args.batch1_prompts)
     if args.shift:  # every chunk's prompts its own

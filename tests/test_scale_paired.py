@@ -430,6 +430,18 @@ def test_a_workload_shift_runs_its_datasets_in_order_on_every_engine(tmp_path, m
     assert "## Workload shift" in table and '- mtbench: "auto" within 5%' in table
 
 
+def test_a_shift_sizes_every_engine_for_its_chunks_requests(tmp_path, monkeypatch):
+    """``--shift-batch 4`` with ``--batches 1``: the chunks run 4 requests at a time, so every
+    engine, AR (whose references the chunks are checked against) first, serves 4; at
+    ``max_num_seqs`` 1 AR made the references of a 48-prompt pool one request at a time and
+    the run spent its whole limit there on the GPU host."""
+    argv = ["--budgets", "16,32", "--batches", "1", "--max-tokens", "8", "--prompt-len", "4"]
+    argv += ["--auto-max-seqs", "64", "--split-batches", "", "--shift", "humaneval,mtbench"]
+    argv += ["--shift-chunks", "2", "--shift-batch", "4"]
+    _run_on_stand_ins(tmp_path, monkeypatch, argv)
+    assert all(seqs >= 4 for seqs in _FakeEngines.max_seqs.values()), _FakeEngines.max_seqs
+
+
 def test_a_shift_phase_settles_where_auto_stays_within_5_percent():
     from benchmarks.scale_paired import AUTO, shift_phases
 
