@@ -127,3 +127,27 @@ def _both_oracles(path, vocab: int, depth: int, bonus_positions, prompts) -> tup
     predicted = torch.tensor([p + 1 + d for p in bonus_positions for d in range(depth)])
     row_states = torch.tensor([s for s in (2, 0) for _ in range(depth)])
     return host, device.logits(predicted, row_states, depth).view(2, depth, vocab)
+
+
+def test_a_requests_ranked_drafts_are_the_same_in_any_batch_and_either_form(tmp_path):
+    """With rank models a request's drafts are a function of its sequence and the indices they
+    predict, as a real drafter's are of the context: the same alone or batched with another
+    request, on a later step (the generators moved on), and in the host and device forms.
+    Engines compared by turns then draft a request alike where they reach the same position."""
+    sequences = [[1, 2, 3] + list(range(10, 60)), [4, 5] + list(range(60, 110))]
+    model = {"p_top": 0.5, "decay": 0.95, "tail": 0.8, "slope": 3.0, "miss_slope": 1.0}
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps({"seed": 7, "sequences": sequences, "rank_model": model}))
+    depth, bonus_positions, prompts = 15, [5, 3], [[1, 2, 3], [4, 5]]
+    vocab = 512
+    host, on_device = _both_oracles(path, vocab, depth, bonus_positions, prompts)
+    torch.rand(1000)  # the global generator moves on
+    device = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    device.bind([1], ["b"], lambda s: prompts[1])
+    predicted = torch.tensor([bonus_positions[1] + 1 + d for d in range(depth)])
+    alone = device.logits(predicted, torch.full((depth,), 1), depth)
+    assert torch.equal(alone, on_device[1])
+    assert torch.equal(device.logits(predicted, torch.full((depth,), 1), depth), alone)
+    assert torch.equal(host, on_device)
+    host_alone = HostOracle(str(path), vocab).logits(prompts[1:], bonus_positions[1:], depth)
+    assert torch.equal(host_alone[0], host[1])

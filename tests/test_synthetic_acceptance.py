@@ -6,6 +6,7 @@ import torch
 
 from vllm_ddtree.testing.synthetic_acceptance import (
     CANDIDATES,
+    DrawKeys,
     RankModel,
     sample_ranks,
     simulate,
@@ -52,3 +53,47 @@ def test_the_other_candidates_are_distinct_and_never_the_truth_even_at_the_vocab
         finite = torch.isfinite(logits)
         assert bool((finite.sum(-1) == CANDIDATES).all())
         assert bool(finite.gather(2, truth.unsqueeze(-1)).all())
+
+
+def test_keyed_draws_depend_only_on_the_sequence_the_position_and_the_depth():
+    """With ``DrawKeys`` a row's ranks and candidates are a function of (seed, sequence,
+    predicted index, depth): the same alone or in a batch, in any row order, whatever the
+    generators drew before; another sequence, position or seed draws otherwise."""
+    model = RankModel(p_top=0.5, decay=0.95, tail=0.8)
+    sequence = torch.tensor([0, 1, 0, 2])
+    position = torch.tensor([5, 5, 9, 40]).unsqueeze(1) + 1 + torch.arange(15)
+    truth = torch.randint(0, 1000, (4, 15), generator=torch.Generator().manual_seed(0))
+
+    def draw(rows, seed=0):
+        keys = DrawKeys(sequence[rows], position[rows], seed)
+        ranks = sample_ranks(model, len(rows), 15, keys=keys)
+        return ranks, synthetic_logits(model, truth[rows], ranks, 1000, keys=keys)
+
+    ranks, logits = draw([0, 1, 2, 3])
+    torch.rand(100)  # the global generator moves on: keyed draws do not follow it
+    for rows in ([3, 1], [2], [1, 0, 3, 2]):
+        again_ranks, again_logits = draw(rows)
+        assert torch.equal(again_ranks, ranks[rows])
+        assert torch.equal(again_logits, logits[rows])
+    # Rows 0 and 1 share a position, rows 0 and 2 a sequence; seed 1 draws anew.
+    for a, b in ((0, 1), (0, 2)):
+        assert not torch.equal(logits[a], logits[b])
+    assert not torch.equal(draw([0, 1, 2, 3], seed=1)[1], logits)
+
+
+def test_keyed_draws_keep_the_rank_models_distribution():
+    """Over many keys the keyed ranks follow the model as the generator's do: P(ranked first)
+    per depth within 4 standard errors of ``p_top x decay^(d - 1)``, and the mean rank below
+    the first within 5% of the geometric tail's."""
+    model = RankModel(p_top=0.7, decay=0.95, tail=0.6)
+    rows, depth = 20000, 15
+    sequence = torch.arange(rows) % 97
+    position = (torch.arange(rows) // 97).unsqueeze(1) + torch.arange(depth)
+    ranks = sample_ranks(model, rows, depth, keys=DrawKeys(sequence, position, seed=3))
+    expected = model.first_probability(depth)
+    observed = (ranks == 0).double().mean(0)
+    error = (expected * (1 - expected) / rows).sqrt()
+    assert bool(((observed - expected).abs() < 4 * error).all()), (observed, expected)
+    below = ranks[ranks > 0].double() - 1
+    mean_below = model.tail / (1 - model.tail)  # a geometric's mean, P(G = g) ~ tail^g
+    assert abs(float(below.mean()) / mean_below - 1) < 0.05

@@ -10,8 +10,10 @@ paths are exercised deeply even with random weights (``benchmarks/lossless_gpu.p
 With ``"rank_model": {...}`` (the fields of ``synthetic_acceptance.RankModel``) they are
 instead that model's calibrated synthetic logits: ``sequence[i]`` at a rank drawn per depth,
 among ranked candidates whose spread says how sure the drafter is (scale models' speed
-measurements). ``"rank_models": {name: {...}}`` with ``"sequence_models": [name, ...]`` (one
-per sequence) gives each sequence its own model (prompts of several datasets in one batch).
+measurements), drawn as a fixed function of the sequence, the predicted index and the depth
+(``synthetic_acceptance.DrawKeys``): the same in both forms, in any batch, on every engine.
+``"rank_models": {name: {...}}`` with ``"sequence_models": [name, ...]`` (one per sequence)
+gives each sequence its own model (prompts of several datasets in one batch).
 
 Two forms of the same rule:
 - ``HostOracle`` (V1 runner): per step on the host, from the requests' prompts and positions.
@@ -27,6 +29,7 @@ import json
 import torch
 
 from vllm_ddtree.testing.synthetic_acceptance import (
+    DrawKeys,
     RankModel,
     RankRows,
     sample_ranks,
@@ -121,18 +124,25 @@ class HostOracle:
         truth = torch.zeros(rows, depth, dtype=torch.long)
         valid = torch.zeros(rows, depth, dtype=torch.bool)
         model_index = torch.zeros(rows, dtype=torch.long)
+        sequence_index = torch.full((rows,), -1, dtype=torch.long)
         for r, (prompt, position) in enumerate(zip(prompts, bonus_positions, strict=True)):
             index = match_sequence(self.sequences, prompt)
             if index < 0:
                 continue
             model_index[r] = self.model_of_sequence[index]
+            sequence_index[r] = index
             ahead = self.sequences[index][position + 1 : position + 1 + depth]
             truth[r, : len(ahead)] = torch.tensor(ahead, dtype=torch.long)
             valid[r, : len(ahead)] = True
-        ranks = sample_ranks(RankRows.of(self.rank_table, model_index), rows, depth, self.gen)
+        predicted = torch.tensor(bonus_positions, dtype=torch.long).unsqueeze(1) + 1
+        keys = DrawKeys(sequence_index, predicted + torch.arange(depth), self.seed)
+        ranks = sample_ranks(RankRows.of(self.rank_table, model_index), rows, depth, keys=keys)
         gen, rank_table = self._on(device)
         params = RankRows.of(rank_table, model_index.to(device))
-        ranked = synthetic_logits(params, truth.to(device), ranks.to(device), self.vocab_size, gen)
+        keys = DrawKeys(sequence_index.to(device), keys.position.to(device), self.seed)
+        ranked = synthetic_logits(
+            params, truth.to(device), ranks.to(device), self.vocab_size, keys=keys
+        )
         if bool(valid.all()):  # (host tensors: no device synchronisation)
             return ranked
         noise = torch.randn(rows, depth, self.vocab_size, generator=gen, device=device)
@@ -162,6 +172,7 @@ class DeviceOracle:
             spec["model_of_sequence"] or [0], dtype=torch.long, device=device
         )
         self.vocab_size = vocab_size
+        self.seed = int(spec.get("seed", 0))
         longest = max((len(s) for s in self.sequences), default=1)
         table = torch.full((max(1, len(self.sequences)), longest), -1, dtype=torch.long)
         for i, sequence in enumerate(self.sequences):
@@ -199,8 +210,13 @@ class DeviceOracle:
             blocks = truth.view(-1, depth)
             model_index = self.model_of_sequence[sequence.clamp(min=0)].view(-1, depth)[:, 0]
             params = RankRows.of(self.rank_table, model_index)
-            ranks = sample_ranks(params, blocks.shape[0], depth, device=device)
-            ranked = synthetic_logits(params, blocks, ranks, self.vocab_size)
+            keys = DrawKeys(
+                sequence.view(-1, depth)[:, 0],
+                predicted_positions.long().view(-1, depth),
+                self.seed,
+            )
+            ranks = sample_ranks(params, blocks.shape[0], depth, device=device, keys=keys)
+            ranked = synthetic_logits(params, blocks, ranks, self.vocab_size, keys=keys)
             return torch.where(valid.unsqueeze(-1), ranked.view(n, -1), out)
         top, argmax = out.max(dim=-1)
         first = torch.rand(n, device=device) < self.p_top

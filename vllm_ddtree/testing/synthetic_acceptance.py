@@ -21,6 +21,12 @@ building real trees (``tree.build_trees``) over synthetic logits and walking the
 (``tree.follow_tree``); ``benchmarks/calibrate_acceptance.py`` fits the model's parameters to
 published acceptance lengths. Only which tokens the drafter proposes changes: the engine, the
 verify, the walk and the KV commit are the real ones, and output must still equal the target's.
+
+In an engine the draws are keyed (``DrawKeys``): a fixed function of the request's reference
+sequence, the position the row predicts and its depth, as a real drafter's proposals are a
+function of the context. Engines that reach the same position of a request then propose the same
+tokens there, whatever else they batched or drew before, and a repeated request is drafted
+alike: a paired comparison of engines measures their cost and their trees, not their draws.
 """
 
 from __future__ import annotations
@@ -93,20 +99,62 @@ def _rows(model: RankModel | RankRows, rows: int, device) -> RankRows:
     return model if isinstance(model, RankRows) else RankRows.broadcast(model, rows, device)
 
 
+_MASK32 = 0xFFFFFFFF
+# Streams of keyed draws: P(ranked first), the rank below the first, the other candidates.
+_FIRST, _BELOW, _OTHERS = 1, 2, 3
+
+
+def _mix32(x):
+    """A 32-bit integer hash of ``x`` (a long tensor or an int, each in [0, 2^32)); the
+    multipliers stay below 2^31, so no product leaves int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+@dataclass(frozen=True)
+class DrawKeys:
+    """What a row's draws are a function of: long ``sequence`` ``[R]`` (the request's reference
+    sequence) and long ``position`` ``[R, D]`` (the sequence index each depth predicts), under
+    ``seed``."""
+
+    sequence: torch.Tensor
+    position: torch.Tensor
+    seed: int = 0
+
+    def uniform(self, stream: int) -> torch.Tensor:
+        """float64 ``[R, D]`` in [0, 1): the draw of ``stream`` at each row and depth, a fixed
+        function of (seed, stream, sequence, position, depth); device tensors only."""
+        depth = self.position.shape[1]
+        # (The salt is a Python int: no host tensor copied in, so it runs in a CUDA graph.)
+        salt = _mix32((self.seed * 0x9E3779B9 + stream) & _MASK32)
+        h = _mix32((self.sequence.long() & _MASK32) ^ salt)
+        h = _mix32(h.unsqueeze(1) ^ (self.position.long() & _MASK32))
+        depths = torch.arange(depth, device=self.position.device)
+        h = _mix32(h ^ depths)
+        return h.double() / float(1 << 32)
+
+
 def sample_ranks(
     model: RankModel | RankRows,
     rows: int,
     depth: int,
     gen: torch.Generator | None = None,
     device: torch.device | str = "cpu",
+    keys: DrawKeys | None = None,
 ) -> torch.Tensor:
     """long ``[rows, depth]``: the true token's rank at each depth (0 = first), from one model
-    or per row (``RankRows``); device tensors only, so it runs inside a CUDA graph (``gen``
-    None: the device's generator)."""
+    or per row (``RankRows``); device tensors only, so it runs inside a CUDA graph. Drawn from
+    ``keys`` (``DrawKeys``) where given, else from ``gen`` (None: the device's generator)."""
     params = _rows(model, rows, device)
-    first = torch.rand(rows, depth, generator=gen, dtype=torch.float32, device=device)
+    if keys is not None:
+        first, uniform = keys.uniform(_FIRST).float(), keys.uniform(_BELOW).float()
+    else:
+        first = torch.rand(rows, depth, generator=gen, dtype=torch.float32, device=device)
+        uniform = torch.rand(rows, depth, generator=gen, dtype=torch.float32, device=device)
     first = first < params.first_probability(depth)
-    uniform = torch.rand(rows, depth, generator=gen, dtype=torch.float32, device=device)
     # Geometric rank below the first: floor(log u / log tail); a tail of 0 gives 0.
     log_tail = params.tail.clamp(min=1e-30).log().float().unsqueeze(1)
     below = torch.floor(uniform.clamp_min(1e-12).log() / log_tail).long()
@@ -121,19 +169,23 @@ def synthetic_logits(
     ranks: torch.Tensor,
     vocab_size: int,
     gen: torch.Generator | None = None,
+    keys: DrawKeys | None = None,
 ) -> torch.Tensor:
     """float32 ``[R, D, V]``: at row ``r``, depth ``d``, ``CANDIDATES`` distinct tokens ranked
     by logit ``-slope x rank`` (``-miss_slope x rank`` where the true token is not first; one
     model or per row, as ``sample_ranks``), the
-    true token ``truth[r, d]`` at rank ``ranks[r, d]``, every other token at -inf."""
+    true token ``truth[r, d]`` at rank ``ranks[r, d]``, every other token at -inf. The other
+    candidates are drawn from ``keys`` where given, else from ``gen``."""
     rows, depth = truth.shape
     device = truth.device
     # The other candidates: CANDIDATES - 1 consecutive token ids a random shift past the truth
     # (offsets 1 .. V - 1 from it, so distinct and never the truth), without a draw and a top-k
     # over the whole vocabulary per mask row (which cost more than the drafter's output head).
-    shift = torch.randint(
-        0, vocab_size - CANDIDATES + 1, (rows, depth, 1), generator=gen, device=device
-    )
+    shifts = vocab_size - CANDIDATES + 1
+    if keys is not None:
+        shift = (keys.uniform(_OTHERS) * shifts).long().clamp(max=shifts - 1).unsqueeze(-1)
+    else:
+        shift = torch.randint(0, shifts, (rows, depth, 1), generator=gen, device=device)
     steps = torch.arange(1, CANDIDATES, device=device)
     others = (truth.unsqueeze(-1) + shift + steps) % vocab_size  # [R, D, C - 1]
     slots = torch.arange(CANDIDATES, device=device).view(1, 1, -1).expand(rows, depth, -1)
