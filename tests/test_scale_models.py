@@ -129,3 +129,19 @@ def test_the_predictable_build_decodes_a_fixed_successor_chain_with_a_wide_margi
     pairs = {}
     for token, after in zip(ids.flatten().tolist(), successor.flatten().tolist(), strict=True):
         assert pairs.setdefault(token, after) == after
+
+
+@pytest.mark.vllm_engine
+def test_ddtree_on_the_shrunk_hybrid_scale_model_matches_single_token_steps(tmp_path):
+    """The hybrid scale model's shapes through the tree path: a target whose attention heads
+    (head_dim 256, partial rotary) differ from its drafter's (head_dim 128), served text-only
+    with the scale bench's hybrid settings. As in ``test_vllm_hybrid_e2e``, the reference is
+    budget 1 (vLLM-CPU's bf16 GatedDeltaNet kernels part from the target alone's at
+    near-ties), and deep trees replaying its output must give the same tokens."""
+    from tests.test_vllm_hybrid_e2e import hybrid_run, trees_match_single_steps
+
+    target, drafter = build(QWEN3_6_27B.shrunk(16), str(tmp_path))
+    text_only = {"language_model_only": True}
+    single = hybrid_run(drafter, "single", 1, **text_only)
+    trees = [hybrid_run(drafter, "budget16", 16, "single", **text_only)]
+    trees_match_single_steps(target, single, trees, 24, "GatedDeltaNet tree path active")
