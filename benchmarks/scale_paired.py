@@ -224,6 +224,53 @@ def roofline(engine: dict, batch: int, seconds: float, floor_bytes: dict, contex
     }
 
 
+def is_weight_gemm(kernel: str) -> bool:
+    """Whether a device kernel (by name) is a matrix product that reads weights: cuBLAS's
+    (``nvjet_*``, ``*gemm*``, ``*gemv*``), not FlashAttention's CUTLASS kernels."""
+    name = kernel.lower()
+    return "flash" not in name and any(part in name for part in ("nvjet", "gemm", "gemv"))
+
+
+def ar_kernel_roofline(summary: dict) -> list[str]:
+    """Markdown lines: where AR's profiled step goes against the roofline, per batch and
+    temperature of its split (``splits["ar"]["step_split"]``): the GPU's busy ms, the weight
+    GEMMs among its top kernels (ms, and the weights' bytes over that time against the copy
+    bandwidth) and the rest of the busy time (every other kernel); none without an AR split or
+    a measured bandwidth."""
+    splits = summary.get("splits", {}).get("ar", {}).get("step_split", [])
+    floor = summary.get("floor_bytes") or {}
+    bandwidth, weights = floor.get("bandwidth"), floor.get("target")
+    if not splits or not bandwidth or not weights:
+        return []
+    lines = [
+        "",
+        "## AR's step against the roofline (the profiled split's kernels)",
+        "",
+        "Per target forward: the GPU's busy ms; the weight GEMMs among the split's top device "
+        "kernels (`top_device_ops`) and what reading the target's weights (less the embedding "
+        "table) in that time comes to, against the copy bandwidth; every other kernel (norms, "
+        "RoPE, attention, activations, split-K reductions) as the rest of the busy time; the "
+        "roofline: the weights over the copy bandwidth.",
+        "",
+        "| batch | T | GPU busy ms | weight GEMMs ms | their GB/s | % of copy bandwidth | "
+        "other kernels ms | roofline ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = []
+    for split in sorted(splits, key=lambda s: (s["batch"], s["temperature"])):
+        busy = split["device_busy_ms"]
+        gemm_ms = sum(op["ms"] for op in split["top_device_ops"] if is_weight_gemm(op["name"]))
+        if gemm_ms <= 0:
+            continue
+        rate = weights / (gemm_ms / 1e3)
+        rows.append(
+            f"| {split['batch']} | {split['temperature']:g} | {busy:.2f} | {gemm_ms:.2f} | "
+            f"{rate / 1e9:.0f} | {100 * rate / bandwidth:.0f} | {busy - gemm_ms:.2f} | "
+            f"{1e3 * weights / bandwidth:.2f} |"
+        )
+    return lines + rows if rows else []
+
+
 def row_roofline(runs: dict, batch: int, floor_bytes: dict, prompt_len: int) -> dict:
     """``roofline`` of each engine of a row: its median seconds over its target forwards
     (drafts / batch for a speculative engine, vLLM counting one draft per request and step;
@@ -340,6 +387,7 @@ def write_report(summary: dict, out: str) -> None:
         from benchmarks.step_split import host_profile_table, split_table
 
         lines += [""] + split_table(summary["splits"]) + host_profile_table(summary["splits"])
+        lines += ar_kernel_roofline(summary)
     with open(os.path.join(out, "scale_paired.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

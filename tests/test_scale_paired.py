@@ -630,3 +630,31 @@ def test_the_whole_run_on_vllm_cpu_keeps_every_tree_on_the_reference(tmp_path):
     assert all(r["on_reference"]["ar"] == 1.0 for r in with_ar)
     assert all(r["roofline"]["ar"]["percent_of_limit"] is None for r in with_ar)
     assert "No copy bandwidth (CPU)" in (out / "scale_paired.md").read_text()
+
+
+def test_ars_step_is_set_against_the_roofline_by_its_weight_gemms():
+    """AR's profiled split: the weight GEMMs (cuBLAS's kernels, not FlashAttention's CUTLASS
+    ones) read the weights at a share of the copy bandwidth; the rest of the busy time is
+    every other kernel."""
+    from benchmarks.scale_paired import ar_kernel_roofline, is_weight_gemm
+
+    assert is_weight_gemm("nvjet_sm90_tst_192x8_64x8_2x1_v_bz_TNT")
+    assert is_weight_gemm("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>")
+    assert not is_weight_gemm("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>")
+    assert not is_weight_gemm("void vllm::rms_norm_kernel<c10::BFloat16, 8, 3, true>")
+    ops = [
+        {"name": "nvjet_a", "calls": 36, "ms": 3.0},
+        {"name": "void cutlass::device_kernel<flash::FlashAttnFwdSm90>", "calls": 36, "ms": 0.4},
+        {"name": "nvjet_b", "calls": 1, "ms": 1.0},
+        {"name": "void vllm::rms_norm_kernel", "calls": 72, "ms": 0.3},
+    ]
+    split = {"batch": 1, "temperature": 0.0, "device_busy_ms": 5.0, "top_device_ops": ops}
+    summary = {
+        "splits": {"ar": {"step_split": [split]}},
+        "floor_bytes": {"bandwidth": 5e12, "target": 16e9},
+    }
+    lines = ar_kernel_roofline(summary)
+    # 16 GB in the GEMMs' 4 ms: 4000 GB/s, 80% of 5000; 1 ms of other kernels; 3.2 ms limit.
+    assert lines[-1] == "| 1 | 0 | 5.00 | 4.00 | 4000 | 80 | 1.00 | 3.20 |"
+    assert ar_kernel_roofline({**summary, "floor_bytes": {"bandwidth": None, "target": 1}}) == []
+    assert ar_kernel_roofline({"splits": {}, "floor_bytes": summary["floor_bytes"]}) == []
