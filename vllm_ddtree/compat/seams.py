@@ -473,6 +473,14 @@ SEAMS: tuple[Seam, ...] = (
         f"{_GDN}:_cpu_spec_dispatcher",
         ("layer", "attn_metadata_i", "mixed_qkv_spec", "b_spec", "a_spec", "conv_buf", "ssm_state"),
     ),
+    # vLLM's GDN metadata: state indices made contiguous on vLLM-CPU, checked under the switch
+    # (one wrapper, installed by whichever group comes first).
+    Seam(
+        f"{GDN_METADATA_MODULE}:GDNAttentionMetadataBuilder.build",
+        GDN_CPU,
+        f"{_GDN}:_wrap_metadata_build",
+        ("self",),
+    ),
     Seam(
         f"{GDN_METADATA_MODULE}:GDNAttentionMetadataBuilder.build",
         GDN_CHECKS,
