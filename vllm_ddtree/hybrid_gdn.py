@@ -519,7 +519,7 @@ def contiguous_cpu_state_indices(metadata) -> None:
     """Make vLLM's GatedDeltaNet state indices contiguous where they sit on the CPU, in place.
 
     A step without speculative rows (every request decoding one token: near
-    ``max_model_len`` vLLM's scheduler gives none drafts) takes its decode indices as column 0
+    ``max_model_len`` vLLM's scheduler gives no drafts) takes its decode indices as column 0
     of the speculative block table, a strided view, and vLLM-CPU's decode kernel
     (``fused_sigmoid_gating_delta_rule_update_cpu``) refuses it ("tensor must be contiguous
     at last dimension"): the engine died, with vLLM's own DFlash chain as with trees. vLLM's
