@@ -258,9 +258,10 @@ def ar_kernel_roofline(summary: dict) -> list[str]:
     ]
     rows = []
     for split in sorted(splits, key=lambda s: (s["batch"], s["temperature"])):
-        busy = split["device_busy_ms"]
-        gemm_ms = sum(op["ms"] for op in split["top_device_ops"] if is_weight_gemm(op["name"]))
-        if gemm_ms <= 0:
+        busy = split.get("device_busy_ms")
+        ops = split.get("top_device_ops") or []
+        gemm_ms = sum(op["ms"] for op in ops if is_weight_gemm(op["name"]))
+        if busy is None or gemm_ms <= 0:  # a split without the profiler's kernels
             continue
         rate = weights / (gemm_ms / 1e3)
         rows.append(
