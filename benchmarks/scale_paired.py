@@ -683,12 +683,12 @@ def main(argv: list[str] | None = None) -> int:
         job["kwargs"] = dict(
             job["kwargs"], compilation_config=compile_config(job), kv_cache_memory_bytes=kv_bytes
         )
-    target_bytes, drafter_bytes = checkpoint_bytes(target), floor_bytes["drafter"]
-    need = {job["name"]: engine_bytes(job, target_bytes, drafter_bytes) for job in jobs}
-    names = [job["name"] for job in jobs]
-    advice = None if args.cpu else memory_advice(names, need, free_gpu_bytes(), args.per_phase)
-    if advice:
-        parser.error(advice)
+    if not args.cpu:  # the phases' engines against the GPU's free memory
+        target_bytes, drafter_bytes = checkpoint_bytes(target), floor_bytes["drafter"]
+        need = {job["name"]: engine_bytes(job, target_bytes, drafter_bytes) for job in jobs}
+        advice = memory_advice(list(need), need, free_gpu_bytes(), args.per_phase)
+        if advice:
+            parser.error(advice)
     ar_job, spec_jobs = jobs[0], jobs[1:]
 
     # 1-2. AR alone, then the references the oracle ranks.
@@ -739,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_verify_tokens": args.max_verify_tokens,
             "torch_compile": args.torch_compile,
             "batches_served": served,
-            "bandwidth_gb_s": floor_bytes["bandwidth"] and floor_bytes["bandwidth"] / 1e9,
+            "bandwidth_gb_s": None if args.cpu else floor_bytes["bandwidth"] / 1e9,
             "floor_bytes": floor_bytes,
             "parameters": paths["parameters"],
             "build_seconds": build_seconds,
