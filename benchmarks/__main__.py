@@ -25,6 +25,10 @@ COMMANDS = {
     "kernel-engines": ("tree_attn_vllm_gpu", "vLLM engines with TREE_ATTN (GPU)"),
     "step-ops": ("bench_step_ops", "host and device cost of each tree-step operation (GPU)"),
     "top-candidates": ("bench_top_candidates", "the tree's per-depth candidates (GPU)"),
+    "hybrid-ops": (
+        "bench_hybrid_ops",
+        "a GatedDeltaNet layer's tree ops at a hybrid's shapes (GPU)",
+    ),
     "profile": ("profile_step", "where a decode step's time goes (GPU)"),
     "fit-profile": ("fit_cost_profile", 'fit a step-cost profile for "tree_budget": "auto"'),
     "calibrate": ("calibrate_acceptance", "fit the synthetic acceptance model to the paper"),

@@ -1,0 +1,316 @@
+"""Device time of a GatedDeltaNet layer's tree operations at a hybrid target's shapes (GPU).
+
+On the Qwen3.6-27B-shaped scale model a DDTree step of budget 32 took 63.8 ms where the DFlash
+chain's took 47.8 and AR's 18.5 (``results/2026-12-05_882bf05_scale-27b-first-tree``). This
+times, per GatedDeltaNet layer and for the model's number of them, what the tree path runs in
+place of vLLM's speculative kernels: the tree recurrence (``ops/tree_gated_delta.py``, at each
+launch block ``block_v`` of ``--block-v``) and the tree conv (``ops/tree_causal_conv.py``), on
+one request's best-first tree of each budget (``tree.build_trees`` on random drafter logits)
+and on a chain of 16 tokens (what the chain verifies) through the same kernels; and vLLM's own
+speculative recurrence (``fused_sigmoid_gating_delta_rule_update``, the chain's) on the 16
+tokens where vLLM is importable. States are float32 in vLLM's ``[slots, Hv, V, K]`` layout, as
+DDTree serves hybrids. A time is a CUDA-graph replay's (what a verify in a FULL graph pays),
+the median of ``--rounds`` timings of ``--replays`` replays each.
+
+    python -m benchmarks hybrid-ops --model qwen3.6-27b --budgets 16,32,64,128 --out DIR
+
+``--cpu`` runs the same cases through the PyTorch references on a ``--shrink``'ed model (the
+plumbing only; its times say nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
+from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
+from vllm_ddtree.testing.scale_models import SCALE_MODELS, ScaleModel
+from vllm_ddtree.tree import build_trees
+
+CHAIN_TOKENS = 16  # the DFlash chain's verify: the bonus token and 15 drafts
+DRAFT_DEPTH = 15
+
+
+@dataclass(frozen=True)
+class GDNShapes:
+    """One GatedDeltaNet layer's shapes: key / value heads, their dims, the conv's channels
+    (q, k and v side by side) and width; ``layers``: the model's GDN layers."""
+
+    key_heads: int
+    value_heads: int
+    head_k: int
+    head_v: int
+    conv_width: int
+    layers: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.head_k + self.value_heads * self.head_v
+
+    @classmethod
+    def of(cls, model: ScaleModel) -> GDNShapes:
+        hybrid = model.hybrid
+        if not hybrid:
+            raise ValueError(f"{model.name} has no GatedDeltaNet layers")
+        interval = hybrid["full_attention_interval"]
+        return cls(
+            key_heads=hybrid["linear_num_key_heads"],
+            value_heads=hybrid["linear_num_value_heads"],
+            head_k=hybrid["linear_key_head_dim"],
+            head_v=hybrid["linear_value_head_dim"],
+            conv_width=hybrid["linear_conv_kernel_dim"],
+            layers=model.num_hidden_layers * (interval - 1) // interval,
+        )
+
+
+def tree_parents(budget: int, seed: int = 0, vocab: int = 64) -> torch.Tensor:
+    """The kernels' parents (``-1`` for the root, then each node's tree index) of one
+    request's best-first tree of ``budget`` nodes, built from random drafter logits (sharp
+    enough that the tree is deep as well as wide)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(1, DRAFT_DEPTH, vocab, generator=gen)
+    trees = build_trees(logits, budget)
+    count = int(trees.num_nodes[0])
+    return torch.cat([torch.tensor([-1]), trees.parents[0, :count]])
+
+
+def chain_parents(tokens: int = CHAIN_TOKENS) -> torch.Tensor:
+    """A chain's parents: each token's is the one before it."""
+    return torch.arange(-1, tokens - 1)
+
+
+def layer_ops(
+    shapes: GDNShapes, parents: torch.Tensor, device: torch.device, block_v: int | None
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """One GDN layer's tree recurrence and tree conv over one request's tree (``parents``),
+    on random inputs: ``{"recurrence": fn, "conv": fn}`` (the Triton kernels on a GPU, the
+    references elsewhere)."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = parents.numel()
+    hk, hv, dk, dv = shapes.key_heads, shapes.value_heads, shapes.head_k, shapes.head_v
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    q, k, v = rand(1, tokens, hk, dk), rand(1, tokens, hk, dk), rand(1, tokens, hv, dv)
+    gate = -torch.rand(1, tokens, hv, generator=gen).to(device)
+    beta = torch.rand(1, tokens, hv, generator=gen).to(device)
+    parents = parents.view(1, -1).to(device)
+    num_tokens = torch.tensor([tokens], device=device)
+    # vLLM's SSM cache layout [slots, Hv, V, K], float32: one slot per node and the committed one.
+    ssm_cache = 0.1 * rand(tokens + 1, hv, dv, dk, dtype=torch.float32)
+    state_slots = torch.arange(tokens, device=device).view(1, -1)
+    initial = torch.tensor([tokens], device=device)
+    x = rand(1, tokens, shapes.conv_channels)
+    conv_state = rand(2, shapes.conv_channels, shapes.conv_width - 1)
+    weight = rand(shapes.conv_channels, shapes.conv_width)
+    conv_index = torch.tensor([1], device=device, dtype=torch.int32)
+    on_gpu = device.type == "cuda"
+    extra = {"block_v": block_v} if on_gpu and block_v else {}
+    recurrence = tree_gated_delta if on_gpu else tree_gated_delta_ref
+    conv = tree_causal_conv1d if on_gpu else tree_causal_conv1d_ref
+    pool = ssm_cache.transpose(-1, -2)
+    args = (q, k, v, gate, beta, parents, num_tokens, pool, initial, state_slots)
+    return {
+        "recurrence": lambda: recurrence(*args, **extra),
+        "conv": lambda: conv(x, parents, num_tokens, conv_state, conv_index, weight),
+    }
+
+
+def vllm_chain_recurrence(
+    shapes: GDNShapes, device: torch.device
+) -> Callable[[], torch.Tensor] | None:
+    """vLLM's speculative recurrence over one request's chain of ``CHAIN_TOKENS`` (what the
+    DFlash chain's verify runs per GDN layer), or None where vLLM's kernel is not importable."""
+    try:
+        from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+            fused_sigmoid_gating_delta_rule_update,
+        )
+    except Exception:  # vLLM absent (e.g. a host without its bundle)
+        return None
+    gen = torch.Generator().manual_seed(2)
+    n, hk, hv = CHAIN_TOKENS, shapes.key_heads, shapes.value_heads
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    q, k, v = rand(1, n, hk, shapes.head_k), rand(1, n, hk, shapes.head_k)
+    v = rand(1, n, hv, shapes.head_v)
+    a, b = rand(n, hv), rand(n, hv)
+    a_log, dt_bias = rand(hv, dtype=torch.float32), rand(hv, dtype=torch.float32)
+    state = 0.1 * rand(n + 1, hv, shapes.head_v, shapes.head_k, dtype=torch.float32)
+    cu_seqlens = torch.tensor([0, n], device=device, dtype=torch.int32)
+    indices = torch.arange(n, device=device, dtype=torch.int32).view(1, -1)
+    accepted = torch.tensor([1], device=device, dtype=torch.int32)
+
+    def run():
+        out, _ = fused_sigmoid_gating_delta_rule_update(
+            A_log=a_log,
+            a=a,
+            b=b,
+            dt_bias=dt_bias,
+            q=q,
+            k=k,
+            v=v,
+            initial_state=state,
+            inplace_final_state=True,
+            cu_seqlens=cu_seqlens,
+            ssm_state_indices=indices,
+            num_accepted_tokens=accepted,
+            use_qk_l2norm_in_kernel=True,
+        )
+        return out
+
+    return run
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, replays: int, rounds: int) -> float:
+    """Milliseconds per call of ``fn``: on a GPU, replays of a CUDA graph of one call (CUDA
+    events around ``replays`` replays, the median of ``rounds``); elsewhere wall time."""
+    fn()  # compile
+    if device.type != "cuda":
+        samples = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(replays):
+                fn()
+            samples.append(1e3 * (time.perf_counter() - start) / replays)
+        return statistics.median(samples)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / replays)
+    return statistics.median(samples)
+
+
+def measure(
+    shapes: GDNShapes,
+    budgets: list[int],
+    block_vs: list[int],
+    device: torch.device,
+    replays: int,
+    rounds: int,
+) -> list[dict]:
+    """Rows ``{case, tokens, op, block_v, layer_ms, model_ms}``: the chain of 16 and a tree of
+    each budget, each op per layer and times the model's GDN layers."""
+    cases = [("chain", chain_parents())] + [(f"b{b}", tree_parents(b)) for b in budgets]
+    rows = []
+
+    def add(case, tokens, op, block_v, ms):
+        row = {
+            "case": case,
+            "tokens": tokens,
+            "op": op,
+            "block_v": block_v,
+            "layer_ms": ms,
+            "model_ms": ms * shapes.layers,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for case, parents in cases:
+        for block_v in block_vs:
+            ops = layer_ops(shapes, parents, device, block_v)
+            add(
+                case,
+                parents.numel(),
+                "tree recurrence",
+                block_v,
+                time_ms(ops["recurrence"], device, replays, rounds),
+            )
+        ops = layer_ops(shapes, parents, device, None)
+        add(case, parents.numel(), "tree conv", None, time_ms(ops["conv"], device, replays, rounds))
+    chain = vllm_chain_recurrence(shapes, device) if device.type == "cuda" else None
+    if chain is not None:
+        add("chain", CHAIN_TOKENS, "vLLM recurrence", None, time_ms(chain, device, replays, rounds))
+    return rows
+
+
+def markdown(summary: dict) -> str:
+    """The report: one line per case and op, per layer and for the model's GDN layers."""
+    timing = (
+        "wall time of the PyTorch references" if summary["gpu"] == "cpu" else "CUDA-graph replays"
+    )
+    lines = [
+        f"# GatedDeltaNet tree ops at {summary['model']}'s shapes",
+        "",
+        f"Commit {summary['commit']}, {summary['gpu']}; {summary['layers']} GatedDeltaNet "
+        f"layers; one request; float32 states; {timing} (median of {summary['rounds']} "
+        f"timings of {summary['replays']} calls).",
+        "",
+        "| case | tokens | op | block_v | ms per layer | ms per step (all GDN layers) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in summary["rows"]:
+        lines.append(
+            f"| {row['case']} | {row['tokens']} | {row['op']} | {row['block_v'] or '-'} | "
+            f"{row['layer_ms']:.4f} | {row['model_ms']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3.6-27b", choices=sorted(SCALE_MODELS))
+    parser.add_argument("--budgets", default="16,32,64,128")
+    parser.add_argument("--block-v", default="8,16,32,64", help="the recurrence's launch blocks")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cpu", action="store_true", help="the references on a shrunk model")
+    parser.add_argument("--shrink", type=int, default=16)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    model = SCALE_MODELS[args.model]
+    if args.cpu:
+        model, device = model.shrunk(args.shrink), torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        parser.error("no CUDA GPU: pass --cpu for the references on a shrunk model")
+    shapes = GDNShapes.of(model)
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    block_vs = [int(b) for b in args.block_v.split(",") if b]
+    rows = measure(shapes, budgets, block_vs, device, args.replays, args.rounds)
+    summary = {
+        "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "model": model.name,
+        "layers": shapes.layers,
+        "replays": args.replays,
+        "rounds": args.rounds,
+        "rows": rows,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hybrid_ops.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(args.out, "hybrid_ops.md"), "w") as f:
+        f.write(markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The GatedDeltaNet tree-op bench (``benchmarks/bench_hybrid_ops.py``) on the CPU: its cases
+and report, through the PyTorch references on a shrunk hybrid."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from benchmarks import bench_hybrid_ops
+from vllm_ddtree.testing.scale_models import SCALE_MODELS
+
+
+def test_the_27b_shapes_give_48_gdn_layers_of_its_heads():
+    shapes = bench_hybrid_ops.GDNShapes.of(SCALE_MODELS["qwen3.6-27b"])
+    assert (shapes.key_heads, shapes.value_heads, shapes.head_k, shapes.head_v) == (
+        16,
+        48,
+        128,
+        128,
+    )
+    assert shapes.layers == 48 and shapes.conv_channels == 10240 and shapes.conv_width == 4
+
+
+def test_a_budgets_tree_has_its_nodes_and_every_parent_before_its_child():
+    for budget in (16, 64):
+        parents = bench_hybrid_ops.tree_parents(budget)
+        assert parents.numel() == budget + 1 and parents[0] == -1
+        assert bool((parents[1:] < torch.arange(1, budget + 1)).all())
+        assert bool((parents[1:] >= 0).all())
+        assert int(parents.max()) > 0, "the tree is deeper than one level"
+    assert bench_hybrid_ops.chain_parents().tolist() == list(range(-1, 15))
+
+
+def test_the_cpu_run_reports_every_case_and_op(tmp_path):
+    out = tmp_path / "ops"
+    assert (
+        bench_hybrid_ops.main(
+            [
+                "--cpu",
+                "--budgets",
+                "8,16",
+                "--block-v",
+                "8,32",
+                "--replays",
+                "1",
+                "--rounds",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    summary = json.loads((out / "hybrid_ops.json").read_text())
+    cases = {(r["case"], r["op"], r["block_v"]) for r in summary["rows"]}
+    for case in ("chain", "b8", "b16"):
+        assert {(case, "tree recurrence", 8), (case, "tree recurrence", 32)} <= cases
+        assert (case, "tree conv", None) in cases
+    assert all(r["model_ms"] == r["layer_ms"] * summary["layers"] for r in summary["rows"])
+    assert "| b16 | 17 | tree conv |" in (out / "hybrid_ops.md").read_text()
