@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.common import git_commit
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
 from vllm_ddtree.testing.scale_models import SCALE_MODELS, ScaleModel
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     block_vs = [int(b) for b in args.block_v.split(",") if b]
     rows = measure(shapes, budgets, block_vs, device, args.replays, args.rounds)
     summary = {
-        "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+        "commit": git_commit(),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "model": model.name,
         "layers": shapes.layers,
