@@ -144,8 +144,11 @@ def vllm_chain_recurrence(
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
-    q, k, v = rand(1, n, hk, shapes.head_k), rand(1, n, hk, shapes.head_k)
-    v = rand(1, n, hv, shapes.head_v)
+    q, k, v = (
+        rand(1, n, hk, shapes.head_k),
+        rand(1, n, hk, shapes.head_k),
+        rand(1, n, hv, shapes.head_v),
+    )
     a, b = rand(n, hv), rand(n, hv)
     a_log, dt_bias = rand(hv, dtype=torch.float32), rand(hv, dtype=torch.float32)
     state = 0.1 * rand(n + 1, hv, shapes.head_v, shapes.head_k, dtype=torch.float32)

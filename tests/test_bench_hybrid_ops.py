@@ -59,3 +59,10 @@ def test_the_cpu_run_reports_every_case_and_op(tmp_path):
         assert (case, "tree conv", None) in cases
     assert all(r["model_ms"] == r["layer_ms"] * summary["layers"] for r in summary["rows"])
     assert "| b16 | 17 | tree conv |" in (out / "hybrid_ops.md").read_text()
+
+
+def test_vllms_chain_recurrence_gets_its_inputs_at_the_chains_shapes():
+    # Built here, run on a GPU only (vLLM's kernel is Triton): the inputs match its signature.
+    shapes = bench_hybrid_ops.GDNShapes.of(SCALE_MODELS["qwen3.6-27b"].shrunk(16))
+    run = bench_hybrid_ops.vllm_chain_recurrence(shapes, torch.device("cpu"))
+    assert callable(run)
