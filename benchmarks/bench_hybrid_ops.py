@@ -21,56 +21,38 @@ plumbing only; its times say nothing).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import git_commit
+from benchmarks.common import git_commit, timed_ms
+from vllm_ddtree.hybrid_state import GDNStateShapes
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
-from vllm_ddtree.testing.scale_models import SCALE_MODELS, ScaleModel
+from vllm_ddtree.testing.scale_models import SCALE_MODELS, ScaleModel, target_config
 from vllm_ddtree.tree import build_trees
 
 CHAIN_TOKENS = 16  # the DFlash chain's verify: the bonus token and 15 drafts
 DRAFT_DEPTH = 15
 
 
-@dataclass(frozen=True)
-class GDNShapes:
-    """One GatedDeltaNet layer's shapes: key / value heads, their dims, the conv's channels
-    (q, k and v side by side) and width; ``layers``: the model's GDN layers."""
+def gdn_shapes(model: ScaleModel) -> GDNStateShapes:
+    """The GatedDeltaNet shapes of ``model``'s target, read from its config as the plugin
+    reads a served target's."""
+    if not model.hybrid:
+        raise ValueError(f"{model.name} has no GatedDeltaNet layers")
+    return GDNStateShapes.from_hf_config(target_config(model)[0])
 
-    key_heads: int
-    value_heads: int
-    head_k: int
-    head_v: int
-    conv_width: int
-    layers: int
 
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.key_heads * self.head_k + self.value_heads * self.head_v
-
-    @classmethod
-    def of(cls, model: ScaleModel) -> GDNShapes:
-        hybrid = model.hybrid
-        if not hybrid:
-            raise ValueError(f"{model.name} has no GatedDeltaNet layers")
-        interval = hybrid["full_attention_interval"]
-        return cls(
-            key_heads=hybrid["linear_num_key_heads"],
-            value_heads=hybrid["linear_num_value_heads"],
-            head_k=hybrid["linear_key_head_dim"],
-            head_v=hybrid["linear_value_head_dim"],
-            conv_width=hybrid["linear_conv_kernel_dim"],
-            layers=model.num_hidden_layers * (interval - 1) // interval,
-        )
+def random_tensor(gen: torch.Generator, device: torch.device, *shape, dtype=torch.bfloat16):
+    """Standard normal values of ``shape`` from ``gen``, on ``device`` in ``dtype``."""
+    return torch.randn(*shape, generator=gen).to(device, dtype)
 
 
 def tree_parents(budget: int, seed: int = 0, vocab: int = 64) -> torch.Tensor:
@@ -89,18 +71,17 @@ def chain_parents(tokens: int = CHAIN_TOKENS) -> torch.Tensor:
     return torch.arange(-1, tokens - 1)
 
 
-def layer_ops(
-    shapes: GDNShapes, parents: torch.Tensor, device: torch.device, block_v: int | None
-) -> dict[str, Callable[[], torch.Tensor]]:
-    """One GDN layer's tree recurrence and tree conv over one request's tree (``parents``),
-    on random inputs: ``{"recurrence": fn, "conv": fn}`` (the Triton kernels on a GPU, the
-    references elsewhere)."""
+def layer_ops(shapes: GDNStateShapes, parents: torch.Tensor, device: torch.device) -> dict:
+    """One GDN layer's tree ops over one request's tree (``parents``), on random inputs:
+    ``{"recurrence": fn(block_v), "conv": fn()}``: the Triton kernels on a GPU (``block_v``,
+    the recurrence's launch block), the references elsewhere (``block_v`` unused)."""
     gen = torch.Generator().manual_seed(1)
     tokens = parents.numel()
-    hk, hv, dk, dv = shapes.key_heads, shapes.value_heads, shapes.head_k, shapes.head_v
+    hk, hv = shapes.num_k_heads, shapes.num_v_heads
+    dk, dv = shapes.head_k_dim, shapes.head_v_dim
 
     def rand(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen).to(device, dtype)
+        return random_tensor(gen, device, *shape, dtype=dtype)
 
     q, k, v = rand(1, tokens, hk, dk), rand(1, tokens, hk, dk), rand(1, tokens, hv, dv)
     gate = -torch.rand(1, tokens, hv, generator=gen).to(device)
@@ -111,24 +92,26 @@ def layer_ops(
     ssm_cache = 0.1 * rand(tokens + 1, hv, dv, dk, dtype=torch.float32)
     state_slots = torch.arange(tokens, device=device).view(1, -1)
     initial = torch.tensor([tokens], device=device)
-    x = rand(1, tokens, shapes.conv_channels)
-    conv_state = rand(2, shapes.conv_channels, shapes.conv_width - 1)
-    weight = rand(shapes.conv_channels, shapes.conv_width)
-    conv_index = torch.tensor([1], device=device, dtype=torch.int32)
-    on_gpu = device.type == "cuda"
-    extra = {"block_v": block_v} if on_gpu and block_v else {}
-    recurrence = tree_gated_delta if on_gpu else tree_gated_delta_ref
-    conv = tree_causal_conv1d if on_gpu else tree_causal_conv1d_ref
     pool = ssm_cache.transpose(-1, -2)
-    args = (q, k, v, gate, beta, parents, num_tokens, pool, initial, state_slots)
+    recurrence_args = (q, k, v, gate, beta, parents, num_tokens, pool, initial, state_slots)
+    x = rand(1, tokens, shapes.conv_dim)
+    conv_state = rand(2, shapes.conv_dim, shapes.conv_kernel - 1)
+    weight = rand(shapes.conv_dim, shapes.conv_kernel)
+    conv_index = torch.tensor([1], device=device, dtype=torch.int32)
+    conv_args = (x, parents, num_tokens, conv_state, conv_index, weight)
+    if device.type == "cuda":
+        return {
+            "recurrence": lambda block_v: tree_gated_delta(*recurrence_args, block_v=block_v),
+            "conv": lambda: tree_causal_conv1d(*conv_args),
+        }
     return {
-        "recurrence": lambda: recurrence(*args, **extra),
-        "conv": lambda: conv(x, parents, num_tokens, conv_state, conv_index, weight),
+        "recurrence": lambda block_v: tree_gated_delta_ref(*recurrence_args),
+        "conv": lambda: tree_causal_conv1d_ref(*conv_args),
     }
 
 
 def vllm_chain_recurrence(
-    shapes: GDNShapes, device: torch.device
+    shapes: GDNStateShapes, device: torch.device
 ) -> Callable[[], torch.Tensor] | None:
     """vLLM's speculative recurrence over one request's chain of ``CHAIN_TOKENS`` (what the
     DFlash chain's verify runs per GDN layer), or None where vLLM's kernel is not importable."""
@@ -139,19 +122,16 @@ def vllm_chain_recurrence(
     except Exception:  # vLLM absent (e.g. a host without its bundle)
         return None
     gen = torch.Generator().manual_seed(2)
-    n, hk, hv = CHAIN_TOKENS, shapes.key_heads, shapes.value_heads
+    n, hk, hv = CHAIN_TOKENS, shapes.num_k_heads, shapes.num_v_heads
+    dk, dv = shapes.head_k_dim, shapes.head_v_dim
 
     def rand(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen).to(device, dtype)
+        return random_tensor(gen, device, *shape, dtype=dtype)
 
-    q, k, v = (
-        rand(1, n, hk, shapes.head_k),
-        rand(1, n, hk, shapes.head_k),
-        rand(1, n, hv, shapes.head_v),
-    )
+    q, k, v = rand(1, n, hk, dk), rand(1, n, hk, dk), rand(1, n, hv, dv)
     a, b = rand(n, hv), rand(n, hv)
     a_log, dt_bias = rand(hv, dtype=torch.float32), rand(hv, dtype=torch.float32)
-    state = 0.1 * rand(n + 1, hv, shapes.head_v, shapes.head_k, dtype=torch.float32)
+    state = 0.1 * rand(n + 1, hv, dv, dk, dtype=torch.float32)
     cu_seqlens = torch.tensor([0, n], device=device, dtype=torch.int32)
     indices = torch.arange(n, device=device, dtype=torch.int32).view(1, -1)
     accepted = torch.tensor([1], device=device, dtype=torch.int32)
@@ -178,41 +158,22 @@ def vllm_chain_recurrence(
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, replays: int, rounds: int) -> float:
-    """Milliseconds per call of ``fn``: on a GPU, replays of a CUDA graph of one call (CUDA
-    events around ``replays`` replays, the median of ``rounds``); elsewhere wall time."""
-    fn()  # compile
-    if device.type != "cuda":
-        samples = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(replays):
-                fn()
-            samples.append(1e3 * (time.perf_counter() - start) / replays)
-        return statistics.median(samples)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    """Milliseconds per call of ``fn``: on a GPU, ``replays`` replays of a CUDA graph of one
+    call (``common.timed_ms``, the median of ``rounds``); elsewhere wall time."""
+    if device.type == "cuda":
+        return timed_ms(fn, replays, graph=True, rounds=rounds)
+    fn()
     samples = []
     for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = time.perf_counter()
         for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / replays)
+            fn()
+        samples.append(1e3 * (time.perf_counter() - start) / replays)
     return statistics.median(samples)
 
 
 def measure(
-    shapes: GDNShapes,
+    shapes: GDNStateShapes,
     budgets: list[int],
     block_vs: list[int],
     device: torch.device,
@@ -224,33 +185,28 @@ def measure(
     cases = [("chain", chain_parents())] + [(f"b{b}", tree_parents(b)) for b in budgets]
     rows = []
 
-    def add(case, tokens, op, block_v, ms):
+    def add(case: str, tokens: int, op: str, block_v: int | None, fn: Callable[[], object]):
+        ms = time_ms(fn, device, replays, rounds)
         row = {
             "case": case,
             "tokens": tokens,
             "op": op,
             "block_v": block_v,
             "layer_ms": ms,
-            "model_ms": ms * shapes.layers,
+            "model_ms": ms * shapes.num_gdn_layers,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
 
     for case, parents in cases:
+        ops = layer_ops(shapes, parents, device)
         for block_v in block_vs:
-            ops = layer_ops(shapes, parents, device, block_v)
-            add(
-                case,
-                parents.numel(),
-                "tree recurrence",
-                block_v,
-                time_ms(ops["recurrence"], device, replays, rounds),
-            )
-        ops = layer_ops(shapes, parents, device, None)
-        add(case, parents.numel(), "tree conv", None, time_ms(ops["conv"], device, replays, rounds))
+            recurrence = functools.partial(ops["recurrence"], block_v)
+            add(case, parents.numel(), "tree recurrence", block_v, recurrence)
+        add(case, parents.numel(), "tree conv", None, ops["conv"])
     chain = vllm_chain_recurrence(shapes, device) if device.type == "cuda" else None
     if chain is not None:
-        add("chain", CHAIN_TOKENS, "vLLM recurrence", None, time_ms(chain, device, replays, rounds))
+        add("chain", CHAIN_TOKENS, "vLLM recurrence", None, chain)
     return rows
 
 
@@ -295,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
     else:
         parser.error("no CUDA GPU: pass --cpu for the references on a shrunk model")
-    shapes = GDNShapes.of(model)
+    shapes = gdn_shapes(model)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     block_vs = [int(b) for b in args.block_v.split(",") if b]
     rows = measure(shapes, budgets, block_vs, device, args.replays, args.rounds)
@@ -303,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "model": model.name,
-        "layers": shapes.layers,
+        "layers": shapes.num_gdn_layers,
         "replays": args.replays,
         "rounds": args.rounds,
         "rows": rows,

@@ -26,36 +26,10 @@ import os
 
 import torch
 
-from benchmarks.common import git_commit
+from benchmarks.common import git_commit, timed_ms
 from vllm_ddtree.ops.top_candidates import top_candidates_ref, top_candidates_triton
 
 DEPTH = 15  # the drafter's depth: rows per request
-
-
-def timed_ms(fn, calls: int, graph: bool) -> float:
-    """Device ms per call of ``fn``: ``calls`` replays of its CUDA graph, or ``calls``
-    launches back to back, between two events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        captured = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm-up on the capture stream
-            with torch.cuda.graph(captured, stream=stream):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        run = captured.replay
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def check(logits: torch.Tensor, cap: int) -> dict:

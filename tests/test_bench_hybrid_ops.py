@@ -12,14 +12,10 @@ from vllm_ddtree.testing.scale_models import SCALE_MODELS
 
 
 def test_the_27b_shapes_give_48_gdn_layers_of_its_heads():
-    shapes = bench_hybrid_ops.GDNShapes.of(SCALE_MODELS["qwen3.6-27b"])
-    assert (shapes.key_heads, shapes.value_heads, shapes.head_k, shapes.head_v) == (
-        16,
-        48,
-        128,
-        128,
-    )
-    assert shapes.layers == 48 and shapes.conv_channels == 10240 and shapes.conv_width == 4
+    shapes = bench_hybrid_ops.gdn_shapes(SCALE_MODELS["qwen3.6-27b"])
+    heads = (shapes.num_k_heads, shapes.num_v_heads, shapes.head_k_dim, shapes.head_v_dim)
+    assert heads == (16, 48, 128, 128)
+    assert shapes.num_gdn_layers == 48 and shapes.conv_dim == 10240 and shapes.conv_kernel == 4
 
 
 def test_a_budgets_tree_has_its_nodes_and_every_parent_before_its_child():
@@ -63,6 +59,6 @@ def test_the_cpu_run_reports_every_case_and_op(tmp_path):
 
 def test_vllms_chain_recurrence_gets_its_inputs_at_the_chains_shapes():
     # Built here, run on a GPU only (vLLM's kernel is Triton): the inputs match its signature.
-    shapes = bench_hybrid_ops.GDNShapes.of(SCALE_MODELS["qwen3.6-27b"].shrunk(16))
+    shapes = bench_hybrid_ops.gdn_shapes(SCALE_MODELS["qwen3.6-27b"].shrunk(16))
     run = bench_hybrid_ops.vllm_chain_recurrence(shapes, torch.device("cpu"))
     assert callable(run)
