@@ -36,12 +36,17 @@ import torch
 
 from vllm_ddtree.compat import seams
 from vllm_ddtree.ops import use_triton
+from vllm_ddtree.ops.gdn_commit import (
+    GDNStateLayers,
+    commit_gdn_states,
+    commit_gdn_states_ref,
+    speculative_rows,
+)
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
 
 logger = logging.getLogger("vllm.ddtree")
 GDN_MODULE = seams.GDN_MODULE
-NULL_BLOCK = 0  # vLLM's reserved block: writes there are harmless
 # A debugging switch: check every state-block index and path length the tree path reads before
 # it reads them, and raise naming the bad one (host syncs; outside CUDA-graph capture only).
 CHECK_INDICES_ENV = "VLLM_DDTREE_CHECK_INDICES"
@@ -157,6 +162,8 @@ class HybridTreeStep:
         self.num_tokens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
         self.layers: dict[int, GDNLayerStep] = {}
         self._conv_layer: GDNLayerStep | None = None
+        # (the layers' cache addresses, their commit table): ``_state_layers``.
+        self._state_table: tuple[tuple, GDNStateLayers] | None = None
         self.routed_calls = 0  # speculative GDN calls sent to the tree kernels
         self.step_number = 0  # publish() counts the verify steps
         self._routed_at_publish = 0
@@ -164,9 +171,7 @@ class HybridTreeStep:
     def _rows_of(self, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch row -> speculative row (requests with drafts, in order; others -> the spare
         last row), and the with-drafts mask. ``num_draft`` long ``[R]``."""
-        has = num_draft > 0
-        rows = torch.where(has, torch.cumsum(has.long(), 0) - 1, self.max_rows)
-        return rows, has
+        return speculative_rows(num_draft, self.max_rows)
 
     def publish(self, parents: torch.Tensor, num_nodes: torch.Tensor, num_draft: torch.Tensor):
         """Before the forward: the trees' ``parents`` long ``[R, B]`` (tree index of each
@@ -420,76 +425,64 @@ class HybridTreeStep:
         """After the walk: ``accepted`` long ``[R, L + 1]`` (tree indices, root first),
         ``num_accepted`` long ``[R]`` (accepted drafts), per batch row. Every GDN layer's block
         ``[r, num_accepted]`` gets the accepted leaf's state, and block 0's conv window the last
-        ``K - 1`` inputs of (window, root, accepted nodes)."""
+        ``K - 1`` inputs of (window, root, accepted nodes): ``ops/gdn_commit.py``, one launch
+        for all layers on CUDA."""
+        if checking_indices():
+            self._check_commit(accepted, num_accepted, num_draft)
+        layers = self._state_layers()
+        if layers is None:
+            return
+        if use_triton(accepted.device):
+            commit_gdn_states(layers, accepted, num_accepted.long(), num_draft.long())
+        else:
+            commit_gdn_states_ref(layers, accepted, num_accepted.long(), num_draft.long())
+
+    def _state_layers(self) -> GDNStateLayers | None:
+        """The GDN layers the commit updates (those the tree path has called), as one table,
+        rebuilt only when a layer's caches change (vLLM's profiling run uses others)."""
+        called = [
+            layer
+            for layer in self.layers.values()
+            if layer.conv_state is not None and layer.ssm_state is not None
+        ]
+        if not called:
+            return None
+        key = tuple((layer.conv_state.data_ptr(), layer.ssm_state.data_ptr()) for layer in called)
+        if self._state_table is None or self._state_table[0] != key:
+            windows = {layer.window for layer in called}
+            assert len(windows) == 1, f"GDN layers with different conv widths: {windows}"
+            table = GDNStateLayers.of(
+                [layer.ssm_state for layer in called],
+                [layer.ssm_blocks for layer in called],
+                [layer.conv_state for layer in called],
+                [layer.conv_blocks for layer in called],
+                [layer.inputs for layer in called],
+                window=windows.pop(),
+            )
+            self._state_table = (key, table)
+        return self._state_table[1]
+
+    def _check_commit(self, accepted, num_accepted, num_draft) -> None:
+        """``VLLM_DDTREE_CHECK_INDICES=1``: every index the commit reads, in range."""
         rows, _ = self._rows_of(num_draft)
         spare = self.max_rows + 1
-        path = torch.zeros((spare, accepted.shape[1]), dtype=torch.long, device=accepted.device)
-        path.index_copy_(0, rows, accepted.clamp(min=0))
         taken = torch.zeros(spare, dtype=torch.long, device=accepted.device)
         taken.index_copy_(0, rows, num_accepted.long())
+        path = torch.zeros((spare, accepted.shape[1]), dtype=torch.long, device=accepted.device)
+        path.index_copy_(0, rows, accepted.clamp(min=0))
         valid = self.num_tokens > 0
-        check = checking_indices()
-        if check:
-            self.watch("before the GDN commit")
-            self._check_every_layer_called()
-            check_index_range("accepted drafts", taken, accepted.shape[1], valid)
-            check_index_range("accepted node", path, self.tokens_per_row, valid)
-        # Layer-independent parts, once per commit (a GDN layer's share is a few launches):
-        # each row's (leaf, last accepted) tree indices, and where each committed conv column
-        # comes from.
-        leaf_and_taken = torch.cat([path.gather(1, taken.unsqueeze(1)), taken.unsqueeze(1)], 1)
-        sources: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.watch("before the GDN commit")
+        self._check_every_layer_called()
+        check_index_range("accepted drafts", taken, accepted.shape[1], valid)
+        check_index_range("accepted node", path, self.tokens_per_row, valid)
         for layer in self.layers.values():
             if layer.conv_state is None:
                 continue  # prepared before capture, never called yet
-            if check:
-                size = layer.conv_state.shape[0]
-                name = f"GDN layer {layer.number} conv block"
-                check_index_range(name, layer.conv_blocks, size, valid)
+            name = f"GDN layer {layer.number} conv block"
+            check_index_range(name, layer.conv_blocks, layer.conv_state.shape[0], valid)
             if layer.ssm_state is not None:
-                if check:
-                    size = layer.ssm_state.shape[0]
-                    name = f"GDN layer {layer.number} SSM block"
-                    check_index_range(name, layer.ssm_blocks, size, valid)
-                # [rows, 2]: the accepted leaf's state block, then block [r, num_accepted].
-                pair = layer.ssm_blocks.long().gather(1, leaf_and_taken)
-                pair = torch.where(valid.unsqueeze(1), pair, NULL_BLOCK)
-                layer.ssm_state.index_copy_(
-                    0, pair[:, 1], layer.ssm_state.index_select(0, pair[:, 0])
-                )
-            if layer.window not in sources:
-                sources[layer.window] = conv_window_sources(path, taken + 1, layer.window)
-            self._commit_conv_window(layer, sources[layer.window], valid)
-
-    @staticmethod
-    def _commit_conv_window(layer: GDNLayerStep, sources, valid) -> None:
-        """Block 0's first ``K - 1`` conv columns <- the newest ``K - 1`` of (old window, path
-        inputs); oldest first, as vLLM's conv kernels read them (``sources``:
-        ``conv_window_sources``)."""
-        from_path, node, old_column = sources
-        kept = layer.window
-        blocks = torch.where(valid, layer.conv_blocks.long(), NULL_BLOCK)
-        channels = layer.inputs.shape[-1]
-        old = layer.conv_state[blocks, :, :kept]  # [rows, C, K - 1], read before any write
-        x_val = layer.inputs.gather(1, node.unsqueeze(2).expand(-1, -1, channels))  # [rows, K-1, C]
-        h_val = old.gather(2, old_column.unsqueeze(1).expand(-1, channels, -1))
-        new = torch.where(from_path.unsqueeze(1), x_val.transpose(1, 2).to(old.dtype), h_val)
-        layer.conv_state[blocks, :, :kept] = new
-
-
-def conv_window_sources(
-    path: torch.Tensor, path_len: torch.Tensor, kept: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each of the ``kept`` (``K - 1``) committed conv columns comes from, per row: bool
-    ``[rows, kept]`` whether from the accepted path, long ``[rows, kept]`` the path node (tree
-    index) it is then, and long ``[rows, kept]`` the old window's column otherwise. ``path``
-    long ``[rows, L + 1]`` (tree indices, root first), ``path_len`` long ``[rows]`` (root and
-    accepted nodes). Column ``c`` holds the input ``kept - c`` back from the newest."""
-    back = kept - torch.arange(kept, device=path.device)  # 1 = the newest input
-    from_path = back.unsqueeze(0) <= path_len.unsqueeze(1)
-    node = path.gather(1, (path_len.unsqueeze(1) - back.unsqueeze(0)).clamp(min=0))
-    old_column = (kept - (back.unsqueeze(0) - path_len.unsqueeze(1))).clamp(0, kept - 1)
-    return from_path, node, old_column
+                name = f"GDN layer {layer.number} SSM block"
+                check_index_range(name, layer.ssm_blocks, layer.ssm_state.shape[0], valid)
 
 
 GDN_METADATA_MODULE = seams.GDN_METADATA_MODULE
