@@ -8,9 +8,12 @@ launch block ``block_v`` of ``--block-v``) and the tree conv (``ops/tree_causal_
 one request's best-first tree of each budget (``tree.build_trees`` on random drafter logits)
 and on a chain of 16 tokens (what the chain verifies) through the same kernels; and vLLM's own
 speculative recurrence (``fused_sigmoid_gating_delta_rule_update``, the chain's) on the 16
-tokens where vLLM is importable. States are float32 in vLLM's ``[slots, Hv, V, K]`` layout, as
-DDTree serves hybrids. A time is a CUDA-graph replay's (what a verify in a FULL graph pays),
-the median of ``--rounds`` timings of ``--replays`` replays each.
+tokens where vLLM is importable. Also the commit after the walk, for all the model's GDN layers
+at once (``ops/gdn_commit.py``: the accepted leaf's state and the conv window), as served:
+eager, by the PyTorch ops per layer and by the one-launch kernel. States are float32 in
+vLLM's ``[slots, Hv, V, K]`` layout, as DDTree serves hybrids. A time is a CUDA-graph
+replay's (what a verify in a FULL graph pays; the commit's: eager launches back to back, host
+included), the median of ``--rounds`` timings of ``--replays`` calls each.
 
     python -m benchmarks hybrid-ops --model qwen3.6-27b --budgets 16,32,64,128 --out DIR
 
@@ -33,6 +36,7 @@ import torch
 
 from benchmarks.common import git_commit, timed_ms
 from vllm_ddtree.hybrid_state import GDNStateShapes
+from vllm_ddtree.ops.gdn_commit import GDNStateLayers, commit_gdn_states, commit_gdn_states_ref
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
 from vllm_ddtree.testing.scale_models import SCALE_MODELS, ScaleModel, target_config
@@ -110,6 +114,50 @@ def layer_ops(shapes: GDNStateShapes, parents: torch.Tensor, device: torch.devic
     }
 
 
+def deepest_path(parents: torch.Tensor) -> list[int]:
+    """Tree indices of the root-to-node path to the tree's deepest node, root first."""
+    depth = [0] * parents.numel()
+    for t in range(1, parents.numel()):
+        depth[t] = depth[int(parents[t])] + 1
+    path = [max(range(parents.numel()), key=depth.__getitem__)]
+    while path[-1] != 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+def model_commit(
+    shapes: GDNStateShapes, parents: torch.Tensor, device: torch.device
+) -> dict[str, Callable[[], None]]:
+    """The commit of one request's walk down its tree's deepest path in every GDN layer of the
+    model: ``{"PyTorch ops": fn, "one launch": fn}`` (the kernel on a GPU only). Each layer's
+    SSM cache holds the null block and two others, the leaf's and the destination."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = parents.numel()
+    path = deepest_path(parents)
+    taken = len(path) - 1
+    hv, dv, dk = shapes.num_v_heads, shapes.head_v_dim, shapes.head_k_dim
+    kept = shapes.conv_kernel - 1
+    table = torch.ones(2, tokens, dtype=torch.int32)
+    table[0, taken] = 2  # the destination; the leaf (and every other node) in block 1
+    groups = ([], [], [], [], [])
+    for _ in range(shapes.num_gdn_layers):
+        groups[0].append(torch.zeros(3, hv, dv, dk, device=device))
+        groups[1].append(table.to(device))
+        window = random_tensor(gen, device, 3, kept + tokens - 1, shapes.conv_dim)
+        groups[2].append(window.transpose(1, 2))  # vLLM's window-first layout, seen [C, K-1+B]
+        groups[3].append(torch.ones(2, dtype=torch.int32, device=device))
+        groups[4].append(random_tensor(gen, device, 2, tokens, shapes.conv_dim))
+    layers = GDNStateLayers.of(*groups, window=kept)
+    accepted = torch.tensor([path], device=device)
+    num_accepted = torch.tensor([taken], device=device)
+    num_draft = torch.tensor([tokens - 1], device=device)
+    batch = (layers, accepted, num_accepted, num_draft)
+    commits = {"PyTorch ops": functools.partial(commit_gdn_states_ref, *batch)}
+    if device.type == "cuda":
+        commits["one launch"] = functools.partial(commit_gdn_states, *batch)
+    return commits
+
+
 def vllm_chain_recurrence(
     shapes: GDNStateShapes, device: torch.device
 ) -> Callable[[], torch.Tensor] | None:
@@ -185,18 +233,28 @@ def measure(
     cases = [("chain", chain_parents())] + [(f"b{b}", tree_parents(b)) for b in budgets]
     rows = []
 
-    def add(case: str, tokens: int, op: str, block_v: int | None, fn: Callable[[], object]):
-        ms = time_ms(fn, device, replays, rounds)
+    def record(case: str, tokens: int, op: str, block_v: int | None, layer_ms: float):
         row = {
             "case": case,
             "tokens": tokens,
             "op": op,
             "block_v": block_v,
-            "layer_ms": ms,
-            "model_ms": ms * shapes.num_gdn_layers,
+            "layer_ms": layer_ms,
+            "model_ms": layer_ms * shapes.num_gdn_layers,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
+
+    def add(case: str, tokens: int, op: str, block_v: int | None, fn: Callable[[], object]):
+        record(case, tokens, op, block_v, time_ms(fn, device, replays, rounds))
+
+    def add_model(case: str, tokens: int, op: str, fn: Callable[[], object]):
+        """An op over every GDN layer at once, timed eagerly (launches and host included)."""
+        if device.type == "cuda":
+            ms = timed_ms(fn, replays, graph=False, rounds=rounds)
+        else:
+            ms = time_ms(fn, device, replays, rounds)
+        record(case, tokens, op, None, ms / shapes.num_gdn_layers)
 
     for case, parents in cases:
         ops = layer_ops(shapes, parents, device)
@@ -204,6 +262,9 @@ def measure(
             recurrence = functools.partial(ops["recurrence"], block_v)
             add(case, parents.numel(), "tree recurrence", block_v, recurrence)
         add(case, parents.numel(), "tree conv", None, ops["conv"])
+        if case != "chain":
+            for how, commit in model_commit(shapes, parents, device).items():
+                add_model(case, parents.numel(), f"commit, {how} (eager)", commit)
     chain = vllm_chain_recurrence(shapes, device) if device.type == "cuda" else None
     if chain is not None:
         add("chain", CHAIN_TOKENS, "vLLM recurrence", None, chain)

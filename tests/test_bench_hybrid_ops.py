@@ -53,6 +53,8 @@ def test_the_cpu_run_reports_every_case_and_op(tmp_path):
     for case in ("chain", "b8", "b16"):
         assert {(case, "tree recurrence", 8), (case, "tree recurrence", 32)} <= cases
         assert (case, "tree conv", None) in cases
+    for case in ("b8", "b16"):  # the commit on the CPU: the PyTorch ops only
+        assert (case, "commit, PyTorch ops (eager)", None) in cases
     assert all(r["model_ms"] == r["layer_ms"] * summary["layers"] for r in summary["rows"])
     assert "| b16 | 17 | tree conv |" in (out / "hybrid_ops.md").read_text()
 
@@ -62,3 +64,16 @@ def test_vllms_chain_recurrence_gets_its_inputs_at_the_chains_shapes():
     shapes = bench_hybrid_ops.gdn_shapes(SCALE_MODELS["qwen3.6-27b"].shrunk(16))
     run = bench_hybrid_ops.vllm_chain_recurrence(shapes, torch.device("cpu"))
     assert callable(run)
+
+
+def test_the_commit_case_walks_the_deepest_path_into_a_block_of_its_own():
+    parents = bench_hybrid_ops.tree_parents(16)
+    path = bench_hybrid_ops.deepest_path(parents)
+    assert path[0] == 0 and len(path) > 2
+    assert all(int(parents[child]) == parent for parent, child in zip(path, path[1:], strict=False))
+    shapes = bench_hybrid_ops.gdn_shapes(SCALE_MODELS["qwen3.6-27b"].shrunk(16))
+    (commit,) = bench_hybrid_ops.model_commit(shapes, parents, torch.device("cpu")).values()
+    layers = commit.args[0]
+    commit()  # the leaf's state (block 1) copied to the destination (block 2)
+    assert layers.num_layers == shapes.num_gdn_layers
+    assert all(torch.equal(s[2], s[1]) for s in layers.ssm_states)
