@@ -108,11 +108,66 @@ def test_kernel_reads_state_indices_through_a_column_view():
         assert torch.allclose(out[r, :n].cpu(), ref[r, :n], atol=1e-4), r
 
 
+def packed_case(seed=7, graph_pad=2):
+    """``make_case``'s trees with their tokens packed as vLLM passes them: row 1 two nodes
+    short of its tree (vLLM scheduled fewer drafts), ``graph_pad`` padding tokens at the end
+    (a CUDA graph's), and the save buffers one row larger than the batch."""
+    case = make_case(seed=seed)
+    rows, width, channels = case["x"].shape
+    lengths = case["num_tokens"].clone()
+    lengths[1] -= 2
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    x = torch.cat([case["x"][r, : int(lengths[r])] for r in range(rows)])
+    x = torch.cat([x, torch.randn(graph_pad, channels)])
+    packed = {k: v for k, v in case.items() if k != "x"}
+    packed.update(x=x, query_start_loc=torch.cat([starts, starts.new_full((1,), x.shape[0])]))
+    return packed, lengths
+
+
+@pytest.mark.interpreter
+def test_kernel_packed_rows_equal_the_reference_and_keep_the_inputs():
+    """Tokens packed by ``query_start_loc`` (a short row, graph padding): outputs equal the
+    packed reference (zeros past the rows), and the save buffers get each node's input and
+    each row's state index."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_causal_conv import (
+        tree_causal_conv1d_packed,
+        tree_causal_conv1d_packed_ref,
+    )
+
+    device = "cuda" if ON_GPU else "cpu"
+    case, lengths = packed_case()
+    rows, width = case["parents"].shape
+    channels = case["x"].shape[1]
+    saved = {}
+    outs = []
+    for name, fn, where in (
+        ("ref", tree_causal_conv1d_packed_ref, "cpu"),
+        ("kernel", tree_causal_conv1d_packed, device),
+    ):
+        inputs = torch.zeros(rows + 1, width, channels, device=where)
+        index = torch.zeros(rows + 1, dtype=torch.int32, device=where)
+        args = {k: v.to(where) for k, v in case.items()}
+        outs.append(fn(**args, saved_inputs=inputs, saved_index=index).cpu())
+        saved[name] = (inputs.cpu(), index.cpu())
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    total = int(lengths.sum())
+    assert not outs[1][total:].any(), "graph padding gets zeros"
+    for r in range(rows):
+        n = int(lengths[r])
+        first = int(case["query_start_loc"][r])
+        for name in ("ref", "kernel"):
+            inputs, index = saved[name]
+            assert torch.equal(inputs[r, :n], case["x"][first : first + n]), (name, r)
+            assert int(index[r]) == int(case["state_index"][r])
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=4)
+    run_under_interpreter(__file__, "kernel_", expected=5)
 
 
 @pytest.mark.gpu

@@ -193,6 +193,43 @@ def test_kernel_with_bf16_node_states_matches_the_rounding_reference():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_chain_in_one_launch_equals_one_token_per_launch(dtype):
+    """A chain-shaped tree (every node's parent the node before, whose state the kernel keeps
+    in registers) gives bit for bit the outputs and states of one launch per token, each
+    starting from the state the launch before stored (read back from the pool): the state kept
+    in registers is rounded to the pool's dtype as the stored one is."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta
+
+    device = "cuda" if ON_GPU else "cpu"
+    case = on_device(make_case(num_reqs=1, budget=6, depth=6, seed=4), device)
+    steps = 7
+    case["parents"][0] = torch.arange(-1, steps - 1, device=device)
+    case["num_tokens"] = torch.tensor([steps], device=device)
+    case["state_pool"] = case["state_pool"].to(dtype)
+    one_pool = case["state_pool"].clone()
+    out = tree_gated_delta(**case, block_v=16)
+    slots = case["state_slots"][0]
+    previous = case["initial_slots"]
+    for t in range(steps):
+        token = {name: case[name][:, t : t + 1] for name in ("q", "k", "v", "g", "beta")}
+        one = tree_gated_delta(
+            **token,
+            parents=torch.tensor([[-1]], device=device),
+            num_tokens=torch.tensor([1], device=device),
+            state_pool=one_pool,
+            initial_slots=previous,
+            state_slots=slots[t : t + 1].unsqueeze(0),
+            block_v=16,
+        )
+        assert torch.equal(out[:, t], one[:, 0]), t
+        previous = slots[t : t + 1]
+    assert torch.equal(case["state_pool"][slots], one_pool[slots])
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("seed", range(2))
 def test_kernel_reads_committed_states_from_their_own_tensor(seed):
     if not (ON_GPU or INTERPRETED):
@@ -286,11 +323,107 @@ def test_kernel_writes_into_a_vllm_layout_cache_through_a_block_table():
     assert torch.allclose(got, ref_cache[written], atol=1e-4)
 
 
+def packed_vllm_case(seed=9, graph_pad=2):
+    """vLLM's speculative GDN call over ``make_case``'s trees: tokens packed by
+    ``query_start_loc`` (row 1 two nodes short, ``graph_pad`` padding tokens), q/k/v views of
+    one conv output ``[n, C]`` (token stride C), ``a``/``b`` views of one ``[n, 2 Hv]``
+    projection, raw gates, the SSM cache ``[blocks, Hv, V, K]`` (seen ``[Hv, K, V]``) behind a
+    strided int32 block table, rows starting from blocks ``[r, num_accepted - 1]``."""
+    case = make_case(seed=seed)
+    rows, width, hk, dk = case["q"].shape
+    hv, dv = case["v"].shape[2:]
+    gen = torch.Generator().manual_seed(seed)
+    lengths = case["num_tokens"].clone()
+    lengths[1] -= 2
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    n = int(starts[-1]) + graph_pad
+    mixed = torch.randn(n, 2 * hk * dk + hv * dv, generator=gen)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    gates = torch.randn(n, 2 * hv, generator=gen)
+    blocks = rows * (width + 3) + 4
+    cache = torch.randn(blocks, hv, dv, dk, generator=gen) * 0.1
+    wide = torch.randperm(blocks - 1, generator=gen)[: rows * (width + 3)] + 1
+    table = wide.view(rows, width + 3).to(torch.int32)[:, :width]
+    return dict(
+        q=q.view(n, hk, dk),
+        k=k.view(n, hk, dk),
+        v=v.view(n, hv, dv),
+        a=gates[:, :hv],
+        b=gates[:, hv:],
+        A_log=torch.randn(hv, generator=gen) * 0.3,
+        dt_bias=torch.randn(hv, generator=gen) * 0.3,
+        query_start_loc=torch.cat([starts, starts.new_full((1,), n)]).to(torch.int32),
+        parents=case["parents"],
+        num_tokens=case["num_tokens"],
+        state_pool=cache.transpose(-1, -2),
+        state_slots=table,
+        num_accepted=torch.tensor([1, 3, 2], dtype=torch.int32),
+    ), lengths
+
+
+@pytest.mark.interpreter
+def test_kernel_packed_vllm_call_equals_the_reference():
+    """The packed launch (gates from ``a``/``b``, start blocks from ``num_accepted``, the
+    blocks kept for the commit) against its reference: outputs (zeros past the rows), every
+    node's stored state, the kept block table."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_gated_delta import (
+        tree_gated_delta_packed,
+        tree_gated_delta_packed_ref,
+    )
+
+    device = "cuda" if ON_GPU else "cpu"
+    case, lengths = packed_vllm_case()
+    rows, width = case["parents"].shape
+    results = []
+    for fn, where in ((tree_gated_delta_packed_ref, "cpu"), (tree_gated_delta_packed, device)):
+        cache = case["state_pool"].transpose(-1, -2).clone().to(where)
+        args = {k: v.to(where) for k, v in case.items() if k != "state_pool"}
+        saved = torch.zeros(rows + 1, width, dtype=torch.int32, device=where)
+        out = fn(**args, state_pool=cache.transpose(-1, -2), saved_slots=saved)
+        results.append((out.cpu(), cache.cpu(), saved.cpu()))
+    (ref, ref_cache, ref_saved), (out, cache, saved) = results
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert not out[int(lengths.sum()) :].any(), "graph padding gets zeros"
+    torch.testing.assert_close(cache, ref_cache, atol=1e-4, rtol=1e-4)
+    assert torch.equal(saved, ref_saved) and torch.equal(saved[:rows], case["state_slots"])
+
+
+def test_packed_reference_starts_each_row_from_its_accepted_block():
+    """The packed reference reads row ``r``'s committed state from block ``[r, num_accepted -
+    1]`` and writes node ``t``'s to ``[r, t]``: a one-node row's state is the one-token update
+    of that block's."""
+    from vllm_ddtree.ops.tree_gated_delta import gdn_gates_ref, tree_gated_delta_packed_ref
+
+    case, _ = packed_vllm_case()
+    case["num_tokens"] = torch.tensor([1, 1, 1])
+    before = case["state_pool"].clone()
+    tree_gated_delta_packed_ref(**case)
+    g, beta = gdn_gates_ref(case["A_log"], case["a"], case["b"], case["dt_bias"])
+    for r in range(3):
+        table = case["state_slots"][r].long()
+        start = before[int(table[int(case["num_accepted"][r]) - 1])]
+        token = int(case["query_start_loc"][r])
+        pool = start.unsqueeze(0).clone()
+        tree_gated_delta_ref(
+            *(t[token : token + 1].unsqueeze(0) for t in (case["q"], case["k"], case["v"])),
+            g[token : token + 1].unsqueeze(0),
+            beta[token : token + 1].unsqueeze(0),
+            torch.tensor([[-1]]),
+            torch.tensor([1]),
+            pool,
+            torch.tensor([0]),
+            torch.tensor([[0]]),
+        )
+        torch.testing.assert_close(case["state_pool"][int(table[0])], pool[0])
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=7)
+    run_under_interpreter(__file__, "kernel_", expected=10)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.ops.packed_rows import gather_rows, row_lengths, row_token_index, scatter_rows
+
 try:
     import triton
     import triton.language as tl
@@ -67,11 +69,41 @@ def conv_state_after_path(
     return inputs[-(width - 1) :].T.contiguous()
 
 
+def tree_causal_conv1d_packed_ref(
+    x: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    parents: torch.Tensor,
+    num_tokens: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_index: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    saved_inputs: torch.Tensor | None = None,
+    saved_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of ``tree_causal_conv1d_packed``: the rows gathered, ``tree_causal_conv1d_ref``,
+    the outputs scattered back (zeros where no row's node is)."""
+    rows, width = parents.shape
+    total = x.shape[0]
+    index = row_token_index(query_start_loc, rows, width, total)
+    count = torch.minimum(num_tokens.long(), row_lengths(query_start_loc, rows))
+    gathered = gather_rows(x, index)
+    out_rows = tree_causal_conv1d_ref(
+        gathered, parents, count, conv_state, state_index, weight, bias, activation
+    )
+    if saved_inputs is not None:
+        saved_inputs[:rows].copy_(gathered)
+        saved_index[:rows].copy_(state_index)
+    return scatter_rows(out_rows, index, total)
+
+
 if HAS_TRITON:
 
     @triton.jit
     def _tree_causal_conv1d_kernel(
         x_ptr,
+        starts_ptr,
         parents_ptr,
         num_tokens_ptr,
         conv_state_ptr,
@@ -79,9 +111,11 @@ if HAS_TRITON:
         weight_ptr,
         bias_ptr,
         out_ptr,
+        saved_inputs_ptr,
+        saved_index_ptr,
         channels,
-        stride_x_r,
         stride_x_t,
+        stride_out_t,
         stride_tree_r,
         stride_index_r,
         stride_state_s,
@@ -93,12 +127,18 @@ if HAS_TRITON:
         BLOCK_C: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         SILU: tl.constexpr,
+        SAVE: tl.constexpr,
     ):
         req = tl.program_id(0)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_valid = offs_c < channels
-        count = tl.load(num_tokens_ptr + req)
+        first = tl.load(starts_ptr + req).to(tl.int64)  # row req's tokens from here on
+        row_len = tl.load(starts_ptr + req + 1).to(tl.int64) - first
+        count = tl.minimum(tl.load(num_tokens_ptr + req).to(tl.int64), row_len)
         state = tl.load(state_index_ptr + req * stride_index_r).to(tl.int64)
+        if SAVE:
+            if tl.program_id(1) == 0:
+                tl.store(saved_index_ptr + req, state.to(saved_index_ptr.dtype.element_ty))
         for t in range(0, MAX_TOKENS):
             if t < count:
                 acc = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -109,11 +149,14 @@ if HAS_TRITON:
                 for j in range(0, WIDTH):
                     # tap WIDTH-1-j looks j steps up the path from t.
                     if node >= 0:
-                        value = tl.load(
-                            x_ptr + req * stride_x_r + node * stride_x_t + offs_c,
-                            mask=c_valid,
-                            other=0.0,
-                        ).to(tl.float32)
+                        raw = tl.load(
+                            x_ptr + (first + node) * stride_x_t + offs_c, mask=c_valid, other=0.0
+                        )
+                        if SAVE:
+                            if j == 0:  # the node's own input, for the commit
+                                at = saved_inputs_ptr + (req * MAX_TOKENS + t) * channels + offs_c
+                                tl.store(at, raw, mask=c_valid)
+                        value = raw.to(tl.float32)
                         node = tl.load(parents_ptr + req * stride_tree_r + node).to(tl.int32)
                     else:
                         history_steps += 1
@@ -135,10 +178,77 @@ if HAS_TRITON:
                 if SILU:
                     acc = acc * tl.sigmoid(acc)
                 tl.store(
-                    out_ptr + req * stride_x_r + t * stride_x_t + offs_c,
+                    out_ptr + (first + t) * stride_out_t + offs_c,
                     acc.to(out_ptr.dtype.element_ty),
                     mask=c_valid,
                 )
+
+
+def tree_causal_conv1d_packed(
+    x: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    parents: torch.Tensor,
+    num_tokens: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_index: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    saved_inputs: torch.Tensor | None = None,
+    saved_index: torch.Tensor | None = None,
+    block_c: int = 128,
+) -> torch.Tensor:
+    """Causal conv1d over trees whose tokens lie packed, as vLLM passes a forward's: ``x``
+    ``[n, C]`` (last dim contiguous), row ``s``'s tokens from ``query_start_loc[s]`` (int
+    ``[>= R + 1]``; tokens past the last row, CUDA-graph padding, get zeros); ``parents``
+    ``[R, T]`` and ``num_tokens`` ``[R]`` as in the module docstring. One launch; with
+    ``saved_inputs`` (contiguous ``[>= R, T, C]``, ``x``'s dtype) and ``saved_index`` (``[>=
+    R]``) it also keeps each node's input and each row's ``state_index`` there (what the commit
+    after the walk reads). Returns ``[n, C]``."""
+    channels = x.shape[1]
+    num_reqs, max_tokens = parents.shape
+    width = weight.shape[1]
+    assert conv_state.shape[1:] == (channels, width - 1)
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and parents.stride(-1) == 1
+    save = saved_inputs is not None
+    if save:
+        assert saved_index is not None and saved_inputs.is_contiguous()
+        assert saved_inputs.shape[1:] == (max_tokens, channels)
+        assert saved_inputs.dtype == x.dtype
+    out = torch.zeros_like(x)
+    if num_reqs == 0:
+        return out
+    block_c = min(block_c, triton.next_power_of_2(channels))
+    grid = (num_reqs, triton.cdiv(channels, block_c))
+    _tree_causal_conv1d_kernel[grid](
+        x,
+        query_start_loc,
+        parents,
+        num_tokens,
+        conv_state,
+        state_index,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        saved_inputs if save else x,
+        saved_index if save else state_index,
+        channels,
+        x.stride(0),
+        out.stride(0),
+        parents.stride(0),
+        state_index.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        conv_state.stride(2),
+        weight.stride(0),
+        MAX_TOKENS=max_tokens,
+        WIDTH=width,
+        BLOCK_C=block_c,
+        HAS_BIAS=bias is not None,
+        SILU=activation == "silu",
+        SAVE=save,
+    )
+    return out
 
 
 def tree_causal_conv1d(
@@ -154,34 +264,18 @@ def tree_causal_conv1d(
 ) -> torch.Tensor:
     """Causal conv1d over per-request trees (see the module docstring). Returns ``[R, T, C]``."""
     num_reqs, max_tokens, channels = x.shape
-    width = weight.shape[1]
-    assert conv_state.shape[1:] == (channels, width - 1)
-    assert x.is_contiguous() and weight.stride(-1) == 1
-    out = torch.empty_like(x)
-    block_c = min(block_c, triton.next_power_of_2(channels))
-    grid = (num_reqs, triton.cdiv(channels, block_c))
-    _tree_causal_conv1d_kernel[grid](
-        x,
+    assert x.is_contiguous()
+    starts = torch.arange(num_reqs + 1, device=x.device) * max_tokens
+    out = tree_causal_conv1d_packed(
+        x.view(num_reqs * max_tokens, channels),
+        starts,
         parents,
         num_tokens,
         conv_state,
         state_index,
         weight,
-        bias if bias is not None else weight,
-        out,
-        channels,
-        x.stride(0),
-        x.stride(1),
-        parents.stride(0),
-        state_index.stride(0),
-        conv_state.stride(0),
-        conv_state.stride(1),
-        conv_state.stride(2),
-        weight.stride(0),
-        MAX_TOKENS=max_tokens,
-        WIDTH=width,
-        BLOCK_C=block_c,
-        HAS_BIAS=bias is not None,
-        SILU=activation == "silu",
+        bias,
+        activation,
+        block_c=block_c,
     )
-    return out
+    return out.view(num_reqs, max_tokens, channels)

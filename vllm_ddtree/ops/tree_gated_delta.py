@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.ops.packed_rows import gather_rows, row_lengths, row_token_index, scatter_rows
+
 try:
     import triton
     import triton.language as tl
@@ -52,6 +54,8 @@ except ImportError:  # pragma: no cover
 
 # The node-state dtypes the kernel and the reference take (see "State precision" above).
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+# softplus(x) = x past this, as vLLM's gating kernels take it.
+SOFTPLUS_THRESHOLD = 20.0
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +115,56 @@ def tree_gated_delta_ref(
     return out
 
 
+def gdn_gates_ref(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, each
+    ``[n, Hv]`` for ``a``/``b`` ``[n, Hv]``: GatedDeltaNet's gates as vLLM's
+    ``fused_gdn_gating`` computes them (softplus linear past 20)."""
+    x = a.float() + dt_bias.float()
+    softplus = torch.where(x <= SOFTPLUS_THRESHOLD, torch.log1p(torch.exp(x)), x)
+    return -A_log.float().exp() * softplus, torch.sigmoid(b.float())
+
+
+def tree_gated_delta_packed_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    parents: torch.Tensor,
+    num_tokens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    num_accepted: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    saved_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of ``tree_gated_delta_packed``: gates by ``gdn_gates_ref``, the rows
+    gathered, ``tree_gated_delta_ref``, the outputs scattered back."""
+    rows, width = parents.shape
+    total = q.shape[0]
+    index = row_token_index(query_start_loc, rows, width, total)
+    count = torch.minimum(num_tokens.long(), row_lengths(query_start_loc, rows))
+    g, beta = gdn_gates_ref(A_log, a[:total], b[:total], dt_bias)
+    slots = state_slots[:rows]
+    column = (num_accepted[:rows].long() - 1).clamp(min=0).unsqueeze(1)
+    initial = slots.long().gather(1, column).squeeze(1)
+    out = tree_gated_delta_ref(
+        *(gather_rows(t, index) for t in (q, k, v, g, beta)),
+        parents,
+        count,
+        state_pool,
+        initial,
+        slots,
+        use_qk_l2norm=use_qk_l2norm,
+    )
+    if saved_slots is not None:
+        saved_slots[:rows].copy_(slots)
+    return scatter_rows(out, index, total)
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -120,6 +174,9 @@ if HAS_TRITON:
         v_ptr,
         g_ptr,
         beta_ptr,
+        a_log_ptr,
+        dt_bias_ptr,
+        starts_ptr,
         parents_ptr,
         num_tokens_ptr,
         state_ptr,
@@ -127,18 +184,20 @@ if HAS_TRITON:
         initial_slots_ptr,
         state_slots_ptr,
         out_ptr,
+        saved_slots_ptr,
         scale,
-        stride_q_r,
         stride_q_t,
         stride_q_h,
-        stride_v_r,
+        stride_k_t,
+        stride_k_h,
         stride_v_t,
         stride_v_h,
-        stride_o_r,
         stride_o_t,
         stride_o_h,
-        stride_g_r,
         stride_g_t,
+        stride_g_h,
+        stride_beta_t,
+        stride_beta_h,
         stride_tree_r,
         stride_slots_r,
         stride_state_slot,
@@ -155,7 +214,12 @@ if HAS_TRITON:
         HEAD_V: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        BLOCK_T: tl.constexpr,
         USE_QK_L2NORM: tl.constexpr,
+        GATES_FROM_AB: tl.constexpr,
+        INITIAL_FROM_ACCEPTED: tl.constexpr,
+        SAVE_SLOTS: tl.constexpr,
+        SOFTPLUS_LINEAR_FROM: tl.constexpr,
     ):
         req = tl.program_id(0)
         v_head = tl.program_id(1)
@@ -168,10 +232,32 @@ if HAS_TRITON:
         hv_mask = k_valid[:, None] & v_valid[None, :]
         hv_offsets = offs_k[:, None] * stride_state_k + offs_v[None, :] * stride_state_v
         init_offsets = offs_k[:, None] * stride_init_k + offs_v[None, :] * stride_init_v
-        count = tl.load(num_tokens_ptr + req)
-        initial = tl.load(initial_slots_ptr + req).to(tl.int64)
+        first = tl.load(starts_ptr + req).to(tl.int64)  # row req's tokens from here on
+        row_len = tl.load(starts_ptr + req + 1).to(tl.int64) - first
+        count = tl.minimum(tl.load(num_tokens_ptr + req).to(tl.int64), row_len)
+        row_slots = state_slots_ptr + req * stride_slots_r
+        if INITIAL_FROM_ACCEPTED:
+            # vLLM's speculative layout: the step starts from block [r, num_accepted - 1].
+            column = tl.maximum(tl.load(initial_slots_ptr + req).to(tl.int64) - 1, 0)
+            initial = tl.load(row_slots + column).to(tl.int64)
+        else:
+            initial = tl.load(initial_slots_ptr + req).to(tl.int64)
+        if SAVE_SLOTS:
+            if (v_head == 0) & (v_block == 0):  # the nodes' blocks, for the commit
+                offs_t = tl.arange(0, BLOCK_T)
+                slots = tl.load(row_slots + offs_t, mask=offs_t < MAX_TOKENS)
+                tl.store(
+                    saved_slots_ptr + req * MAX_TOKENS + offs_t,
+                    slots.to(saved_slots_ptr.dtype.element_ty),
+                    mask=offs_t < MAX_TOKENS,
+                )
+        if GATES_FROM_AB:
+            a_log = tl.load(a_log_ptr + v_head).to(tl.float32)
+            dt_bias = tl.load(dt_bias_ptr + v_head).to(tl.float32)
+        h = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         for t in range(0, MAX_TOKENS):
             if t < count:
+                token = first + t
                 parent = tl.load(parents_ptr + req * stride_tree_r + t)
                 if parent < 0:
                     h = tl.load(
@@ -182,32 +268,44 @@ if HAS_TRITON:
                         mask=hv_mask,
                         other=0.0,
                     ).to(tl.float32)
+                elif parent == t - 1:
+                    # The previous node's state, still in registers, as it was stored.
+                    h = h.to(state_ptr.dtype.element_ty).to(tl.float32)
                 else:
-                    slot = tl.load(state_slots_ptr + req * stride_slots_r + parent).to(tl.int64)
+                    slot = tl.load(row_slots + parent).to(tl.int64)
                     h = tl.load(
                         state_ptr + slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
                         mask=hv_mask,
                         other=0.0,
                     ).to(tl.float32)
-                q_row = q_ptr + req * stride_q_r + t * stride_q_t + k_head * stride_q_h
-                k_row = k_ptr + req * stride_q_r + t * stride_q_t + k_head * stride_q_h
+                q_row = q_ptr + token * stride_q_t + k_head * stride_q_h
+                k_row = k_ptr + token * stride_k_t + k_head * stride_k_h
                 b_q = tl.load(q_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
                 b_k = tl.load(k_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
                 if USE_QK_L2NORM:
                     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
                     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
                 b_q = b_q * scale
-                v_row = v_ptr + req * stride_v_r + t * stride_v_t + v_head * stride_v_h
+                v_row = v_ptr + token * stride_v_t + v_head * stride_v_h
                 b_v = tl.load(v_row + offs_v, mask=v_valid, other=0.0).to(tl.float32)
-                gate = tl.load(g_ptr + req * stride_g_r + t * stride_g_t + v_head)
-                b_beta = tl.load(beta_ptr + req * stride_g_r + t * stride_g_t + v_head)
+                g_at = g_ptr + token * stride_g_t + v_head * stride_g_h
+                beta_at = beta_ptr + token * stride_beta_t + v_head * stride_beta_h
+                if GATES_FROM_AB:
+                    # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b): vLLM's gates.
+                    x = tl.load(g_at).to(tl.float32) + dt_bias
+                    softplus = tl.where(x <= SOFTPLUS_LINEAR_FROM, tl.log(1.0 + tl.exp(x)), x)
+                    gate = -tl.exp(a_log) * softplus
+                    b_beta = tl.sigmoid(tl.load(beta_at).to(tl.float32))
+                else:
+                    gate = tl.load(g_at)
+                    b_beta = tl.load(beta_at)
                 h = h * tl.exp(gate)
                 b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
                 h = h + b_k[:, None] * b_v[None, :]
                 b_o = tl.sum(h * b_q[:, None], 0)
-                out_row = out_ptr + req * stride_o_r + t * stride_o_t + v_head * stride_o_h
+                out_row = out_ptr + token * stride_o_t + v_head * stride_o_h
                 tl.store(out_row + offs_v, b_o.to(out_ptr.dtype.element_ty), mask=v_valid)
-                out_slot = tl.load(state_slots_ptr + req * stride_slots_r + t).to(tl.int64)
+                out_slot = tl.load(row_slots + t).to(tl.int64)
                 tl.store(
                     state_ptr + out_slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
                     h.to(state_ptr.dtype.element_ty),
@@ -215,6 +313,101 @@ if HAS_TRITON:
                 )
             # Children read this state back from memory in a later iteration.
             tl.debug_barrier()
+
+
+def _launch(
+    q,
+    k,
+    v,
+    g_or_a,
+    beta_or_b,
+    a_log,
+    dt_bias,
+    starts,
+    parents,
+    num_tokens,
+    state_pool,
+    initial_state,
+    initial_index,
+    state_slots,
+    saved_slots,
+    use_qk_l2norm: bool,
+    block_v: int,
+    gates_from_ab: bool,
+    initial_from_accepted: bool,
+) -> torch.Tensor:
+    """One launch over packed tokens (``q``/``k`` ``[n, Hk, K]``, ``v`` ``[n, Hv, V]``, row
+    ``r`` from ``starts[r]``); returns ``[n, Hv, V]``, zeros where no row's node is."""
+    num_reqs, max_tokens = parents.shape
+    num_v_heads, head_v = v.shape[1:]
+    num_k_heads, head_k = k.shape[1:]
+    assert q.shape[1:] == k.shape[1:] and q.shape[0] == k.shape[0] == v.shape[0]
+    assert num_v_heads % num_k_heads == 0, "value heads must be a multiple of key heads"
+    if state_pool.dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"tree node states must be one of {STATE_DTYPES}, got a {state_pool.dtype} pool"
+        )
+    assert state_pool.shape[1:] == (num_v_heads, head_k, head_v)
+    assert initial_state.shape[1:] == state_pool.shape[1:], "initial states are [S', Hv, K, V]"
+    assert parents.stride(-1) == 1 and state_slots.stride(-1) == 1
+    for t in (q, k, v):
+        assert t.stride(-1) == 1
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if num_reqs == 0:
+        return out
+    save = saved_slots is not None
+    if save:
+        assert saved_slots.is_contiguous() and saved_slots.shape[1] == max_tokens
+    block_v = min(block_v, triton.next_power_of_2(head_v))
+    grid = (num_reqs, num_v_heads, triton.cdiv(head_v, block_v))
+    _tree_gated_delta_kernel[grid](
+        q,
+        k,
+        v,
+        g_or_a,
+        beta_or_b,
+        a_log if a_log is not None else g_or_a,
+        dt_bias if dt_bias is not None else g_or_a,
+        starts,
+        parents,
+        num_tokens,
+        state_pool,
+        initial_state,
+        initial_index,
+        state_slots,
+        out,
+        saved_slots if save else state_slots,
+        head_k**-0.5,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        g_or_a.stride(0),
+        g_or_a.stride(1),
+        beta_or_b.stride(0),
+        beta_or_b.stride(1),
+        parents.stride(0),
+        state_slots.stride(0),
+        *state_pool.stride(),
+        *initial_state.stride(),
+        MAX_TOKENS=max_tokens,
+        GROUP=num_v_heads // num_k_heads,
+        HEAD_K=head_k,
+        HEAD_V=head_v,
+        BLOCK_K=triton.next_power_of_2(head_k),
+        BLOCK_V=block_v,
+        BLOCK_T=triton.next_power_of_2(max_tokens),
+        USE_QK_L2NORM=use_qk_l2norm,
+        GATES_FROM_AB=gates_from_ab,
+        INITIAL_FROM_ACCEPTED=initial_from_accepted,
+        SAVE_SLOTS=save,
+        SOFTPLUS_LINEAR_FROM=SOFTPLUS_THRESHOLD,
+    )
+    return out
 
 
 def tree_gated_delta(
@@ -235,64 +428,86 @@ def tree_gated_delta(
     """Gated delta rule over per-request trees (see the module docstring for shapes).
 
     One program per (request, value head, block of V): it walks the nodes in index order, reads
-    each parent's state from the pool and writes the node's. ``initial_state``
+    each parent's state from the pool (from registers where the parent is the node before)
+    and writes the node's. ``initial_state``
     ``[S', Hv, K, V]`` (any float dtype and strides; default: ``state_pool``) holds the
     committed states ``initial_slots`` points at. Returns ``[R, T, Hv, V]``.
     """
     num_reqs, max_tokens, num_v_heads, head_v = v.shape
-    num_k_heads, head_k = k.shape[2], k.shape[3]
-    assert q.shape == k.shape and g.shape == beta.shape == (num_reqs, max_tokens, num_v_heads)
-    assert num_v_heads % num_k_heads == 0, "value heads must be a multiple of key heads"
-    if state_pool.dtype not in STATE_DTYPES:
-        raise ValueError(
-            f"tree node states must be one of {STATE_DTYPES}, got a {state_pool.dtype} pool"
-        )
-    assert state_pool.shape[1:] == (num_v_heads, head_k, head_v)
-    assert parents.stride(-1) == 1 and state_slots.stride(-1) == 1
-    assert q.stride() == k.stride() and g.stride() == beta.stride()
-    for t in (q, k, v):
-        assert t.stride(-1) == 1
-    if initial_state is None:
-        initial_state = state_pool
-    assert initial_state.shape[1:] == state_pool.shape[1:], "initial states are [S', Hv, K, V]"
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    block_v = min(block_v, triton.next_power_of_2(head_v))
-    grid = (num_reqs, num_v_heads, triton.cdiv(head_v, block_v))
-    _tree_gated_delta_kernel[grid](
-        q,
-        k,
-        v,
-        g,
-        beta,
+    assert g.shape == beta.shape == (num_reqs, max_tokens, num_v_heads)
+    starts = torch.arange(num_reqs + 1, device=v.device) * max_tokens
+
+    def packed(t):
+        return t.reshape(num_reqs * max_tokens, *t.shape[2:])
+
+    out = _launch(
+        packed(q),
+        packed(k),
+        packed(v),
+        packed(g),
+        packed(beta),
+        None,
+        None,
+        starts,
         parents,
         num_tokens,
         state_pool,
-        initial_state,
+        state_pool if initial_state is None else initial_state,
         initial_slots,
         state_slots,
-        out,
-        head_k**-0.5,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        g.stride(0),
-        g.stride(1),
-        parents.stride(0),
-        state_slots.stride(0),
-        *state_pool.stride(),
-        *initial_state.stride(),
-        MAX_TOKENS=max_tokens,
-        GROUP=num_v_heads // num_k_heads,
-        HEAD_K=head_k,
-        HEAD_V=head_v,
-        BLOCK_K=triton.next_power_of_2(head_k),
-        BLOCK_V=block_v,
-        USE_QK_L2NORM=use_qk_l2norm,
+        None,
+        use_qk_l2norm,
+        block_v,
+        gates_from_ab=False,
+        initial_from_accepted=False,
     )
-    return out
+    return out.view(v.shape)
+
+
+def tree_gated_delta_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    parents: torch.Tensor,
+    num_tokens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    num_accepted: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    saved_slots: torch.Tensor | None = None,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """The gated delta rule over trees as vLLM's speculative GDN call passes them, in one
+    launch: tokens packed (``q``/``k`` ``[n, Hk, K]``, ``v`` ``[n, Hv, V]``, any token and head
+    strides; row ``r`` from ``query_start_loc[r]``; tokens past the last row get zeros), the
+    raw gate inputs ``a``/``b`` ``[>= n, Hv]`` with ``A_log``/``dt_bias`` ``[Hv]`` (the gates
+    as ``gdn_gates_ref``), and vLLM's speculative state layout: node ``t`` of row ``r`` in block
+    ``state_slots[r, t]`` of ``state_pool``, the committed state in block ``state_slots[r,
+    num_accepted[r] - 1]``. With ``saved_slots`` (int32 ``[>= R, T]``) it also keeps each row's
+    blocks there (what the commit after the walk reads). Returns ``[n, Hv, V]``."""
+    return _launch(
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        query_start_loc,
+        parents,
+        num_tokens,
+        state_pool,
+        state_pool,
+        num_accepted,
+        state_slots,
+        saved_slots,
+        use_qk_l2norm,
+        block_v,
+        gates_from_ab=True,
+        initial_from_accepted=True,
+    )
