@@ -20,10 +20,11 @@ State, in vLLM's speculative layout (``1 + budget`` blocks per request; its size
 vLLM's own bookkeeping puts ``num_accepted`` = accepted drafts + 1. After the walk,
 ``HybridTreeStep.commit`` copies the accepted leaf's state into that block and rebuilds the conv
 window (the first ``K - 1`` columns of block 0, where vLLM's prefill writes it too) from the
-accepted path's inputs, which the dispatcher keeps per layer in persistent buffers (so CUDA
+accepted path's inputs, in one launch for every layer (``ops/gdn_commit.py``). The tree kernels
+keep those inputs and the rows' state blocks per layer in persistent buffers as they run (so CUDA
 graph replays, which skip this Python, still fill them), made before vLLM captures any graph
-(``HybridTreeStep.prepare_layers``). SSM states are float32 or bfloat16
-(``--mamba-ssm-cache-dtype``).
+(``HybridTreeStep.prepare_layers``); each layer's verify is two launches. SSM states are
+float32 or bfloat16 (``--mamba-ssm-cache-dtype``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ from vllm_ddtree.ops.gdn_commit import (
     commit_gdn_states_ref,
     speculative_rows,
 )
-from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
-from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
+from vllm_ddtree.ops.tree_causal_conv import (
+    tree_causal_conv1d_packed,
+    tree_causal_conv1d_packed_ref,
+)
+from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta_packed, tree_gated_delta_packed_ref
 
 logger = logging.getLogger("vllm.ddtree")
 GDN_MODULE = seams.GDN_MODULE
@@ -76,40 +80,6 @@ def check_index_range(name: str, index: torch.Tensor, size: int, rows=None) -> N
             f"vllm-ddtree: {name} out of range [0, {size}) at {where}: "
             f"{values[bad][:8].tolist()} ({CHECK_INDICES_ENV}=1)"
         )
-
-
-def gdn_gates_ref(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, each
-    ``[1, n, Hv]`` for ``a``/``b`` ``[n, Hv]``: what vLLM's ``fused_gdn_gating`` computes (used
-    off the GPU, where its Triton kernel cannot run)."""
-    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
-    return g.unsqueeze(0), torch.sigmoid(b.float()).unsqueeze(0)
-
-
-def row_token_index(
-    query_start_loc: torch.Tensor, num_rows: int, width: int, total: int
-) -> torch.Tensor:
-    """long ``[S, width]``: the flat token of each packed row's ``t``-th token (row ``s`` from
-    ``query_start_loc[s]``, ``S = num_rows``), ``total`` (a spare slot) past a row's end."""
-    starts = query_start_loc[: num_rows + 1].long()
-    offsets = torch.arange(width, device=starts.device)
-    index = starts[:num_rows, None] + offsets[None, :]
-    inside = offsets[None, :] < (starts[1:] - starts[:-1])[:, None]
-    return torch.where(inside, index, total)
-
-
-def gather_rows(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``flat`` ``[n, ...]`` -> ``[S, T, ...]`` by ``row_token_index`` (zeros at the spare
-    index ``n``)."""
-    padded = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
-    return padded[index]
-
-
-def scatter_rows(rows: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
-    """``rows`` ``[S, T, ...]`` -> ``[total, ...]`` (what lies past a row's end dropped)."""
-    out = rows.new_zeros((total + 1, *rows.shape[2:]))
-    out.index_copy_(0, index.flatten(), rows.flatten(0, 1))
-    return out[:total]
 
 
 @dataclass
@@ -241,12 +211,6 @@ class HybridTreeStep:
         layer.conv_state = conv_state  # the cache the engine uses now (not a profiling one)
         return layer
 
-    def _token_index(self, query_start_loc: torch.Tensor, num_rows: int, total: int):
-        """``row_token_index`` at this step's row width (1 + tree_budget): vLLM may schedule
-        fewer drafts than the budget, e.g. near ``max_model_len``; the trees were cut to
-        match."""
-        return row_token_index(query_start_loc, num_rows, self.tokens_per_row, total)
-
     def watch(self, where: str) -> None:
         """With ``VLLM_DDTREE_CHECK_INDICES=1`` (outside CUDA-graph capture): raise, naming
         ``where`` (the operations since the last watch), if any GDN layer's state-block
@@ -302,7 +266,10 @@ class HybridTreeStep:
     ):
         """vLLM's speculative ``causal_conv1d_update`` over trees: ``x`` ``[n, C]`` (row ``s``
         from ``query_start_loc[s]``), ``conv_state`` ``[blocks, C, K - 1 + B]``; returns
-        ``[n, C]``."""
+        ``[n, C]``. One launch on CUDA, which also keeps the nodes' inputs and the rows' conv
+        blocks in the layer's buffers for the commit. vLLM may schedule fewer drafts than the
+        budget (e.g. near ``max_model_len``): a row then has fewer tokens, and its tree was cut
+        to match."""
         num_rows, total = conv_state_indices.shape[0], x.shape[0]
         assert int(max_query_len) == self.tokens_per_row, "verify rows are 1 + tree_budget"
         if self.routed_calls == 0:
@@ -322,16 +289,10 @@ class HybridTreeStep:
             check_index_range("conv state block", conv_state_indices, conv_state.shape[0])
             ends = query_start_loc[: num_rows + 1].long()
             check_index_range("conv query_start_loc", ends, total + 1)
-        index = self._token_index(query_start_loc, num_rows, total)
-        layer.inputs[:num_rows].copy_(gather_rows(x, index))
-        layer.conv_blocks[:num_rows].copy_(conv_state_indices)
-        if check:
-            layer.written_at = self.step_number
-            layer.expected_conv_blocks = layer.conv_blocks[:num_rows].clone()
-            layer.expected_ssm_blocks = None
-        conv = tree_causal_conv1d if use_triton(x.device) else tree_causal_conv1d_ref
-        rows = conv(
-            layer.inputs[:num_rows],
+        conv = tree_causal_conv1d_packed if use_triton(x.device) else tree_causal_conv1d_packed_ref
+        out = conv(
+            x,
+            query_start_loc,
             self.parents[:num_rows],
             self.num_tokens[:num_rows],
             conv_state[:, :, : width - 1],
@@ -339,11 +300,16 @@ class HybridTreeStep:
             weight,
             bias,
             activation="silu" if activation in (True, "silu", "swish") else None,
+            saved_inputs=layer.inputs,
+            saved_index=layer.conv_blocks,
         )
         self._conv_layer = layer
         if check:
+            layer.written_at = self.step_number
+            layer.expected_conv_blocks = layer.conv_blocks[:num_rows].clone()
+            layer.expected_ssm_blocks = None
             self.watch(f"in GDN layer {layer.number}'s tree conv")
-        return scatter_rows(rows, index, total)
+        return out
 
     def tree_recurrence(
         self,
@@ -364,62 +330,47 @@ class HybridTreeStep:
         ``[1, n, Hk, K]``, ``v`` ``[1, n, Hv, V]`` (row ``s`` from ``cu_seqlens[s]``),
         ``a``/``b`` ``[>= n, Hv]``, ``initial_state`` float32 ``[blocks, Hv, V, K]``,
         ``ssm_state_indices`` ``[>= S, 1 + B]``. Returns ``(out [1, n, Hv, V], initial_state)``
-        like vLLM's function.
+        like vLLM's function. One launch on CUDA (the gates computed in it), which also keeps
+        the rows' state blocks in the layer's buffer for the commit.
 
         With full CUDA graphs vLLM pads ``ssm_state_indices`` to the graph's batch (null-block
         rows) but passes ``cu_seqlens`` for the ``S`` real rows only: the rows are those."""
         num_rows = cu_seqlens.shape[0] - 1
         ssm_state_indices = ssm_state_indices[:num_rows]
-        total = q.shape[1]
-        num_k_heads, head_k = q.shape[-2:]
-        num_v_heads, head_v = v.shape[-2:]
-        on_gpu = use_triton(q.device)
-        a, b = a[:total].contiguous(), b[:total].contiguous()  # Qwen3-Next's are split views
-        if on_gpu:
-            from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-                fused_gdn_gating,
-            )
-
-            gate, _ = fused_gdn_gating(A_log, a, b, dt_bias)  # float32 [1, n, Hv]
-        else:
-            gate, _ = gdn_gates_ref(A_log, a, b, dt_bias)
-        beta = torch.sigmoid(b.float())  # in float32, as vLLM's fused kernels do
-        index = self._token_index(cu_seqlens, num_rows, total)
-
-        def rows_of(t, heads, dim):  # gathered copies are contiguous
-            return gather_rows(t.reshape(total, heads, dim), index)
-
-        start = ssm_state_indices.long().gather(
-            1, (num_accepted_tokens[:num_rows].long() - 1).clamp(min=0).unsqueeze(1)
-        )
+        layer = self._conv_layer
+        assert layer is not None, "the conv call comes first in each GDN layer"
         check = checking_indices()
         if check:
             self.watch("between a GDN layer's conv and recurrence calls")
             blocks = initial_state.shape[0]
             check_index_range("SSM state block", ssm_state_indices, blocks)
+            column = (num_accepted_tokens[:num_rows].long() - 1).clamp(min=0).unsqueeze(1)
+            start = ssm_state_indices.long().gather(1, column)
             check_index_range("SSM start block", start, blocks)
-        recurrence = tree_gated_delta if on_gpu else tree_gated_delta_ref
+        on_gpu = use_triton(q.device)
+        recurrence = tree_gated_delta_packed if on_gpu else tree_gated_delta_packed_ref
         out = recurrence(
-            rows_of(q, num_k_heads, head_k),
-            rows_of(k, num_k_heads, head_k),
-            rows_of(v, num_v_heads, head_v),
-            gather_rows(gate[0], index),
-            gather_rows(beta, index),
+            q[0],
+            k[0],
+            v[0],
+            a,
+            b,
+            A_log,
+            dt_bias,
+            cu_seqlens,
             self.parents[:num_rows],
             self.num_tokens[:num_rows],
             initial_state.transpose(-1, -2),
-            start.squeeze(1),
             ssm_state_indices,
+            num_accepted_tokens,
             use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+            saved_slots=layer.ssm_blocks,
         )
-        layer = self._conv_layer
-        assert layer is not None, "the conv call comes first in each GDN layer"
         layer.ssm_state = initial_state
-        layer.ssm_blocks[:num_rows].copy_(ssm_state_indices)
         if check:
             layer.expected_ssm_blocks = layer.ssm_blocks[:num_rows].clone()
             self.watch(f"in GDN layer {layer.number}'s tree recurrence")
-        return scatter_rows(out, index, total).unsqueeze(0), initial_state
+        return out.unsqueeze(0), initial_state
 
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor):
         """After the walk: ``accepted`` long ``[R, L + 1]`` (tree indices, root first),

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.hybrid_gdn import gather_rows, row_token_index, scatter_rows
 from vllm_ddtree.ops import use_triton
+from vllm_ddtree.ops.packed_rows import gather_rows, row_token_index, scatter_rows
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
 
 
