@@ -3,8 +3,9 @@
 On the Qwen3.6-27B-shaped scale model a DDTree step of budget 32 took 63.8 ms where the DFlash
 chain's took 47.8 and AR's 18.5 (``results/2026-12-05_882bf05_scale-27b-first-tree``). This
 times, per GatedDeltaNet layer and for the model's number of them, what the tree path runs in
-place of vLLM's speculative kernels: the tree recurrence (``ops/tree_gated_delta.py``, at each
-launch block ``block_v`` of ``--block-v``) and the tree conv (``ops/tree_causal_conv.py``), on
+place of vLLM's speculative kernels, with the arguments the step passes: the tree recurrence
+(``ops/tree_gated_delta.py``'s packed launch, gates computed in it, at each launch block
+``block_v`` of ``--block-v``) and the tree conv (``ops/tree_causal_conv.py``), on
 one request's best-first tree of each budget (``tree.build_trees`` on random drafter logits)
 and on a chain of 16 tokens (what the chain verifies) through the same kernels; and vLLM's own
 speculative recurrence (``fused_sigmoid_gating_delta_rule_update``, the chain's) on the 16
@@ -37,8 +38,11 @@ import torch
 from benchmarks.common import git_commit, timed_ms
 from vllm_ddtree.hybrid_state import GDNStateShapes
 from vllm_ddtree.ops.gdn_commit import GDNStateLayers, commit_gdn_states, commit_gdn_states_ref
-from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d, tree_causal_conv1d_ref
-from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta, tree_gated_delta_ref
+from vllm_ddtree.ops.tree_causal_conv import (
+    tree_causal_conv1d_packed,
+    tree_causal_conv1d_packed_ref,
+)
+from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta_packed, tree_gated_delta_packed_ref
 from vllm_ddtree.testing.scale_models import SCALE_MODELS, ScaleModel, target_config
 from vllm_ddtree.tree import build_trees
 
@@ -76,9 +80,12 @@ def chain_parents(tokens: int = CHAIN_TOKENS) -> torch.Tensor:
 
 
 def layer_ops(shapes: GDNStateShapes, parents: torch.Tensor, device: torch.device) -> dict:
-    """One GDN layer's tree ops over one request's tree (``parents``), on random inputs:
-    ``{"recurrence": fn(block_v), "conv": fn()}``: the Triton kernels on a GPU (``block_v``,
-    the recurrence's launch block), the references elsewhere (``block_v`` unused)."""
+    """One GDN layer's tree ops over one request's tree (``parents``), on random inputs, as the
+    step calls them (``HybridTreeStep.tree_conv`` / ``tree_recurrence``): the packed launches
+    on vLLM's arguments, q/k/v views of the conv output, raw gates, the SSM cache behind a
+    block table, the commit's buffers kept. ``{"recurrence": fn(block_v), "conv": fn()}``: the
+    Triton kernels on a GPU (``block_v``, the recurrence's launch block), the references
+    elsewhere (``block_v`` unused)."""
     gen = torch.Generator().manual_seed(1)
     tokens = parents.numel()
     hk, hv = shapes.num_k_heads, shapes.num_v_heads
@@ -87,30 +94,53 @@ def layer_ops(shapes: GDNStateShapes, parents: torch.Tensor, device: torch.devic
     def rand(*shape, dtype=torch.bfloat16):
         return random_tensor(gen, device, *shape, dtype=dtype)
 
-    q, k, v = rand(1, tokens, hk, dk), rand(1, tokens, hk, dk), rand(1, tokens, hv, dv)
-    gate = -torch.rand(1, tokens, hv, generator=gen).to(device)
-    beta = torch.rand(1, tokens, hv, generator=gen).to(device)
+    starts = torch.tensor([0, tokens], device=device, dtype=torch.int32)
     parents = parents.view(1, -1).to(device)
     num_tokens = torch.tensor([tokens], device=device)
-    # vLLM's SSM cache layout [slots, Hv, V, K], float32: one slot per node and the committed one.
+    mixed = rand(tokens, shapes.conv_dim)  # the conv's output: q, k, v are views of it
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    gates = rand(tokens, 2 * hv)
+    a_log, dt_bias = rand(hv, dtype=torch.float32), rand(hv, dtype=torch.float32)
+    # vLLM's SSM cache [blocks, Hv, V, K], float32: one block per node, the committed one 0.
     ssm_cache = 0.1 * rand(tokens + 1, hv, dv, dk, dtype=torch.float32)
-    state_slots = torch.arange(tokens, device=device).view(1, -1)
-    initial = torch.tensor([tokens], device=device)
-    pool = ssm_cache.transpose(-1, -2)
-    recurrence_args = (q, k, v, gate, beta, parents, num_tokens, pool, initial, state_slots)
-    x = rand(1, tokens, shapes.conv_dim)
+    table = torch.arange(1, tokens + 1, device=device, dtype=torch.int32).view(1, -1)
+    num_accepted = torch.tensor([1], device=device, dtype=torch.int32)
+    saved_slots = torch.zeros(2, tokens, dtype=torch.int32, device=device)
+    recurrence_args = (
+        q.view(tokens, hk, dk),
+        k.view(tokens, hk, dk),
+        v.view(tokens, hv, dv),
+        gates[:, :hv],
+        gates[:, hv:],
+        a_log,
+        dt_bias,
+        starts,
+        parents,
+        num_tokens,
+        ssm_cache.transpose(-1, -2),
+        table,
+        num_accepted,
+    )
+    x = rand(tokens, shapes.conv_dim)
     conv_state = rand(2, shapes.conv_dim, shapes.conv_kernel - 1)
     weight = rand(shapes.conv_dim, shapes.conv_kernel)
     conv_index = torch.tensor([1], device=device, dtype=torch.int32)
-    conv_args = (x, parents, num_tokens, conv_state, conv_index, weight)
+    saved_inputs = torch.zeros(2, tokens, shapes.conv_dim, dtype=x.dtype, device=device)
+    saved_index = torch.zeros(2, dtype=torch.int32, device=device)
+    conv_args = (x, starts, parents, num_tokens, conv_state, conv_index, weight)
+    saves = {"saved_inputs": saved_inputs, "saved_index": saved_index}
     if device.type == "cuda":
         return {
-            "recurrence": lambda block_v: tree_gated_delta(*recurrence_args, block_v=block_v),
-            "conv": lambda: tree_causal_conv1d(*conv_args),
+            "recurrence": lambda block_v: tree_gated_delta_packed(
+                *recurrence_args, saved_slots=saved_slots, block_v=block_v
+            ),
+            "conv": lambda: tree_causal_conv1d_packed(*conv_args, **saves),
         }
     return {
-        "recurrence": lambda block_v: tree_gated_delta_ref(*recurrence_args),
-        "conv": lambda: tree_causal_conv1d_ref(*conv_args),
+        "recurrence": lambda block_v: tree_gated_delta_packed_ref(
+            *recurrence_args, saved_slots=saved_slots
+        ),
+        "conv": lambda: tree_causal_conv1d_packed_ref(*conv_args, **saves),
     }
 
 
