@@ -323,13 +323,14 @@ def test_kernel_writes_into_a_vllm_layout_cache_through_a_block_table():
     assert torch.allclose(got, ref_cache[written], atol=1e-4)
 
 
-def packed_vllm_case(seed=9, graph_pad=2):
+def packed_vllm_case(seed=9, graph_pad=2, **shape):
     """vLLM's speculative GDN call over ``make_case``'s trees: tokens packed by
     ``query_start_loc`` (row 1 two nodes short, ``graph_pad`` padding tokens), q/k/v views of
     one conv output ``[n, C]`` (token stride C), ``a``/``b`` views of one ``[n, 2 Hv]``
     projection, raw gates, the SSM cache ``[blocks, Hv, V, K]`` (seen ``[Hv, K, V]``) behind a
-    strided int32 block table, rows starting from blocks ``[r, num_accepted - 1]``."""
-    case = make_case(seed=seed)
+    strided int32 block table, rows starting from blocks ``[r, num_accepted - 1]``. ``shape``:
+    ``make_case``'s tree and head sizes."""
+    case = make_case(seed=seed, **shape)
     rows, width, hk, dk = case["q"].shape
     hv, dv = case["v"].shape[2:]
     gen = torch.Generator().manual_seed(seed)
@@ -445,3 +446,28 @@ def test_on_gpu_real_head_shapes_match_reference(budget):
     valid = torch.arange(case["parents"].shape[1], device="cuda").unsqueeze(0) < n.unsqueeze(1)
     slots = case["state_slots"][valid]
     torch.testing.assert_close(case["state_pool"][slots], ref_pool[slots], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the shape grid is too slow interpreted)")
+@pytest.mark.parametrize("budget", [32, 128])
+def test_on_gpu_packed_vllm_call_at_the_27b_heads_matches_reference(budget):
+    """The packed launch as the hybrid step makes it, at Qwen3.6-27B's GDN heads (16 key / 48
+    value heads of 128), trees of depth 15, against its reference."""
+    from vllm_ddtree.ops.tree_gated_delta import (
+        tree_gated_delta_packed,
+        tree_gated_delta_packed_ref,
+    )
+
+    shape = dict(budget=budget, depth=15, hk=16, hv=48, dk=128, dv=128)
+    case, lengths = packed_vllm_case(seed=budget, **shape)
+    rows, width = case["parents"].shape
+    results = []
+    for fn, where in ((tree_gated_delta_packed_ref, "cpu"), (tree_gated_delta_packed, "cuda")):
+        cache = case["state_pool"].transpose(-1, -2).clone().to(where)
+        args = {k: v.to(where) for k, v in case.items() if k != "state_pool"}
+        out = fn(**args, state_pool=cache.transpose(-1, -2))
+        results.append((out.cpu(), cache.cpu()))
+    (ref, ref_cache), (out, cache) = results
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(cache, ref_cache, atol=2e-3, rtol=1e-3)
