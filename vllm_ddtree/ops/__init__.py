@@ -14,3 +14,13 @@ TORCH_OPS_ENV = "VLLM_DDTREE_TORCH_OPS"
 def use_triton(device: torch.device) -> bool:
     """True where the Triton launchers run: CUDA devices, unless ``VLLM_DDTREE_TORCH_OPS=1``."""
     return device.type == "cuda" and os.environ.get(TORCH_OPS_ENV, "0") in ("", "0")
+
+
+def triton_dtype(dtype: torch.dtype):
+    """Triton's type for a float ``dtype`` a pointer-table kernel casts its addresses to
+    (``kv_commit``, ``gdn_commit``)."""
+    import triton.language as tl
+
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[
+        dtype
+    ]

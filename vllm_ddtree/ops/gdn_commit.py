@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.ops import triton_dtype
+
 try:
     import triton
     import triton.language as tl
@@ -145,11 +147,6 @@ def commit_gdn_states_ref(
 
 
 if HAS_TRITON:
-    _TRITON_DTYPES = {
-        torch.float16: tl.float16,
-        torch.bfloat16: tl.bfloat16,
-        torch.float32: tl.float32,
-    }
 
     @triton.jit
     def _commit_gdn_states_kernel(
@@ -265,9 +262,9 @@ def commit_gdn_states(
         accepted.stride(0),
         *ssm.stride(),
         *conv.stride(),
-        SSM_DTYPE=_TRITON_DTYPES[ssm.dtype],
-        CONV_DTYPE=_TRITON_DTYPES[conv.dtype],
-        INPUT_DTYPE=_TRITON_DTYPES[inputs.dtype],
+        SSM_DTYPE=triton_dtype(ssm.dtype),
+        CONV_DTYPE=triton_dtype(conv.dtype),
+        INPUT_DTYPE=triton_dtype(inputs.dtype),
         TOKENS=inputs.shape[1],
         CHANNELS=channels,
         KEPT=layers.window,

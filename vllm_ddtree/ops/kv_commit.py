@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.ops import triton_dtype
+
 try:
     import triton
     import triton.language as tl
@@ -132,11 +134,6 @@ class PagedKVLayers:
 
 
 if HAS_TRITON:
-    _TRITON_DTYPES = {
-        torch.float16: tl.float16,
-        torch.bfloat16: tl.bfloat16,
-        torch.float32: tl.float32,
-    }
 
     @triton.jit
     def _move_row(
@@ -261,7 +258,7 @@ def commit_accepted_kv_at(
         *layers.key_strides,
         *layers.value_strides,
         accepted.stride(0),
-        DTYPE=_TRITON_DTYPES[layers.dtype],
+        DTYPE=triton_dtype(layers.dtype),
         MAX_DEPTH=path_len - 1,
         KV_BLOCK_SIZE=kv_block_size,
         HEAD_SIZE=head_size,
