@@ -138,17 +138,12 @@ class HybridTreeStep:
         self.step_number = 0  # publish() counts the verify steps
         self._routed_at_publish = 0
 
-    def _rows_of(self, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch row -> speculative row (requests with drafts, in order; others -> the spare
-        last row), and the with-drafts mask. ``num_draft`` long ``[R]``."""
-        return speculative_rows(num_draft, self.max_rows)
-
     def publish(self, parents: torch.Tensor, num_nodes: torch.Tensor, num_draft: torch.Tensor):
         """Before the forward: the trees' ``parents`` long ``[R, B]`` (tree index of each
         node's parent, 0 = root) and ``num_nodes`` long ``[R]``, batch rows -> spec rows."""
         self.step_number += 1
         self._routed_at_publish = self.routed_calls
-        rows, has = self._rows_of(num_draft)
+        rows, has = speculative_rows(num_draft, self.max_rows)
         width = min(parents.shape[1], self.tokens_per_row - 1)
         table = torch.full(
             (parents.shape[0], self.tokens_per_row), -1, dtype=torch.long, device=parents.device
@@ -415,7 +410,7 @@ class HybridTreeStep:
 
     def _check_commit(self, accepted, num_accepted, num_draft) -> None:
         """``VLLM_DDTREE_CHECK_INDICES=1``: every index the commit reads, in range."""
-        rows, _ = self._rows_of(num_draft)
+        rows, _ = speculative_rows(num_draft, self.max_rows)
         spare = self.max_rows + 1
         taken = torch.zeros(spare, dtype=torch.long, device=accepted.device)
         taken.index_copy_(0, rows, num_accepted.long())
