@@ -204,22 +204,40 @@ def kv_cache_bytes(model, job: dict, batch: int, base_gb: float) -> int:
     return base + int(1.1 * slot_layout_bytes(shapes, batch, job["width"] - 1))
 
 
-def roofline(engine: dict, batch: int, seconds: float, floor_bytes: dict, context: float) -> dict:
+def roofline(
+    engine: dict,
+    batch: int,
+    seconds: float,
+    floor_bytes: dict,
+    context: float,
+    prefill_seconds: float | None = None,
+) -> dict:
     """Measured ms per step against the bytes a step must read over the copy bandwidth.
     ``engine``: a summarised engine with its ``steps`` (target forwards over the row's
     requests); ``floor_bytes``: weights per step, KV bytes per context token and a hybrid's
     recurrent state per request, and the ``bandwidth`` (None where not measured, ``--cpu``:
-    then no limit)."""
+    then no limit). ``step_ms`` spreads the requests' prefills over the steps; with
+    ``prefill_seconds`` (the same requests at one output token) ``decode_ms`` leaves them out:
+    the rest of the time over the steps less ``engine``'s ``prefill_steps`` (AR's: its
+    requests' first tokens, the prefills'), and the share of the roofline is taken of it."""
     weights = floor_bytes["target"] + (floor_bytes["drafter"] if engine["speculative"] else 0)
     per_request = context * floor_bytes["kv_per_token"] + floor_bytes.get("state", 0)
     step_bytes = weights + batch * per_request
     bandwidth = floor_bytes["bandwidth"]
     limit_ms = 1e3 * step_bytes / bandwidth if bandwidth else None
     step_ms = 1e3 * seconds / engine["steps"]
+    decode_ms = None
+    if prefill_seconds is not None:
+        decode_steps = engine["steps"] - engine.get("prefill_steps", 0.0)
+        decode_ms = 1e3 * max(0.0, seconds - prefill_seconds) / max(1.0, decode_steps)
+    measured = step_ms if decode_ms is None else decode_ms
     return {
         "step_ms": step_ms,
+        "decode_ms": decode_ms,
         "limit_ms": limit_ms,
-        "percent_of_limit": None if limit_ms is None else 100 * limit_ms / step_ms,
+        "percent_of_limit": None
+        if limit_ms is None or measured <= 0
+        else 100 * limit_ms / measured,
         "step_gb": step_bytes / 1e9,
     }
 
@@ -272,10 +290,17 @@ def ar_kernel_roofline(summary: dict) -> list[str]:
     return lines + rows if rows else []
 
 
-def row_roofline(runs: dict, batch: int, floor_bytes: dict, prompt_len: int) -> dict:
+def row_roofline(
+    runs: dict,
+    batch: int,
+    floor_bytes: dict,
+    prompt_len: int,
+    prefill_seconds: dict[str, float] | None = None,
+) -> dict:
     """``roofline`` of each engine of a row: its median seconds over its target forwards
     (drafts / batch for a speculative engine, vLLM counting one draft per request and step;
-    output tokens / batch for AR), the context half the output past the prompt."""
+    output tokens / batch for AR), the context half the output past the prompt;
+    ``prefill_seconds``: each engine's seconds for the row's requests at one output token."""
     out = {}
     for name, answers in runs.items():
         tokens = statistics.median(sum(map(len, a["tokens"])) for a in answers)
@@ -285,8 +310,19 @@ def row_roofline(runs: dict, batch: int, floor_bytes: dict, prompt_len: int) -> 
         seconds = statistics.median(a["seconds"] for a in answers)
         context = prompt_len + tokens / len(answers[0]["tokens"]) / 2
         engine = {"speculative": speculative, "steps": max(1.0, steps)}
-        out[name] = roofline(engine, batch, seconds, floor_bytes, context)
+        if not speculative:  # each request's first token came from its prefill
+            engine["prefill_steps"] = len(answers[0]["tokens"]) / batch
+        prefill = (prefill_seconds or {}).get(name)
+        out[name] = roofline(engine, batch, seconds, floor_bytes, context, prefill)
     return out
+
+
+def prefill_seconds(run, names: list[str], prompts, temperature: float, batch: int) -> dict:
+    """Each engine's seconds for ``prompts`` at one output token (the prefill and its first
+    token, as the row runs them): what a row's time per step spreads over its steps."""
+    return {
+        name: run(name, prompts, temperature, batch == 1, max_tokens=1)["seconds"] for name in names
+    }
 
 
 def first_difference(tokens: list[int], expected: list[int]) -> int:
@@ -354,11 +390,14 @@ def write_report(summary: dict, out: str) -> None:
         f"temperature {summary['sampling_temperature']:g} with the T = 1 profiles. `= AR`: "
         "requests whose output equals AR's in the same round (the chain's in a phase without "
         "AR); `on ref`: share of output tokens before the first difference from the reference "
-        "the oracle ranks; roofline: the bytes a step must read over the copy bandwidth.",
+        "the oracle ranks; step ms: the row's time over its target forwards, its requests' "
+        "prefills spread over them; decode ms: the same without the prefills (each engine "
+        "timed again at one output token per request); roofline: the bytes a step must read "
+        "over the copy bandwidth, as a share of decode ms (step ms in runs without it).",
         "",
         "| phase | mode | dataset | batch | engine | tok/s | acceptance | over chain | = AR | "
-        "on ref | step ms | % of roofline |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "on ref | step ms | decode ms | % of roofline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in summary["rows"]:
         for name, e in row["engines"].items():
@@ -367,12 +406,14 @@ def write_report(summary: dict, out: str) -> None:
             same = row["identical"][name]
             roof = row["roofline"][name]
             share = roof["percent_of_limit"]
+            decode = roof.get("decode_ms")
             lines.append(
                 f"| {row.get('phase', 0)} | {row['mode']} | {row['dataset']} | {row['batch']} | "
                 f"{name} | "
                 f"{e['tok_per_s']:.0f} | {e['mean_acceptance_length']:.2f} | {ratio} | "
                 f"{same['identical']}/{same['requests']} | {row['on_reference'][name]:.2f} | "
-                f"{roof['step_ms']:.2f} | {'-' if share is None else f'{share:.0f}'} |"
+                f"{roof['step_ms']:.2f} | {'-' if decode is None else f'{decode:.2f}'} | "
+                f"{'-' if share is None else f'{share:.0f}'} |"
             )
     flash = flash_context_table(summary)
     if flash:
@@ -720,8 +761,9 @@ def main(argv: list[str] | None = None) -> int:
         for job in spec_jobs:
             job["env"] = dict(job["env"], VLLM_DDTREE_TEST_ORACLE=oracle)
 
-        def run(name, prompts, temperature, one_at_a_time):
-            answer = live[name].run(name, prompts, temperature, one_at_a_time, args.max_tokens)
+        def run(name, prompts, temperature, one_at_a_time, max_tokens=None):
+            tokens = args.max_tokens if max_tokens is None else max_tokens
+            answer = live[name].run(name, prompts, temperature, one_at_a_time, tokens)
             return dict(answer, prompts=prompts)
 
         summary = {
@@ -977,7 +1019,9 @@ def run_phase(
                 row.update(summarize_row(runs))
                 row["identical"] = identical(runs, "ar" if "ar" in runs else CHAIN)
                 row["on_reference"] = on_reference(runs, reference_of)
-                row["roofline"] = row_roofline(runs, batch, floor_bytes, args.prompt_len)
+                prefill = prefill_seconds(run, here, prompts, temperature, batch)
+                row["prefill_seconds"] = prefill
+                row["roofline"] = row_roofline(runs, batch, floor_bytes, args.prompt_len, prefill)
                 summary["rows"].append(row)
                 summary["wall_seconds"] = time.time() - started
                 write_report(summary, args.out)

@@ -69,6 +69,22 @@ def test_the_roofline_counts_weights_kv_and_the_drafter_only_for_speculative_eng
     rows = row_roofline({"ar": [answer], "ddtree_v2_b64": [answer]}, 2, floor, prompt_len=0)
     assert rows["ar"]["step_ms"] == pytest.approx(1e3 / 8)
     assert rows["ddtree_v2_b64"]["step_ms"] == pytest.approx(1e3 / 3)
+    assert rows["ar"]["decode_ms"] is None
+
+
+def test_decode_steps_leave_the_prefills_out():
+    """With the row's requests timed at one output token, ``decode_ms`` is the rest of the
+    time over the decode steps: a speculative engine's verify steps, AR's tokens less each
+    request's first (the prefill's); the roofline's share is taken of it."""
+    floor = {"bandwidth": 1e12, "target": 16e9, "drafter": 2e9, "kv_per_token": 0}
+    answer = {"tokens": [[1] * 8, [1] * 8], "drafts": 6, "seconds": 1.0}
+    prefill = {"ar": 0.4, "ddtree_v2_b64": 0.1}
+    runs = {"ar": [answer], "ddtree_v2_b64": [answer]}
+    rows = row_roofline(runs, 2, floor, prompt_len=0, prefill_seconds=prefill)
+    assert rows["ar"]["step_ms"] == pytest.approx(1e3 / 8)  # unchanged
+    assert rows["ar"]["decode_ms"] == pytest.approx(600 / 7)  # (16 - 2 first tokens) / 2
+    assert rows["ddtree_v2_b64"]["decode_ms"] == pytest.approx(900 / 3)
+    assert rows["ar"]["percent_of_limit"] == pytest.approx(100 * 16 / (600 / 7))
 
 
 def test_kv_bytes_count_only_attention_layers():
@@ -212,7 +228,8 @@ class _FakeEngines:
         assert not self.closed and name in self.names
         tokens = [[(p[0] + i) % 97 for i in range(max_tokens)] for p in prompts]
         drafts = 0 if name == "ar" else len(prompts) * max_tokens // 4
-        return {"tokens": tokens, "seconds": 0.5, "drafts": drafts, "accepted": 3 * drafts}
+        seconds = 0.1 + 0.05 * max_tokens  # a prefill, then the tokens
+        return {"tokens": tokens, "seconds": seconds, "drafts": drafts, "accepted": 3 * drafts}
 
     def split(self, name, prompts, temperature, max_tokens, kind):
         measured = {
@@ -294,6 +311,8 @@ def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase)
     )
     oracle = json.loads((tmp_path / "w" / "oracle.json").read_text())
     assert set(oracle["sequence_models"]) == {d + s for d in DATASETS for s in ("", "_t1")}
+    assert all(set(r["prefill_seconds"]) == set(r["engines"]) for r in rows)
+    assert all(r["roofline"][n]["decode_ms"] is not None for r in rows for n in r["engines"])
     table = (out / "scale_paired.md").read_text()
     assert "| ddtree_v2_b128 |" in table and "Step-time split" in table
     assert "Host time per step" in table and "Host profile (cProfile" in table
