@@ -1,4 +1,4 @@
-"""The test-only controllable drafter (oracle.py): the host (V1) and device (V2) forms agree."""
+"""The test-only controllable drafter (oracle.py): the host (reference) and device forms agree."""
 
 from __future__ import annotations
 
@@ -151,3 +151,53 @@ def test_a_requests_ranked_drafts_are_the_same_in_any_batch_and_either_form(tmp_
     assert torch.equal(host, on_device)
     host_alone = HostOracle(str(path), vocab).logits(prompts[1:], bonus_positions[1:], depth)
     assert torch.equal(host_alone[0], host[1])
+
+
+class _NoHostReads(torch.overrides.TorchFunctionMode):
+    """Raises on any read of a tensor's values into Python (on a GPU: a wait for the device)."""
+
+    READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            raise AssertionError(f"a host read of a tensor: {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_v1_drafter_takes_the_oracles_drafts_without_reading_the_device(tmp_path):
+    """The V1 drafter (hybrid targets) gets its batch rows' ranked drafts from the device
+    form: no read of its positions or draws back to the host (one per step idled the GPU
+    through the rest of the step's host work), each row bound to its request's sequence, and
+    the drafts are the host form's for the same requests and positions."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.spec_decode.proposer import DDTreeProposer
+
+    sequences = [[1, 2, 3] + list(range(10, 60)), [4, 5] + list(range(60, 110))]
+    model = {"p_top": 0.5, "decay": 0.95, "tail": 0.8, "slope": 3.0, "miss_slope": 1.0}
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps({"seed": 7, "sequences": sequences, "rank_model": model}))
+    depth, vocab = 15, 512
+    prompts, bonus_positions = [[4, 5], [1, 2, 3]], [3, 5]
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=["b", "a"]),
+        requests={
+            "b": SimpleNamespace(prompt_token_ids=prompts[0]),
+            "a": SimpleNamespace(prompt_token_ids=prompts[1]),
+        },
+    )
+    drafter = SimpleNamespace(runner=runner)
+    drafter._oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    # The drafter's query rows: each request's bonus row, then its depth mask rows.
+    queries = [p + j for p in bonus_positions for j in range(1 + depth)]
+    drafter.positions = torch.tensor(queries)
+    drafter._bonus_positions = lambda rows, d: DDTreeProposer._bonus_positions(drafter, rows, d)
+    with _NoHostReads():
+        drafts = DDTreeProposer._oracle_logits(drafter, 2, depth, torch.device("cpu"))
+    expected = HostOracle(str(path), vocab).logits(prompts, bonus_positions, depth)
+    assert torch.equal(drafts, expected)
+    runner.input_batch.req_ids = ["a", "b"]  # the batch rows' requests swap
+    drafter.positions = torch.tensor([p + j for p in bonus_positions[::-1] for j in range(16)])
+    with _NoHostReads():
+        drafts = DDTreeProposer._oracle_logits(drafter, 2, depth, torch.device("cpu"))
+    assert torch.equal(drafts, expected.flip(0))

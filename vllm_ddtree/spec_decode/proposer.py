@@ -52,9 +52,14 @@ class DDTreeProposer(DFlashProposer):
                 runner_step_state(runner, self.state)
         self._oracle = None
         if oracle_path():  # a test switch (testing/oracle.py), for trees and for the chain
-            from vllm_ddtree.testing.oracle import HostOracle
+            from vllm_ddtree.testing.oracle import DeviceOracle
 
-            self._oracle = HostOracle(oracle_path(), vllm_config.model_config.get_vocab_size())
+            self._oracle = DeviceOracle(
+                oracle_path(),
+                vllm_config.model_config.get_vocab_size(),
+                vllm_config.scheduler_config.max_num_seqs,
+                torch.device(device),
+            )
         if self.ddtree is not None and vllm_config.model_config.is_hybrid:
             self._install_hybrid_tree_path(vllm_config, device)
 
@@ -159,12 +164,22 @@ class DDTreeProposer(DFlashProposer):
         return couple_draft_logits(logits, temperature, seeds, keys)
 
     def _oracle_logits(self, num_reqs: int, depth: int, device) -> torch.Tensor:
+        """The oracle's ``[R, depth, V]`` logits for the batch rows, from the device's bonus
+        positions: no host synchronisation (one would idle the GPU through the host's work
+        of every step, a cost serving without the oracle never pays). Batch row ``r`` is the
+        oracle's request state ``r``, bound to its request's sequence on the host when the
+        row's request changes."""
         runner = self.runner
-        prompts = []
-        for req_id in runner.input_batch.req_ids[:num_reqs]:
-            prompts.append(list(runner.requests[req_id].prompt_token_ids or []))
-        bonus_positions = self._bonus_positions(num_reqs, depth).tolist()
-        return self._oracle.logits(prompts, bonus_positions, depth, device)
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+
+        def prompt_of(row: int) -> list[int]:
+            return list(runner.requests[req_ids[row]].prompt_token_ids or [])
+
+        self._oracle.bind(list(range(num_reqs)), req_ids, prompt_of)
+        ahead = 1 + torch.arange(depth, device=device)
+        predicted = self._bonus_positions(num_reqs, depth).long().unsqueeze(1) + ahead
+        rows = torch.arange(num_reqs, device=device).repeat_interleave(depth)
+        return self._oracle.logits(predicted.view(-1), rows, depth).view(num_reqs, depth, -1)
 
     def _bonus_positions(self, num_reqs: int, depth: int) -> torch.Tensor:
         """``[R]``: each request's bonus token position (its drafter query is the bonus row

@@ -16,10 +16,13 @@ measurements), drawn as a fixed function of the sequence, the predicted index an
 gives each sequence its own model (prompts of several datasets in one batch).
 
 Two forms of the same rule:
-- ``HostOracle`` (V1 runner): per step on the host, from the requests' prompts and positions.
-- ``DeviceOracle`` (V2 runner): tensors only, no host synchronisation, so it runs inside the
-  speculator's CUDA graph; each request state is bound to its sequence once, on the host, when
-  the request first appears (``bind``).
+- ``HostOracle``: per request on the host, from the prompts and positions; the plain statement
+  of the rule, which the tests hold the device form to.
+- ``DeviceOracle`` (both runners): tensors only, no host synchronisation, so it runs inside the
+  V2 speculator's CUDA graph and never makes a V1 step wait for the device (a host read of the
+  drafter's positions would idle the GPU through the rest of every step's host work, a cost
+  serving without the oracle never pays); each request state (V1: batch row) is bound to its
+  sequence on the host when its request first appears there (``bind``).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def match_sequence(sequences: list[list[int]], prompt: list[int]) -> int:
 
 
 class HostOracle:
-    """Target-future drafter logits computed on the host (V1 runner)."""
+    """Target-future drafter logits computed per request on the host (the reference form)."""
 
     def __init__(self, path: str, vocab_size: int):
         spec = _load(path)
