@@ -1,5 +1,6 @@
 """Causal conv1d over draft trees: the Triton kernel against the path-built reference."""
 
+import functools
 import os
 
 import pytest
@@ -50,8 +51,10 @@ def test_state_after_path_keeps_the_last_inputs():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("seed", range(2))
-def test_kernel_matches_reference(seed):
+@pytest.mark.parametrize("seed, block_t", [(0, 32), (1, 32), (2, 4)])
+def test_kernel_matches_reference(seed, block_t):
+    """``block_t`` 4: a row's 15 nodes in four chunks, the last one short, each chunk's
+    windows reaching into the one before and into the committed history."""
     if not (ON_GPU or INTERPRETED):
         pytest.skip("runs in the interpreter subprocess")
     from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d
@@ -59,7 +62,8 @@ def test_kernel_matches_reference(seed):
     device = "cuda" if ON_GPU else "cpu"
     case = make_case(seed=seed)
     ref = tree_causal_conv1d_ref(**case)
-    out = tree_causal_conv1d(**{k: v.to(device) for k, v in case.items()}, block_c=16)
+    on_device = {k: v.to(device) for k, v in case.items()}
+    out = tree_causal_conv1d(**on_device, block_c=16, block_t=block_t)
     for r in range(out.shape[0]):
         n = int(case["num_tokens"][r])
         assert torch.allclose(out[r, :n].cpu(), ref[r, :n], atol=1e-4), r
@@ -125,10 +129,11 @@ def packed_case(seed=7, graph_pad=2):
 
 
 @pytest.mark.interpreter
-def test_kernel_packed_rows_equal_the_reference_and_keep_the_inputs():
+@pytest.mark.parametrize("block_t", [32, 4])
+def test_kernel_packed_rows_equal_the_reference_and_keep_the_inputs(block_t):
     """Tokens packed by ``query_start_loc`` (a short row, graph padding): outputs equal the
     packed reference (zeros past the rows), and the save buffers get each node's input and
-    each row's state index."""
+    each row's state index; in one chunk of nodes and in several (``block_t`` 4)."""
     if not (ON_GPU or INTERPRETED):
         pytest.skip("runs in the interpreter subprocess")
     from vllm_ddtree.ops.tree_causal_conv import (
@@ -144,7 +149,7 @@ def test_kernel_packed_rows_equal_the_reference_and_keep_the_inputs():
     outs = []
     for name, fn, where in (
         ("ref", tree_causal_conv1d_packed_ref, "cpu"),
-        ("kernel", tree_causal_conv1d_packed, device),
+        ("kernel", functools.partial(tree_causal_conv1d_packed, block_t=block_t), device),
     ):
         inputs = torch.zeros(rows + 1, width, channels, device=where)
         index = torch.zeros(rows + 1, dtype=torch.int32, device=where)
@@ -167,7 +172,7 @@ def test_kernel_packed_rows_equal_the_reference_and_keep_the_inputs():
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=5)
+    run_under_interpreter(__file__, "kernel_", expected=7)
 
 
 @pytest.mark.gpu

@@ -124,6 +124,7 @@ if HAS_TRITON:
         stride_w_c,
         MAX_TOKENS: tl.constexpr,
         WIDTH: tl.constexpr,
+        BLOCK_T: tl.constexpr,
         BLOCK_C: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         SILU: tl.constexpr,
@@ -139,49 +140,56 @@ if HAS_TRITON:
         if SAVE:
             if tl.program_id(1) == 0:
                 tl.store(saved_index_ptr + req, state.to(saved_index_ptr.dtype.element_ty))
-        for t in range(0, MAX_TOKENS):
-            if t < count:
-                acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + offs_c, mask=c_valid, other=0.0).to(tl.float32)
-                node = t
-                history_steps = 0  # how far past the root the window has walked
-                for j in range(0, WIDTH):
-                    # tap WIDTH-1-j looks j steps up the path from t.
-                    if node >= 0:
-                        raw = tl.load(
-                            x_ptr + (first + node) * stride_x_t + offs_c, mask=c_valid, other=0.0
-                        )
-                        if SAVE:
-                            if j == 0:  # the node's own input, for the commit
-                                at = saved_inputs_ptr + (req * MAX_TOKENS + t) * channels + offs_c
-                                tl.store(at, raw, mask=c_valid)
-                        value = raw.to(tl.float32)
-                        node = tl.load(parents_ptr + req * stride_tree_r + node).to(tl.int32)
-                    else:
-                        history_steps += 1
-                        column = WIDTH - 1 - history_steps  # newest committed input last
-                        value = tl.load(
-                            conv_state_ptr
-                            + state * stride_state_s
-                            + offs_c * stride_state_c
-                            + column * stride_state_w,
-                            mask=c_valid,
-                            other=0.0,
-                        ).to(tl.float32)
-                    tap = tl.load(
-                        weight_ptr + offs_c * stride_w_c + (WIDTH - 1 - j),
-                        mask=c_valid,
-                        other=0.0,
-                    ).to(tl.float32)
-                    acc += tap * value
-                if SILU:
-                    acc = acc * tl.sigmoid(acc)
-                tl.store(
-                    out_ptr + (first + t) * stride_out_t + offs_c,
-                    acc.to(out_ptr.dtype.element_ty),
-                    mask=c_valid,
+        window = conv_state_ptr + state * stride_state_s + offs_c * stride_state_c  # [BLOCK_C]
+        # BLOCK_T nodes at once: their windows are walked up the tree together, tap by tap, so
+        # a chunk costs WIDTH dependent reads of parents, not WIDTH per node.
+        for t0 in range(0, MAX_TOKENS, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            t_valid = offs_t < count
+            acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + offs_c, mask=c_valid, other=0.0).to(tl.float32)
+                acc += bias[None, :]
+            node = offs_t.to(tl.int64)  # each token's window position j, up its path
+            past_root = tl.zeros([BLOCK_T], dtype=tl.int32)  # how far past the root the walk is
+            for j in tl.static_range(WIDTH):
+                # tap WIDTH-1-j looks j steps up the path from the token.
+                on_tree = t_valid & (node >= 0)
+                raw = tl.load(
+                    x_ptr + (first + node)[:, None] * stride_x_t + offs_c[None, :],
+                    mask=on_tree[:, None] & c_valid[None, :],
+                    other=0.0,
                 )
+                if SAVE:
+                    if j == 0:  # the node's own input, for the commit
+                        at = (req * MAX_TOKENS + offs_t)[:, None] * channels + offs_c[None, :]
+                        tl.store(
+                            saved_inputs_ptr + at, raw, mask=t_valid[:, None] & c_valid[None, :]
+                        )
+                past_root += (node < 0).to(tl.int32)
+                column = WIDTH - 1 - past_root  # newest committed input last
+                history = tl.load(
+                    window[None, :] + column[:, None] * stride_state_w,
+                    mask=(t_valid & (node < 0))[:, None] & c_valid[None, :],
+                    other=0.0,
+                )
+                value = tl.where(on_tree[:, None], raw.to(tl.float32), history.to(tl.float32))
+                tap = tl.load(
+                    weight_ptr + offs_c * stride_w_c + (WIDTH - 1 - j),
+                    mask=c_valid,
+                    other=0.0,
+                ).to(tl.float32)
+                acc += tap[None, :] * value
+                if j < WIDTH - 1:
+                    up = tl.load(parents_ptr + req * stride_tree_r + node, mask=on_tree, other=-1)
+                    node = tl.where(on_tree, up, node)
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(
+                out_ptr + (first + offs_t)[:, None] * stride_out_t + offs_c[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=t_valid[:, None] & c_valid[None, :],
+            )
 
 
 def tree_causal_conv1d_packed(
@@ -196,7 +204,8 @@ def tree_causal_conv1d_packed(
     activation: str | None = "silu",
     saved_inputs: torch.Tensor | None = None,
     saved_index: torch.Tensor | None = None,
-    block_c: int = 128,
+    block_c: int = 64,
+    block_t: int = 32,
 ) -> torch.Tensor:
     """Causal conv1d over trees whose tokens lie packed, as vLLM passes a forward's: ``x``
     ``[n, C]`` (last dim contiguous), row ``s``'s tokens from ``query_start_loc[s]`` (int
@@ -204,7 +213,8 @@ def tree_causal_conv1d_packed(
     ``[R, T]`` and ``num_tokens`` ``[R]`` as in the module docstring. One launch; with
     ``saved_inputs`` (contiguous ``[>= R, T, C]``, ``x``'s dtype) and ``saved_index`` (``[>=
     R]``) it also keeps each node's input and each row's ``state_index`` there (what the commit
-    after the walk reads). Returns ``[n, C]``."""
+    after the walk reads). One program per row and ``block_c`` channels, ``block_t`` nodes at
+    a time. Returns ``[n, C]``."""
     channels = x.shape[1]
     num_reqs, max_tokens = parents.shape
     width = weight.shape[1]
@@ -219,6 +229,7 @@ def tree_causal_conv1d_packed(
     if num_reqs == 0:
         return out
     block_c = min(block_c, triton.next_power_of_2(channels))
+    block_t = min(block_t, triton.next_power_of_2(max_tokens))
     grid = (num_reqs, triton.cdiv(channels, block_c))
     _tree_causal_conv1d_kernel[grid](
         x,
@@ -243,6 +254,7 @@ def tree_causal_conv1d_packed(
         weight.stride(0),
         MAX_TOKENS=max_tokens,
         WIDTH=width,
+        BLOCK_T=block_t,
         BLOCK_C=block_c,
         HAS_BIAS=bias is not None,
         SILU=activation == "silu",
@@ -260,7 +272,8 @@ def tree_causal_conv1d(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
-    block_c: int = 128,
+    block_c: int = 64,
+    block_t: int = 32,
 ) -> torch.Tensor:
     """Causal conv1d over per-request trees (see the module docstring). Returns ``[R, T, C]``."""
     num_reqs, max_tokens, channels = x.shape
@@ -277,5 +290,6 @@ def tree_causal_conv1d(
         bias,
         activation,
         block_c=block_c,
+        block_t=block_t,
     )
     return out.view(num_reqs, max_tokens, channels)
