@@ -9,7 +9,8 @@ place of vLLM's speculative kernels, with the arguments the step passes: the tre
 one request's best-first tree of each budget (``tree.build_trees`` on random drafter logits)
 and on a chain of 16 tokens (what the chain verifies) through the same kernels; and vLLM's own
 speculative recurrence (``fused_sigmoid_gating_delta_rule_update``, the chain's) on the 16
-tokens where vLLM is importable. Also the commit after the walk, for all the model's GDN layers
+tokens where vLLM is importable, and its speculative conv update (``causal_conv1d_update``)
+there too. Also the commit after the walk, for all the model's GDN layers
 at once (``ops/gdn_commit.py``: the accepted leaf's state and the conv window), as served:
 eager, by the PyTorch ops per layer and by the one-launch kernel. States are float32 in
 vLLM's ``[slots, Hv, V, K]`` layout, as DDTree serves hybrids. A time is a CUDA-graph
@@ -235,6 +236,39 @@ def vllm_chain_recurrence(
     return run
 
 
+def vllm_chain_conv(shapes: GDNStateShapes, device: torch.device) -> Callable[[], torch.Tensor]:
+    """vLLM's speculative conv update over one request's chain of ``CHAIN_TOKENS`` (what the
+    DFlash chain's verify runs per GDN layer before the recurrence), as its GDN layer calls
+    it: the packed tokens, the window-first conv cache seen ``[blocks, C, K - 1 + drafts]``,
+    the request's block, ``num_accepted_tokens`` and ``query_start_loc``."""
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+
+    gen = torch.Generator().manual_seed(3)
+    n, channels, width = CHAIN_TOKENS, shapes.conv_dim, shapes.conv_kernel
+    x = random_tensor(gen, device, n, channels)
+    cache = random_tensor(gen, device, 2, width - 1 + CHAIN_TOKENS - 1, channels)
+    weight = random_tensor(gen, device, channels, width)
+    block = torch.tensor([1], device=device, dtype=torch.int32)
+    accepted = torch.tensor([1], device=device, dtype=torch.int32)
+    query_start_loc = torch.tensor([0, n], device=device, dtype=torch.int32)
+
+    def run():
+        return causal_conv1d_update(
+            x,
+            cache.transpose(-1, -2),
+            weight,
+            None,
+            "silu",
+            conv_state_indices=block,
+            num_accepted_tokens=accepted,
+            query_start_loc=query_start_loc,
+            max_query_len=n,
+            validate_data=False,
+        )
+
+    return run
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, replays: int, rounds: int) -> float:
     """Milliseconds per call of ``fn``: on a GPU, ``replays`` replays of a CUDA graph of one
     call (``common.timed_ms``, the median of ``rounds``); elsewhere wall time."""
@@ -298,6 +332,7 @@ def measure(
     chain = vllm_chain_recurrence(shapes, device) if device.type == "cuda" else None
     if chain is not None:
         add("chain", CHAIN_TOKENS, "vLLM recurrence", None, chain)
+        add("chain", CHAIN_TOKENS, "vLLM conv", None, vllm_chain_conv(shapes, device))
     return rows
 
 

@@ -66,6 +66,31 @@ def test_vllms_chain_recurrence_gets_its_inputs_at_the_chains_shapes():
     assert callable(run)
 
 
+def test_vllms_chain_conv_is_called_as_its_gdn_layer_calls_it(monkeypatch):
+    """Run on a GPU only (vLLM's kernel is Triton): here its call is checked against vLLM's
+    signature, the window the chain's drafts need and the speculative arguments."""
+    import inspect
+
+    from vllm.model_executor.layers.mamba.ops import causal_conv1d
+
+    calls = []
+
+    def update(*args, **kwargs):
+        inspect.signature(causal_conv1d.causal_conv1d_update).bind(*args, **kwargs)
+        calls.append((args, kwargs))
+        return args[0]
+
+    monkeypatch.setattr(causal_conv1d, "causal_conv1d_update", update)
+    shapes = bench_hybrid_ops.gdn_shapes(SCALE_MODELS["qwen3.6-27b"].shrunk(16))
+    bench_hybrid_ops.vllm_chain_conv(shapes, torch.device("cpu"))()
+    ((args, kwargs),) = calls
+    x, conv_state = args[0], args[1]
+    chain = bench_hybrid_ops.CHAIN_TOKENS
+    assert x.shape == (chain, shapes.conv_dim)
+    assert conv_state.shape[1:] == (shapes.conv_dim, shapes.conv_kernel - 1 + chain - 1)
+    assert kwargs["max_query_len"] == chain and kwargs["query_start_loc"].tolist() == [0, chain]
+
+
 def test_the_commit_case_walks_the_deepest_path_into_a_block_of_its_own():
     parents = bench_hybrid_ops.tree_parents(16)
     path = bench_hybrid_ops.deepest_path(parents)
