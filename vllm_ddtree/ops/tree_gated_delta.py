@@ -255,10 +255,44 @@ if HAS_TRITON:
             a_log = tl.load(a_log_ptr + v_head).to(tl.float32)
             dt_bias = tl.load(dt_bias_ptr + v_head).to(tl.float32)
         h = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+        # Node t + 1's inputs, parent and (read from memory) parent state are loaded while
+        # node t computes: the reads of a node are off the chain of dependent steps.
+        ahead = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+        tree_row = parents_ptr + req * stride_tree_r
+        has_next = count > 0
+        next_parent = tl.load(tree_row, mask=has_next, other=-1)
+        n_q, n_k, n_v, n_g, n_beta = _token_inputs(
+            q_ptr + first * stride_q_t + k_head * stride_q_h,
+            k_ptr + first * stride_k_t + k_head * stride_k_h,
+            v_ptr + first * stride_v_t + v_head * stride_v_h,
+            g_ptr + first * stride_g_t + v_head * stride_g_h,
+            beta_ptr + first * stride_beta_t + v_head * stride_beta_h,
+            offs_k,
+            offs_v,
+            k_valid & has_next,
+            v_valid & has_next,
+            has_next,
+        )
         for t in range(0, MAX_TOKENS):
             if t < count:
                 token = first + t
-                parent = tl.load(parents_ptr + req * stride_tree_r + t)
+                parent = next_parent
+                b_q, b_k, b_v, raw_g, raw_beta = n_q, n_k, n_v, n_g, n_beta
+                nxt = token + 1
+                has_next = t + 1 < count
+                next_parent = tl.load(tree_row + t + 1, mask=has_next, other=-1)
+                n_q, n_k, n_v, n_g, n_beta = _token_inputs(
+                    q_ptr + nxt * stride_q_t + k_head * stride_q_h,
+                    k_ptr + nxt * stride_k_t + k_head * stride_k_h,
+                    v_ptr + nxt * stride_v_t + v_head * stride_v_h,
+                    g_ptr + nxt * stride_g_t + v_head * stride_g_h,
+                    beta_ptr + nxt * stride_beta_t + v_head * stride_beta_h,
+                    offs_k,
+                    offs_v,
+                    k_valid & has_next,
+                    v_valid & has_next,
+                    has_next,
+                )
                 if parent < 0:
                     h = tl.load(
                         initial_ptr
@@ -272,33 +306,29 @@ if HAS_TRITON:
                     # The previous node's state, still in registers, as it was stored.
                     h = h.to(state_ptr.dtype.element_ty).to(tl.float32)
                 else:
-                    slot = tl.load(row_slots + parent).to(tl.int64)
-                    h = tl.load(
+                    h = ahead  # read during node t - 1, after its parent's store
+                if has_next & (next_parent >= 0) & (next_parent < t):
+                    # Node t + 1's parent was stored in an earlier iteration (and a barrier
+                    # passed since): read its state now.
+                    slot = tl.load(row_slots + next_parent).to(tl.int64)
+                    ahead = tl.load(
                         state_ptr + slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
                         mask=hv_mask,
                         other=0.0,
                     ).to(tl.float32)
-                q_row = q_ptr + token * stride_q_t + k_head * stride_q_h
-                k_row = k_ptr + token * stride_k_t + k_head * stride_k_h
-                b_q = tl.load(q_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
-                b_k = tl.load(k_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
                 if USE_QK_L2NORM:
                     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
                     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
                 b_q = b_q * scale
-                v_row = v_ptr + token * stride_v_t + v_head * stride_v_h
-                b_v = tl.load(v_row + offs_v, mask=v_valid, other=0.0).to(tl.float32)
-                g_at = g_ptr + token * stride_g_t + v_head * stride_g_h
-                beta_at = beta_ptr + token * stride_beta_t + v_head * stride_beta_h
                 if GATES_FROM_AB:
                     # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b): vLLM's gates.
-                    x = tl.load(g_at).to(tl.float32) + dt_bias
+                    x = raw_g + dt_bias
                     softplus = tl.where(x <= SOFTPLUS_LINEAR_FROM, tl.log(1.0 + tl.exp(x)), x)
                     gate = -tl.exp(a_log) * softplus
-                    b_beta = tl.sigmoid(tl.load(beta_at).to(tl.float32))
+                    b_beta = tl.sigmoid(raw_beta)
                 else:
-                    gate = tl.load(g_at)
-                    b_beta = tl.load(beta_at)
+                    gate = raw_g
+                    b_beta = raw_beta
                 h = h * tl.exp(gate)
                 b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
                 h = h + b_k[:, None] * b_v[None, :]
@@ -313,6 +343,16 @@ if HAS_TRITON:
                 )
             # Children read this state back from memory in a later iteration.
             tl.debug_barrier()
+
+    @triton.jit
+    def _token_inputs(q_at, k_at, v_at, g_at, beta_at, offs_k, offs_v, k_mask, v_mask, scalar_mask):
+        """One token's q, k (``[BLOCK_K]``), v (``[BLOCK_V]``) and raw gates, float32."""
+        b_q = tl.load(q_at + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        b_k = tl.load(k_at + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        b_v = tl.load(v_at + offs_v, mask=v_mask, other=0.0).to(tl.float32)
+        g = tl.load(g_at, mask=scalar_mask, other=0.0).to(tl.float32)
+        beta = tl.load(beta_at, mask=scalar_mask, other=0.0).to(tl.float32)
+        return b_q, b_k, b_v, g, beta
 
 
 def _launch(
@@ -429,7 +469,8 @@ def tree_gated_delta(
 
     One program per (request, value head, block of V): it walks the nodes in index order, reads
     each parent's state from the pool (from registers where the parent is the node before)
-    and writes the node's. ``initial_state``
+    and writes the node's; a node's inputs and its parent's stored state are read while the
+    node before it computes. ``initial_state``
     ``[S', Hv, K, V]`` (any float dtype and strides; default: ``state_pool``) holds the
     committed states ``initial_slots`` points at. Returns ``[R, T, Hv, V]``.
     """
