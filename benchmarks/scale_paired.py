@@ -227,17 +227,15 @@ def roofline(
     limit_ms = 1e3 * step_bytes / bandwidth if bandwidth else None
     step_ms = 1e3 * seconds / engine["steps"]
     decode_ms = None
-    if prefill_seconds is not None:
+    if prefill_seconds is not None and seconds > prefill_seconds:  # (else noise: none)
         decode_steps = engine["steps"] - engine.get("prefill_steps", 0.0)
-        decode_ms = 1e3 * max(0.0, seconds - prefill_seconds) / max(1.0, decode_steps)
+        decode_ms = 1e3 * (seconds - prefill_seconds) / max(1.0, decode_steps)
     measured = step_ms if decode_ms is None else decode_ms
     return {
         "step_ms": step_ms,
         "decode_ms": decode_ms,
         "limit_ms": limit_ms,
-        "percent_of_limit": None
-        if limit_ms is None or measured <= 0
-        else 100 * limit_ms / measured,
+        "percent_of_limit": None if limit_ms is None else 100 * limit_ms / measured,
         "step_gb": step_bytes / 1e9,
     }
 

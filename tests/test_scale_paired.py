@@ -85,6 +85,10 @@ def test_decode_steps_leave_the_prefills_out():
     assert rows["ar"]["decode_ms"] == pytest.approx(600 / 7)  # (16 - 2 first tokens) / 2
     assert rows["ddtree_v2_b64"]["decode_ms"] == pytest.approx(900 / 3)
     assert rows["ar"]["percent_of_limit"] == pytest.approx(100 * 16 / (600 / 7))
+    # A prefill timed longer than the whole row (noise) gives no decode time.
+    noisy = row_roofline(runs, 2, floor, prompt_len=0, prefill_seconds={"ar": 1.2})
+    assert noisy["ar"]["decode_ms"] is None
+    assert noisy["ar"]["percent_of_limit"] == pytest.approx(100 * 16 / (1e3 / 8))
 
 
 def test_kv_bytes_count_only_attention_layers():
