@@ -25,12 +25,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-# The GDN heads, attention heads and vocabularies of the served shapes
-# (vllm_ddtree/testing/scale_models.py).
-QWEN3_6_27B = dict(hk=16, hv=48, dk=128, dv=128, conv_width=4, layers=48, q_heads=24, kv_heads=4)
-QWEN3_6_27B_HEAD_DIM = 256
-QWEN3_8B = dict(q_heads=32, kv_heads=8, head_dim=128, layers=36)
-DEPTH = 15  # a DFlash drafter's block of 16: 15 drafted depths
+from benchmarks.bench_hybrid_ops import gdn_shapes
+from vllm_ddtree.testing.scale_models import SCALE_MODELS, ScaleModel
+
+# The served shapes: the scale models' (vllm_ddtree/testing/scale_models.py).
+HYBRID = SCALE_MODELS["qwen3.6-27b"]
+DEPTH = HYBRID.block_size - 1  # a DFlash drafter's block: the bonus token, then its depths
+# vLLM's attention block size on each target (the hybrid's: its page size made the GDN
+# state's, as the 27B engines' log reads).
+KV_BLOCK_SIZE = {"qwen3-8b": 16, "qwen3.6-27b": 864}
 
 
 class CompileOnlyDriver:
@@ -98,29 +101,28 @@ def _gdn_packed(budget: int, rows: int = 4):
     """vLLM's speculative GDN call at Qwen3.6-27B's GDN heads: q/k/v views of one bf16 conv
     output, a/b views of one bf16 projection, the float32 SSM cache ``[blocks, Hv, V, K]``,
     the bf16 conv cache window-first, int32 block tables."""
-    s = QWEN3_6_27B
+    s = gdn_shapes(HYBRID)
+    hk, hv, dk, dv = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
     tokens = budget + 1
     n = rows * tokens
-    key_dim, value_dim = s["hk"] * s["dk"], s["hv"] * s["dv"]
-    channels = 2 * key_dim + value_dim
-    mixed = torch.zeros(n, channels, dtype=torch.bfloat16)
-    q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
-    gates = torch.zeros(n, 2 * s["hv"], dtype=torch.bfloat16)
+    mixed = torch.zeros(n, s.conv_dim, dtype=torch.bfloat16)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    gates = torch.zeros(n, 2 * hv, dtype=torch.bfloat16)
     blocks = rows * tokens + 1
     query_start_loc = (torch.arange(rows + 1) * tokens).to(torch.int32)
     parents = torch.full((rows, tokens), -1, dtype=torch.long)
     return dict(
-        q=q.view(n, s["hk"], s["dk"]),
-        k=k.view(n, s["hk"], s["dk"]),
-        v=v.view(n, s["hv"], s["dv"]),
-        a=gates[:, : s["hv"]],
-        b=gates[:, s["hv"] :],
+        q=q.view(n, hk, dk),
+        k=k.view(n, hk, dk),
+        v=v.view(n, hv, dv),
+        a=gates[:, :hv],
+        b=gates[:, hv:],
         query_start_loc=query_start_loc,
         parents=parents,
         num_tokens=torch.full((rows,), tokens, dtype=torch.long),
-        ssm_cache=torch.zeros(blocks, s["hv"], s["dv"], s["dk"]),
+        ssm_cache=torch.zeros(blocks, hv, dv, dk),
         conv_cache=torch.zeros(
-            blocks, s["conv_width"] - 1 + budget, channels, dtype=torch.bfloat16
+            blocks, s.conv_kernel - 1 + budget, s.conv_dim, dtype=torch.bfloat16
         ),
         state_slots=torch.arange(rows * tokens, dtype=torch.int32).view(rows, tokens) + 1,
         mixed=mixed,
@@ -136,7 +138,7 @@ def case_gdn_tree_verify(budget: int) -> None:
     c = _gdn_packed(budget)
     rows, tokens = c["parents"].shape
     channels = c["mixed"].shape[1]
-    width = QWEN3_6_27B["conv_width"]
+    width = gdn_shapes(HYBRID).conv_kernel
     conv_state = c["conv_cache"].transpose(1, 2)
     tree_causal_conv1d_packed(
         c["mixed"],
@@ -151,7 +153,7 @@ def case_gdn_tree_verify(budget: int) -> None:
         saved_inputs=torch.zeros(rows + 1, tokens, channels, dtype=torch.bfloat16),
         saved_index=torch.zeros(rows + 1, dtype=torch.int32),
     )
-    hv = QWEN3_6_27B["hv"]
+    hv = gdn_shapes(HYBRID).num_v_heads
     tree_gated_delta_packed(
         c["q"],
         c["k"],
@@ -178,14 +180,15 @@ def case_gdn_commit(budget: int) -> None:
     c = _gdn_packed(budget, rows=2)
     rows, tokens = c["parents"].shape
     channels = c["mixed"].shape[1]
-    kept = QWEN3_6_27B["conv_width"] - 1
+    shapes = gdn_shapes(HYBRID)
+    n = shapes.num_gdn_layers
     layers = GDNStateLayers.of(
-        [c["ssm_cache"]] * QWEN3_6_27B["layers"],
-        [torch.zeros(rows + 1, tokens, dtype=torch.int32)] * QWEN3_6_27B["layers"],
-        [c["conv_cache"].transpose(1, 2)] * QWEN3_6_27B["layers"],
-        [torch.zeros(rows + 1, dtype=torch.int32)] * QWEN3_6_27B["layers"],
-        [torch.zeros(rows + 1, tokens, channels, dtype=torch.bfloat16)] * QWEN3_6_27B["layers"],
-        window=kept,
+        [c["ssm_cache"]] * n,
+        [torch.zeros(rows + 1, tokens, dtype=torch.int32)] * n,
+        [c["conv_cache"].transpose(1, 2)] * n,
+        [torch.zeros(rows + 1, dtype=torch.int32)] * n,
+        [torch.zeros(rows + 1, tokens, channels, dtype=torch.bfloat16)] * n,
+        window=shapes.conv_kernel - 1,
     )
     accepted = torch.zeros(rows, DEPTH + 1, dtype=torch.long)
     num = torch.zeros(rows, dtype=torch.long)
@@ -193,13 +196,22 @@ def case_gdn_commit(budget: int) -> None:
 
 
 def _trees(budget: int, rows: int = 2):
-    """Best-first trees of ``budget`` nodes and depth ``DEPTH`` (the reference build), with
-    target tokens that walk them."""
+    """Best-first trees of ``budget`` nodes and depth ``DEPTH`` (the reference build)."""
     from vllm_ddtree.tree import build_trees
 
     gen = torch.Generator().manual_seed(budget)
     trees = build_trees(torch.randn(rows, DEPTH, 64, generator=gen) * 2, budget)
     return trees
+
+
+def _attention_shapes(name: str) -> tuple[int, int, int, int, int]:
+    """A scale model's attention layers, query heads, KV heads, head size and KV block size."""
+    model: ScaleModel = SCALE_MODELS[name]
+    layers = model.num_hidden_layers
+    if model.hybrid:
+        layers -= gdn_shapes(model).num_gdn_layers
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    return layers, heads, kv_heads, model.head_dim, KV_BLOCK_SIZE[name]
 
 
 def case_tree_attention(model: str, budget: int) -> None:
@@ -208,10 +220,7 @@ def case_tree_attention(model: str, budget: int) -> None:
     (``context_attention``), with the model's heads and bf16 paged KV."""
     from tree_attn_backend.ops.tree_attention import default_scale, pack_tree_mask, tree_attention
 
-    if model == "qwen3.6-27b":
-        heads, kv_heads, head_size, block_size = 24, 4, QWEN3_6_27B_HEAD_DIM, 864
-    else:
-        heads, kv_heads, head_size, block_size = 32, 8, 128, 16
+    _, heads, kv_heads, head_size, block_size = _attention_shapes(model)
     rows, tokens = 2, budget + 1
     n = rows * tokens
     q = torch.zeros(n, heads, head_size, dtype=torch.bfloat16)
@@ -242,10 +251,7 @@ def case_kv_commit(model: str) -> None:
     """The accepted nodes' K/V moved in every attention layer (``ops/kv_commit.py``)."""
     from vllm_ddtree.ops.kv_commit import PagedKVLayers, commit_accepted_kv_at
 
-    if model == "qwen3.6-27b":
-        layers, kv_heads, head_size, block_size = 16, 4, QWEN3_6_27B_HEAD_DIM, 864
-    else:
-        layers, kv_heads, head_size, block_size = 36, 8, 128, 16
+    layers, _, kv_heads, head_size, block_size = _attention_shapes(model)
     caches = [torch.zeros(8, block_size, kv_heads, head_size, dtype=torch.bfloat16)] * layers
     rows = 2
     commit_accepted_kv_at(
@@ -314,8 +320,8 @@ CASES: dict[str, Callable[[], None]] = {
     "kv_commit_27b": lambda: case_kv_commit("qwen3.6-27b"),
     "tree_step_b64": lambda: case_tree_step(64),
     "tree_step_b512": lambda: case_tree_step(512),
-    "tree_build_8b_b64": lambda: case_tree_build(151936, 64),
-    "tree_build_27b_b512": lambda: case_tree_build(248320, 512),
+    "tree_build_8b_b64": lambda: case_tree_build(SCALE_MODELS["qwen3-8b"].vocab_size, 64),
+    "tree_build_27b_b512": lambda: case_tree_build(HYBRID.vocab_size, 512),
 }
 
 
