@@ -79,22 +79,14 @@ class HostOracle:
         self.model_of_sequence = spec["model_of_sequence"]
         self.seed = int(spec.get("seed", 0))
         self.gen = torch.Generator().manual_seed(self.seed)
-        # By device: the ranked logits' generator and the rank table there (made once).
-        self.on_device: dict[str, tuple[torch.Generator, torch.Tensor | None]] = {}
         self.vocab_size = vocab_size
 
-    def logits(
-        self,
-        prompts: list[list[int]],
-        bonus_positions: list[int],
-        depth: int,
-        device: torch.device | str = "cpu",
-    ):
-        """float32 ``[R, depth, V]`` on ``device``: row ``r``, depth ``d`` predicts sequence
-        index ``bonus_positions[r] + 1 + d``."""
+    def logits(self, prompts: list[list[int]], bonus_positions: list[int], depth: int):
+        """float32 ``[R, depth, V]``: row ``r``, depth ``d`` predicts sequence index
+        ``bonus_positions[r] + 1 + d``."""
         if self.rank_table is not None:
-            return self._ranked_logits(prompts, bonus_positions, depth, torch.device(device))
-        return self._p_top_logits(prompts, bonus_positions, depth).to(device)
+            return self._ranked_logits(prompts, bonus_positions, depth)
+        return self._p_top_logits(prompts, bonus_positions, depth)
 
     def _p_top_logits(self, prompts, bonus_positions, depth: int) -> torch.Tensor:
         out = torch.randn(len(prompts), depth, self.vocab_size, generator=self.gen)
@@ -118,11 +110,9 @@ class HostOracle:
                     row[truth] = top + TRUTH_MARGIN - 1.0
         return out
 
-    def _ranked_logits(self, prompts, bonus_positions, depth: int, device) -> torch.Tensor:
+    def _ranked_logits(self, prompts, bonus_positions, depth: int) -> torch.Tensor:
         """The rank models' synthetic logits around each request's sequence (its sequence's
-        model; noise where a request has none, or past its end): truths and ranks drawn on the
-        host, the ``[R, depth, V]`` logits made on ``device`` (not copied there: a request's
-        are 9 MB at a 152K vocabulary)."""
+        model; noise where a request has none, or past its end)."""
         rows = len(prompts)
         truth = torch.zeros(rows, depth, dtype=torch.long)
         valid = torch.zeros(rows, depth, dtype=torch.bool)
@@ -139,32 +129,17 @@ class HostOracle:
             valid[r, : len(ahead)] = True
         predicted = torch.tensor(bonus_positions, dtype=torch.long).unsqueeze(1) + 1
         keys = DrawKeys(sequence_index, predicted + torch.arange(depth), self.seed)
-        ranks = sample_ranks(RankRows.of(self.rank_table, model_index), rows, depth, keys=keys)
-        gen, rank_table = self._on(device)
-        params = RankRows.of(rank_table, model_index.to(device))
-        keys = DrawKeys(sequence_index.to(device), keys.position.to(device), self.seed)
-        ranked = synthetic_logits(
-            params, truth.to(device), ranks.to(device), self.vocab_size, keys=keys
-        )
-        if bool(valid.all()):  # (host tensors: no device synchronisation)
+        params = RankRows.of(self.rank_table, model_index)
+        ranks = sample_ranks(params, rows, depth, keys=keys)
+        ranked = synthetic_logits(params, truth, ranks, self.vocab_size, keys=keys)
+        if bool(valid.all()):
             return ranked
-        noise = torch.randn(rows, depth, self.vocab_size, generator=gen, device=device)
-        return torch.where(valid.to(device).unsqueeze(-1), ranked, noise)
-
-    def _on(self, device: torch.device) -> tuple[torch.Generator, torch.Tensor | None]:
-        """The seeded generator of the logits' draws on ``device`` (the CPU's is ``gen``) and
-        the rank table there, made on first use."""
-        if device.type == "cpu":
-            return self.gen, self.rank_table
-        key = str(device)
-        if key not in self.on_device:
-            table = self.rank_table.to(device) if self.rank_table is not None else None
-            self.on_device[key] = (torch.Generator(device).manual_seed(self.seed), table)
-        return self.on_device[key]
+        noise = torch.randn(rows, depth, self.vocab_size, generator=self.gen)
+        return torch.where(valid.unsqueeze(-1), ranked, noise)
 
 
 class DeviceOracle:
-    """Target-future drafter logits from device tensors only (V2 runner, CUDA-graph safe)."""
+    """Target-future drafter logits from device tensors only (both runners; CUDA-graph safe)."""
 
     def __init__(self, path: str, vocab_size: int, max_num_reqs: int, device: torch.device):
         spec = _load(path)
