@@ -141,6 +141,8 @@ if HAS_TRITON:
             if tl.program_id(1) == 0:
                 tl.store(saved_index_ptr + req, state.to(saved_index_ptr.dtype.element_ty))
         window = conv_state_ptr + state * stride_state_s + offs_c * stride_state_c  # [BLOCK_C]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_c, mask=c_valid, other=0.0).to(tl.float32)
         # BLOCK_T nodes at once: their windows are walked up the tree together, tap by tap, so
         # a chunk costs WIDTH dependent reads of parents, not WIDTH per node.
         for t0 in range(0, MAX_TOKENS, BLOCK_T):
@@ -148,7 +150,6 @@ if HAS_TRITON:
             t_valid = offs_t < count
             acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             if HAS_BIAS:
-                bias = tl.load(bias_ptr + offs_c, mask=c_valid, other=0.0).to(tl.float32)
                 acc += bias[None, :]
             node = offs_t.to(tl.int64)  # each token's window position j, up its path
             past_root = tl.zeros([BLOCK_T], dtype=tl.int32)  # how far past the root the walk is
