@@ -315,7 +315,7 @@ def row_roofline(
     return out
 
 
-def prefill_seconds(run, names: list[str], prompts, temperature: float, batch: int) -> dict:
+def time_prefills(run, names: list[str], prompts, temperature: float, batch: int) -> dict:
     """Each engine's seconds for ``prompts`` at one output token (the prefill and its first
     token, as the row runs them): what a row's time per step spreads over its steps."""
     return {
@@ -1017,7 +1017,7 @@ def run_phase(
                 row.update(summarize_row(runs))
                 row["identical"] = identical(runs, "ar" if "ar" in runs else CHAIN)
                 row["on_reference"] = on_reference(runs, reference_of)
-                prefill = prefill_seconds(run, here, prompts, temperature, batch)
+                prefill = time_prefills(run, here, prompts, temperature, batch)
                 row["prefill_seconds"] = prefill
                 row["roofline"] = row_roofline(runs, batch, floor_bytes, args.prompt_len, prefill)
                 summary["rows"].append(row)
