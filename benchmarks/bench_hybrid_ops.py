@@ -212,7 +212,8 @@ def vllm_chain_recurrence(
     a_log, dt_bias = rand(hv, dtype=torch.float32), rand(hv, dtype=torch.float32)
     state = 0.1 * rand(n + 1, hv, dv, dk, dtype=torch.float32)
     cu_seqlens = torch.tensor([0, n], device=device, dtype=torch.int32)
-    indices = torch.arange(n, device=device, dtype=torch.int32).view(1, -1)
+    # Blocks 1..n: vLLM's kernel skips a request whose start block is 0, its null block.
+    indices = torch.arange(1, n + 1, device=device, dtype=torch.int32).view(1, -1)
     accepted = torch.tensor([1], device=device, dtype=torch.int32)
 
     def run():

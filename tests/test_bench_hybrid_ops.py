@@ -59,11 +59,36 @@ def test_the_cpu_run_reports_every_case_and_op(tmp_path):
     assert "| b16 | 17 | tree conv |" in (out / "hybrid_ops.md").read_text()
 
 
-def test_vllms_chain_recurrence_gets_its_inputs_at_the_chains_shapes():
-    # Built here, run on a GPU only (vLLM's kernel is Triton): the inputs match its signature.
+def test_vllms_chain_recurrence_reads_a_live_state_and_writes_one_per_token(monkeypatch):
+    """Run on a GPU only (vLLM's kernel is Triton): here its call is checked against vLLM's
+    signature and against what its kernel does with the indices. It starts from block
+    ``ssm_state_indices[r, num_accepted_tokens[r] - 1]`` and returns at once where that block
+    is 0 (vLLM's null block), and stores token ``t``'s state to block ``[r, t]`` where that is
+    not 0: the chain's verify stores every token's state, so every block here must be live."""
+    import inspect
+
+    from vllm.third_party.flash_linear_attention.ops import fused_sigmoid_gating
+
+    calls = []
+
+    def update(*args, **kwargs):
+        inspect.signature(fused_sigmoid_gating.fused_sigmoid_gating_delta_rule_update).bind(
+            *args, **kwargs
+        )
+        calls.append(kwargs)
+        return kwargs["v"], None
+
+    monkeypatch.setattr(fused_sigmoid_gating, "fused_sigmoid_gating_delta_rule_update", update)
     shapes = bench_hybrid_ops.gdn_shapes(SCALE_MODELS["qwen3.6-27b"].shrunk(16))
-    run = bench_hybrid_ops.vllm_chain_recurrence(shapes, torch.device("cpu"))
-    assert callable(run)
+    bench_hybrid_ops.vllm_chain_recurrence(shapes, torch.device("cpu"))()
+    (kwargs,) = calls
+    chain = bench_hybrid_ops.CHAIN_TOKENS
+    blocks, accepted = kwargs["ssm_state_indices"], kwargs["num_accepted_tokens"]
+    assert blocks.shape == (1, chain) and kwargs["cu_seqlens"].tolist() == [0, chain]
+    assert int(blocks[0, int(accepted[0]) - 1]) > 0, "the kernel starts from the null block"
+    assert bool((blocks > 0).all()) and len(set(blocks.flatten().tolist())) == chain
+    assert int(blocks.max()) < kwargs["initial_state"].shape[0]
+    assert kwargs["inplace_final_state"] and kwargs["v"].shape[1] == chain
 
 
 def test_vllms_chain_conv_is_called_as_its_gdn_layer_calls_it(monkeypatch):
