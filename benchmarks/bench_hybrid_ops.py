@@ -4,9 +4,9 @@ On the Qwen3.6-27B-shaped scale model a DDTree step of budget 32 took 63.8 ms wh
 chain's took 47.8 and AR's 18.5 (``results/2026-12-05_882bf05_scale-27b-first-tree``). This
 times, per GatedDeltaNet layer and for the model's number of them, what the tree path runs in
 place of vLLM's speculative kernels, with the arguments the step passes: the tree recurrence
-(``ops/tree_gated_delta.py``'s packed launch, gates computed in it, at each launch block
-``block_v`` of ``--block-v``) and the tree conv (``ops/tree_causal_conv.py``), on
-one request's best-first tree of each budget (``tree.build_trees`` on random drafter logits)
+(``ops/tree_gated_delta.py``'s packed launch, gates computed in it, at each launch: blocks of
+``--block-v`` V columns, ``--num-warps`` warps) and the tree conv (``ops/tree_causal_conv.py``),
+on one request's best-first tree of each budget (``tree.build_trees`` on random drafter logits)
 and on a chain of 16 tokens (what the chain verifies) through the same kernels; and vLLM's own
 speculative recurrence (``fused_sigmoid_gating_delta_rule_update``, the chain's) on the 16
 tokens where vLLM is importable, and its speculative conv update (``causal_conv1d_update``)
@@ -84,9 +84,9 @@ def layer_ops(shapes: GDNStateShapes, parents: torch.Tensor, device: torch.devic
     """One GDN layer's tree ops over one request's tree (``parents``), on random inputs, as the
     step calls them (``HybridTreeStep.tree_conv`` / ``tree_recurrence``): the packed launches
     on vLLM's arguments, q/k/v views of the conv output, raw gates, the SSM cache behind a
-    block table, the commit's buffers kept. ``{"recurrence": fn(block_v), "conv": fn()}``: the
-    Triton kernels on a GPU (``block_v``, the recurrence's launch block), the references
-    elsewhere (``block_v`` unused)."""
+    block table, the commit's buffers kept. ``{"recurrence": fn(block_v, num_warps), "conv":
+    fn()}``: the Triton kernels on a GPU (``block_v`` and ``num_warps``, the recurrence's
+    launch), the references elsewhere (the launch unused)."""
     gen = torch.Generator().manual_seed(1)
     tokens = parents.numel()
     hk, hv = shapes.num_k_heads, shapes.num_v_heads
@@ -132,13 +132,13 @@ def layer_ops(shapes: GDNStateShapes, parents: torch.Tensor, device: torch.devic
     saves = {"saved_inputs": saved_inputs, "saved_index": saved_index}
     if device.type == "cuda":
         return {
-            "recurrence": lambda block_v: tree_gated_delta_packed(
-                *recurrence_args, saved_slots=saved_slots, block_v=block_v
+            "recurrence": lambda block_v, num_warps: tree_gated_delta_packed(
+                *recurrence_args, saved_slots=saved_slots, block_v=block_v, num_warps=num_warps
             ),
             "conv": lambda: tree_causal_conv1d_packed(*conv_args, **saves),
         }
     return {
-        "recurrence": lambda block_v: tree_gated_delta_packed_ref(
+        "recurrence": lambda block_v, num_warps: tree_gated_delta_packed_ref(
             *recurrence_args, saved_slots=saved_slots
         ),
         "conv": lambda: tree_causal_conv1d_packed_ref(*conv_args, **saves),
@@ -288,30 +288,33 @@ def time_ms(fn: Callable[[], object], device: torch.device, replays: int, rounds
 def measure(
     shapes: GDNStateShapes,
     budgets: list[int],
-    block_vs: list[int],
+    launches: list[tuple[int, int]],
     device: torch.device,
     replays: int,
     rounds: int,
 ) -> list[dict]:
-    """Rows ``{case, tokens, op, block_v, layer_ms, model_ms}``: the chain of 16 and a tree of
-    each budget, each op per layer and times the model's GDN layers."""
+    """Rows ``{case, tokens, op, block_v, num_warps, layer_ms, model_ms}``: the chain of 16 and
+    a tree of each budget, each op per layer and times the model's GDN layers; the recurrence
+    at each of ``launches`` (``(block_v, num_warps)``)."""
     cases = [("chain", chain_parents())] + [(f"b{b}", tree_parents(b)) for b in budgets]
     rows = []
 
-    def record(case: str, tokens: int, op: str, block_v: int | None, layer_ms: float):
+    def record(case: str, tokens: int, op: str, launch: tuple | None, layer_ms: float):
+        block_v, num_warps = launch or (None, None)
         row = {
             "case": case,
             "tokens": tokens,
             "op": op,
             "block_v": block_v,
+            "num_warps": num_warps,
             "layer_ms": layer_ms,
             "model_ms": layer_ms * shapes.num_gdn_layers,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    def add(case: str, tokens: int, op: str, block_v: int | None, fn: Callable[[], object]):
-        record(case, tokens, op, block_v, time_ms(fn, device, replays, rounds))
+    def add(case: str, tokens: int, op: str, launch: tuple | None, fn: Callable[[], object]):
+        record(case, tokens, op, launch, time_ms(fn, device, replays, rounds))
 
     def add_model(case: str, tokens: int, op: str, fn: Callable[[], object]):
         """An op over every GDN layer at once, timed eagerly (launches and host included)."""
@@ -323,9 +326,9 @@ def measure(
 
     for case, parents in cases:
         ops = layer_ops(shapes, parents, device)
-        for block_v in block_vs:
-            recurrence = functools.partial(ops["recurrence"], block_v)
-            add(case, parents.numel(), "tree recurrence", block_v, recurrence)
+        for launch in launches:
+            recurrence = functools.partial(ops["recurrence"], *launch)
+            add(case, parents.numel(), "tree recurrence", launch, recurrence)
         add(case, parents.numel(), "tree conv", None, ops["conv"])
         if case != "chain":
             for how, commit in model_commit(shapes, parents, device).items():
@@ -349,12 +352,14 @@ def markdown(summary: dict) -> str:
         f"layers; one request; float32 states; {timing} (median of {summary['rounds']} "
         f"timings of {summary['replays']} calls).",
         "",
-        "| case | tokens | op | block_v | ms per layer | ms per step (all GDN layers) |",
+        "| case | tokens | op | block_v / warps | ms per layer | ms per step (all GDN layers) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in summary["rows"]:
+        warps = row.get("num_warps")  # results before the warps were swept: 4
+        launch = f"{row['block_v']} / {warps or 4}" if row["block_v"] else "-"
         lines.append(
-            f"| {row['case']} | {row['tokens']} | {row['op']} | {row['block_v'] or '-'} | "
+            f"| {row['case']} | {row['tokens']} | {row['op']} | {launch} | "
             f"{row['layer_ms']:.4f} | {row['model_ms']:.2f} |"
         )
     return "\n".join(lines) + "\n"
@@ -365,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen3.6-27b", choices=sorted(SCALE_MODELS))
     parser.add_argument("--budgets", default="16,32,64,128")
     parser.add_argument("--block-v", default="8,16,32,64", help="the recurrence's launch blocks")
+    parser.add_argument("--num-warps", default="4", help="the recurrence's warps per program")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cpu", action="store_true", help="the references on a shrunk model")
@@ -380,8 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA GPU: pass --cpu for the references on a shrunk model")
     shapes = gdn_shapes(model)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    block_vs = [int(b) for b in args.block_v.split(",") if b]
-    rows = measure(shapes, budgets, block_vs, device, args.replays, args.rounds)
+    launches = [
+        (int(b), int(w))
+        for b in args.block_v.split(",")
+        if b
+        for w in args.num_warps.split(",")
+        if w
+    ]
+    rows = measure(shapes, budgets, launches, device, args.replays, args.rounds)
     summary = {
         "commit": git_commit(),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -38,6 +38,8 @@ def test_the_cpu_run_reports_every_case_and_op(tmp_path):
                 "8,16",
                 "--block-v",
                 "8,32",
+                "--num-warps",
+                "2,4",
                 "--replays",
                 "1",
                 "--rounds",
@@ -49,14 +51,17 @@ def test_the_cpu_run_reports_every_case_and_op(tmp_path):
         == 0
     )
     summary = json.loads((out / "hybrid_ops.json").read_text())
-    cases = {(r["case"], r["op"], r["block_v"]) for r in summary["rows"]}
+    cases = {(r["case"], r["op"], r["block_v"], r["num_warps"]) for r in summary["rows"]}
     for case in ("chain", "b8", "b16"):
-        assert {(case, "tree recurrence", 8), (case, "tree recurrence", 32)} <= cases
-        assert (case, "tree conv", None) in cases
+        launches = {(case, "tree recurrence", b, w) for b in (8, 32) for w in (2, 4)}
+        assert launches <= cases
+        assert (case, "tree conv", None, None) in cases
     for case in ("b8", "b16"):  # the commit on the CPU: the PyTorch ops only
-        assert (case, "commit, PyTorch ops (eager)", None) in cases
+        assert (case, "commit, PyTorch ops (eager)", None, None) in cases
     assert all(r["model_ms"] == r["layer_ms"] * summary["layers"] for r in summary["rows"])
-    assert "| b16 | 17 | tree conv |" in (out / "hybrid_ops.md").read_text()
+    report = (out / "hybrid_ops.md").read_text()
+    assert "| b16 | 17 | tree conv | - |" in report
+    assert "| b16 | 17 | tree recurrence | 32 / 2 |" in report
 
 
 def test_vllms_chain_recurrence_reads_a_live_state_and_writes_one_per_token(monkeypatch):

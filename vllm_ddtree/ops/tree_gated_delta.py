@@ -373,6 +373,7 @@ def _launch(
     saved_slots,
     use_qk_l2norm: bool,
     block_v: int,
+    num_warps: int,
     gates_from_ab: bool,
     initial_from_accepted: bool,
 ) -> torch.Tensor:
@@ -446,6 +447,7 @@ def _launch(
         INITIAL_FROM_ACCEPTED=initial_from_accepted,
         SAVE_SLOTS=save,
         SOFTPLUS_LINEAR_FROM=SOFTPLUS_THRESHOLD,
+        num_warps=num_warps,
     )
     return out
 
@@ -464,6 +466,7 @@ def tree_gated_delta(
     use_qk_l2norm: bool = True,
     block_v: int = 32,
     initial_state: torch.Tensor | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Gated delta rule over per-request trees (see the module docstring for shapes).
 
@@ -499,6 +502,7 @@ def tree_gated_delta(
         None,
         use_qk_l2norm,
         block_v,
+        num_warps,
         gates_from_ab=False,
         initial_from_accepted=False,
     )
@@ -522,6 +526,7 @@ def tree_gated_delta_packed(
     use_qk_l2norm: bool = True,
     saved_slots: torch.Tensor | None = None,
     block_v: int = 32,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """The gated delta rule over trees as vLLM's speculative GDN call passes them, in one
     launch: tokens packed (``q``/``k`` ``[n, Hk, K]``, ``v`` ``[n, Hv, V]``, any token and head
@@ -530,7 +535,9 @@ def tree_gated_delta_packed(
     as ``gdn_gates_ref``), and vLLM's speculative state layout: node ``t`` of row ``r`` in block
     ``state_slots[r, t]`` of ``state_pool``, the committed state in block ``state_slots[r,
     num_accepted[r] - 1]``. With ``saved_slots`` (int32 ``[>= R, T]``) it also keeps each row's
-    blocks there (what the commit after the walk reads). Returns ``[n, Hv, V]``."""
+    blocks there (what the commit after the walk reads). ``block_v`` and ``num_warps``: the
+    launch (a program per value head and block of ``block_v`` of its V columns). Returns
+    ``[n, Hv, V]``."""
     return _launch(
         q,
         k,
@@ -549,6 +556,7 @@ def tree_gated_delta_packed(
         saved_slots,
         use_qk_l2norm,
         block_v,
+        num_warps,
         gates_from_ab=True,
         initial_from_accepted=True,
     )
