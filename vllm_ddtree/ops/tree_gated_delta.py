@@ -302,14 +302,19 @@ if HAS_TRITON:
                         mask=hv_mask,
                         other=0.0,
                     ).to(tl.float32)
+                    # A node may store into the committed block (vLLM's speculative layout):
+                    # every thread reads it before any writes there.
+                    tl.debug_barrier()
                 elif parent == t - 1:
                     # The previous node's state, still in registers, as it was stored.
                     h = h.to(state_ptr.dtype.element_ty).to(tl.float32)
                 else:
                     h = ahead  # read during node t - 1, after its parent's store
                 if has_next & (next_parent >= 0) & (next_parent < t):
-                    # Node t + 1's parent was stored in an earlier iteration (and a barrier
-                    # passed since): read its state now.
+                    # Node t + 1's parent was stored in an earlier iteration, maybe by other
+                    # threads: past a barrier, read its state now. A chain (each parent the
+                    # previous node, kept in registers) passes none.
+                    tl.debug_barrier()
                     slot = tl.load(row_slots + next_parent).to(tl.int64)
                     ahead = tl.load(
                         state_ptr + slot * stride_state_slot + v_head * stride_state_h + hv_offsets,
@@ -341,8 +346,6 @@ if HAS_TRITON:
                     h.to(state_ptr.dtype.element_ty),
                     mask=hv_mask,
                 )
-            # Children read this state back from memory in a later iteration.
-            tl.debug_barrier()
 
     @triton.jit
     def _token_inputs(q_at, k_at, v_at, g_at, beta_at, offs_k, offs_v, k_mask, v_mask, scalar_mask):
