@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen3.6-27b", choices=sorted(SCALE_MODELS))
     parser.add_argument("--budgets", default="16,32,64,128")
     parser.add_argument("--block-v", default="8,16,32,64", help="the recurrence's launch blocks")
-    parser.add_argument("--num-warps", default="4", help="the recurrence's warps per program")
+    parser.add_argument("--num-warps", default="2,4", help="the recurrence's warps per program")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cpu", action="store_true", help="the references on a shrunk model")

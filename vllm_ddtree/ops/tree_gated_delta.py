@@ -56,6 +56,12 @@ except ImportError:  # pragma: no cover
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 # softplus(x) = x past this, as vLLM's gating kernels take it.
 SOFTPLUS_THRESHOLD = 20.0
+# The launch: a program per (row, value head, BLOCK_V of the V columns), of NUM_WARPS warps.
+# The fastest of those timed at Qwen3.6-27B's heads on an H200, on the chain's 16 tokens and
+# a budget-32 tree (benchmarks/results/2026-12-05_1085501_hybrid-ops: block 32 with 4 warps
+# took 1.2-1.3x as long).
+BLOCK_V = 8
+NUM_WARPS = 2
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -467,9 +473,9 @@ def tree_gated_delta(
     initial_slots: torch.Tensor,
     state_slots: torch.Tensor,
     use_qk_l2norm: bool = True,
-    block_v: int = 32,
+    block_v: int = BLOCK_V,
     initial_state: torch.Tensor | None = None,
-    num_warps: int = 4,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Gated delta rule over per-request trees (see the module docstring for shapes).
 
@@ -528,8 +534,8 @@ def tree_gated_delta_packed(
     num_accepted: torch.Tensor,
     use_qk_l2norm: bool = True,
     saved_slots: torch.Tensor | None = None,
-    block_v: int = 32,
-    num_warps: int = 4,
+    block_v: int = BLOCK_V,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """The gated delta rule over trees as vLLM's speculative GDN call passes them, in one
     launch: tokens packed (``q``/``k`` ``[n, Hk, K]``, ``v`` ``[n, Hv, V]``, any token and head
