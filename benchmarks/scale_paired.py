@@ -591,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
         'engine by turns per chunk (greedy; the "auto" engine sees the chunks in order); '
         "every engine serves --shift-batch requests beside --batches",
     )
+    parser.add_argument(
+        "--datasets",
+        default=",".join(DATASETS),
+        help=f"the grid's datasets, comma-separated, of {', '.join(DATASETS)}",
+    )
     parser.add_argument("--shift-chunks", type=int, default=12)
     parser.add_argument("--shift-batch", type=int, default=1)
     parser.add_argument(
@@ -616,6 +621,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error('--shift measures the "auto" engine: give --auto-max-seqs')
     if args.shrink < 1:
         parser.error(f"--shrink must be at least 1, got {args.shrink}")
+    args.datasets = [d for d in args.datasets.split(",") if d]
+    shifted = [d for d in (args.shift or "").split(",") if d]
+    unknown = [d for d in [*args.datasets, *shifted] if d not in DATASETS]
+    if unknown or not args.datasets:
+        parser.error(f"--datasets / --shift take {', '.join(DATASETS)}; got {unknown or 'none'}")
     if args.cpu:
         args.shrink = args.shrink if args.shrink > 1 else CPU_SHRINK
         args.split_batches = ""  # the split profiles CUDA kernels
@@ -663,10 +673,12 @@ def main(argv: list[str] | None = None) -> int:
         pool_size = max(pool_size, args.shift_chunks * args.shift_batch)
     # Greedy prompts also where --modes leaves greedy out: the step-time split and the shift
     # run serve them.
+    served_sets = {*args.datasets, *(args.shift or "").split(",")} & set(DATASETS)
     pools = {
         (mode, dataset): token_prompts(mode, dataset, pool_size, args.prompt_len, model.vocab_size)
         for mode in dict.fromkeys(["greedy", *modes])
         for dataset in DATASETS
+        if dataset in served_sets
     }
     budgets = [int(b) for b in args.budgets.split(",") if b]
     # A hybrid target runs on the V1 runner (vLLM's choice, and DDTree's), its GatedDeltaNet
@@ -994,7 +1006,7 @@ def run_phase(
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = {"greedy": 0.0, "sampling": args.sampling_temperature}
     for batch in [int(b) for b in args.split_batches.split(",") if b]:
-        prompts = [p for ps in (pools[("greedy", d)] for d in DATASETS) for p in ps][:batch]
+        prompts = [p for ps in (pools[("greedy", d)] for d in args.datasets) for p in ps][:batch]
         for name in [n for n in names if batch in served[n]]:
             for kind in SPLIT_KINDS:
                 done = summary["splits"].setdefault(name, {}).setdefault(kind, [])
@@ -1003,7 +1015,7 @@ def run_phase(
                 done.append(live[name].split(name, prompts, 0.0, args.max_tokens, kind))
     write_report(summary, args.out)
     for mode in [m for m in args.modes.split(",") if m]:
-        sets = {dataset: pools[(mode, dataset)] for dataset in DATASETS}
+        sets = {dataset: pools[(mode, dataset)] for dataset in args.datasets}
         for batch in batches:
             for dataset, prompts in row_groups(sets, batch, args.batch1_prompts).items():
                 if time.time() - started > args.deadline:

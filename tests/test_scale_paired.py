@@ -322,6 +322,25 @@ def test_a_whole_scale_run_on_stand_in_engines(tmp_path, monkeypatch, per_phase)
     assert "Host time per step" in table and "Host profile (cProfile" in table
 
 
+def test_datasets_narrow_the_grid_and_its_references(tmp_path, monkeypatch):
+    """``--datasets humaneval``: every row, the split's prompts and AR's references are
+    HumanEval's alone (a 27B run reaches its tree phase sooner); an unknown name is refused
+    with the allowed ones."""
+    import json
+
+    import benchmarks.scale_paired as bench
+
+    argv = ["--budgets", "32", "--batches", "1", "--repeats", "1", "--max-tokens", "8"]
+    argv += ["--prompt-len", "4", "--per-phase", "1", "--modes", "greedy"]
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv + ["--datasets", "humaneval"])
+    assert {r["dataset"] for r in summary["rows"]} == {"humaneval"}
+    assert len(summary["rows"]) == 2  # phase 0 (AR, the chain) and phase 1 (the chain, b32)
+    oracle = json.loads((tmp_path / "w" / "oracle.json").read_text())
+    assert set(oracle["sequence_models"]) == {"humaneval"}
+    with pytest.raises(SystemExit):
+        bench.main(["--calibration", "c", "--out", "o", "--datasets", "humaneval,gsm8k"])
+
+
 def test_a_budget_runs_only_at_the_batches_whose_verify_fits_the_token_limit(tmp_path, monkeypatch):
     """``--max-verify-tokens 260``: budget 128 (129 tokens a request) runs at batch 1 only,
     budget 64 (65) at batches 1 and 4; AR and the chain at every batch; each engine is sized
