@@ -24,8 +24,9 @@ HEADER = """# Results
 One folder per run, named `<date>_<commit>_<kind>`: the date it was committed, the commit it
 measured and what kind of run it is. Each folder's README says what was measured, with the
 commands as run; the files beside it are what the run wrote. GPU runs ran on an air-gapped
-H200 host; `coupled-cpu` runs on the 2-core CPU machine. Runs that did not complete are not
-kept (git has them). The history of what the runs showed is in `CHANGELOG.md`.
+H200 host (an H100 where the device column says so); `coupled-cpu` runs on the 2-core CPU
+machine. Runs that did not complete are not kept (git has them). The history of what the
+runs showed is in `CHANGELOG.md`.
 
 This index is generated: `python -m benchmarks results-index` (a test keeps it current).
 
