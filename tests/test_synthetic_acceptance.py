@@ -81,6 +81,41 @@ def test_keyed_draws_depend_only_on_the_sequence_the_position_and_the_depth():
     assert not torch.equal(draw([0, 1, 2, 3], seed=1)[1], logits)
 
 
+def test_streams_drawn_at_once_are_each_streams_keyed_hash():
+    """``DrawKeys.drawn`` gives every stream's draws as ``uniform`` does, each the 32-bit hash
+    chain of (seed, stream, sequence, position, depth) as plain integers compute it, in a
+    third of the device ops of drawing the streams one by one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_ddtree.testing import synthetic_acceptance as sa
+
+    sequence = torch.tensor([0, 7, 3])
+    position = torch.tensor([5, 9, 40]).unsqueeze(1) + torch.arange(15)
+    keys = DrawKeys(sequence, position, seed=11)
+
+    class CountOps(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountOps.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with CountOps():
+        drawn = keys.drawn()
+    together, CountOps.ops = CountOps.ops, 0
+    with CountOps():
+        alone = [keys.uniform(s) for s in (sa._FIRST, sa._BELOW, sa._OTHERS)]
+    assert 3 * together <= CountOps.ops + 3, (together, CountOps.ops)
+    mask = sa._MASK32
+    for stream, draws in zip((sa._FIRST, sa._BELOW, sa._OTHERS), alone, strict=True):
+        assert torch.equal(drawn.uniform(stream), draws)
+        salt = sa._mix32((11 * 0x9E3779B9 + stream) & mask)
+        for r, d in ((0, 0), (1, 7), (2, 14)):
+            h = sa._mix32(int(sequence[r]) ^ salt)
+            h = sa._mix32(sa._mix32(h ^ int(position[r, d])) ^ d)
+            assert int(draws[r, d] * float(1 << 32)) == h
+
+
 def test_keyed_draws_keep_the_rank_models_distribution():
     """Over many keys the keyed ranks follow the model as the generator's do: P(ranked first)
     per depth within 4 standard errors of ``p_top x decay^(d - 1)``, and the mean rank below

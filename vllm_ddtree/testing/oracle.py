@@ -128,7 +128,7 @@ class HostOracle:
             truth[r, : len(ahead)] = torch.tensor(ahead, dtype=torch.long)
             valid[r, : len(ahead)] = True
         predicted = torch.tensor(bonus_positions, dtype=torch.long).unsqueeze(1) + 1
-        keys = DrawKeys(sequence_index, predicted + torch.arange(depth), self.seed)
+        keys = DrawKeys(sequence_index, predicted + torch.arange(depth), self.seed).drawn()
         params = RankRows.of(self.rank_table, model_index)
         ranks = sample_ranks(params, rows, depth, keys=keys)
         ranked = synthetic_logits(params, truth, ranks, self.vocab_size, keys=keys)
@@ -192,7 +192,7 @@ class DeviceOracle:
                 sequence.view(-1, depth)[:, 0],
                 predicted_positions.long().view(-1, depth),
                 self.seed,
-            )
+            ).drawn()
             ranks = sample_ranks(params, blocks.shape[0], depth, device=device, keys=keys)
             ranked = synthetic_logits(params, blocks, ranks, self.vocab_size, keys=keys)
             return torch.where(valid.unsqueeze(-1), ranked.view(n, -1), out)

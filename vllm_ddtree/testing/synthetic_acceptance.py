@@ -102,6 +102,7 @@ def _rows(model: RankModel | RankRows, rows: int, device) -> RankRows:
 _MASK32 = 0xFFFFFFFF
 # Streams of keyed draws: P(ranked first), the rank below the first, the other candidates.
 _FIRST, _BELOW, _OTHERS = 1, 2, 3
+_STREAMS = 3  # consecutive from _FIRST
 
 
 def _mix32(x):
@@ -127,14 +128,37 @@ class DrawKeys:
     def uniform(self, stream: int) -> torch.Tensor:
         """float64 ``[R, D]`` in [0, 1): the draw of ``stream`` at each row and depth, a fixed
         function of (seed, stream, sequence, position, depth); device tensors only."""
+        return self.uniforms(stream, 1)[0]
+
+    def uniforms(self, first: int, count: int) -> torch.Tensor:
+        """float64 ``[count, R, D]``: ``uniform(first + i)`` for each ``i``, hashed together
+        (each hash step one device op for all the streams). The streams' salts are hashed on
+        the device: no host tensor is copied in, so it runs in a CUDA graph."""
+        device = self.position.device
         depth = self.position.shape[1]
-        # (The salt is a Python int: no host tensor copied in, so it runs in a CUDA graph.)
-        salt = _mix32((self.seed * 0x9E3779B9 + stream) & _MASK32)
-        h = _mix32((self.sequence.long() & _MASK32) ^ salt)
-        h = _mix32(h.unsqueeze(1) ^ (self.position.long() & _MASK32))
-        depths = torch.arange(depth, device=self.position.device)
-        h = _mix32(h ^ depths)
+        seeded = (self.seed * 0x9E3779B9) & _MASK32
+        salt = _mix32((torch.arange(first, first + count, device=device) + seeded) & _MASK32)
+        h = _mix32((self.sequence.long() & _MASK32).unsqueeze(0) ^ salt.unsqueeze(1))
+        h = _mix32(h.unsqueeze(2) ^ (self.position.long() & _MASK32).unsqueeze(0))
+        h = _mix32(h ^ torch.arange(depth, device=device))
         return h.double() / float(1 << 32)
+
+    def drawn(self) -> KeyedDraws:
+        """Every stream a row's synthetic logits take, drawn at once (``sample_ranks`` and
+        ``synthetic_logits`` read them as they read ``uniform``): a third of the device ops
+        of drawing them one by one, which an eager step pays in host time."""
+        return KeyedDraws(self.uniforms(_FIRST, _STREAMS))
+
+
+@dataclass(frozen=True)
+class KeyedDraws:
+    """``DrawKeys.drawn``: float64 ``draws`` ``[streams, R, D]`` from stream ``_FIRST`` on."""
+
+    draws: torch.Tensor
+
+    def uniform(self, stream: int) -> torch.Tensor:
+        """``DrawKeys.uniform(stream)``, already drawn."""
+        return self.draws[stream - _FIRST]
 
 
 def sample_ranks(
@@ -143,7 +167,7 @@ def sample_ranks(
     depth: int,
     gen: torch.Generator | None = None,
     device: torch.device | str = "cpu",
-    keys: DrawKeys | None = None,
+    keys: DrawKeys | KeyedDraws | None = None,
 ) -> torch.Tensor:
     """long ``[rows, depth]``: the true token's rank at each depth (0 = first), from one model
     or per row (``RankRows``); device tensors only, so it runs inside a CUDA graph. Drawn from
@@ -169,7 +193,7 @@ def synthetic_logits(
     ranks: torch.Tensor,
     vocab_size: int,
     gen: torch.Generator | None = None,
-    keys: DrawKeys | None = None,
+    keys: DrawKeys | KeyedDraws | None = None,
 ) -> torch.Tensor:
     """float32 ``[R, D, V]``: at row ``r``, depth ``d``, ``CANDIDATES`` distinct tokens ranked
     by logit ``-slope x rank`` (``-miss_slope x rank`` where the true token is not first; one
