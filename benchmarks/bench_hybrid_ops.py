@@ -356,8 +356,7 @@ def markdown(summary: dict) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in summary["rows"]:
-        warps = row.get("num_warps")  # results before the warps were swept: 4
-        launch = f"{row['block_v']} / {warps or 4}" if row["block_v"] else "-"
+        launch = f"{row['block_v']} / {row['num_warps']}" if row["block_v"] else "-"
         lines.append(
             f"| {row['case']} | {row['tokens']} | {row['op']} | {launch} | "
             f"{row['layer_ms']:.4f} | {row['model_ms']:.2f} |"

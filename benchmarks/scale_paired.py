@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         pool_size = max(pool_size, args.shift_chunks * args.shift_batch)
     # Greedy prompts also where --modes leaves greedy out: the step-time split and the shift
     # run serve them.
-    served_sets = {*args.datasets, *(args.shift or "").split(",")} & set(DATASETS)
+    served_sets = {*args.datasets, *shifted}  # (both checked against DATASETS above)
     pools = {
         (mode, dataset): token_prompts(mode, dataset, pool_size, args.prompt_len, model.vocab_size)
         for mode in dict.fromkeys(["greedy", *modes])

@@ -30,6 +30,7 @@ from vllm_ddtree.testing.scale_models import SCALE_MODELS, ScaleModel
 
 # The served shapes: the scale models' (vllm_ddtree/testing/scale_models.py).
 HYBRID = SCALE_MODELS["qwen3.6-27b"]
+HYBRID_GDN = gdn_shapes(HYBRID)
 DEPTH = HYBRID.block_size - 1  # a DFlash drafter's block: the bonus token, then its depths
 # vLLM's attention block size on each target (the hybrid's: its page size made the GDN
 # state's, as the 27B engines' log reads).
@@ -101,7 +102,7 @@ def _gdn_packed(budget: int, rows: int = 4):
     """vLLM's speculative GDN call at Qwen3.6-27B's GDN heads: q/k/v views of one bf16 conv
     output, a/b views of one bf16 projection, the float32 SSM cache ``[blocks, Hv, V, K]``,
     the bf16 conv cache window-first, int32 block tables."""
-    s = gdn_shapes(HYBRID)
+    s = HYBRID_GDN
     hk, hv, dk, dv = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
     tokens = budget + 1
     n = rows * tokens
@@ -138,7 +139,7 @@ def case_gdn_tree_verify(budget: int) -> None:
     c = _gdn_packed(budget)
     rows, tokens = c["parents"].shape
     channels = c["mixed"].shape[1]
-    width = gdn_shapes(HYBRID).conv_kernel
+    width = HYBRID_GDN.conv_kernel
     conv_state = c["conv_cache"].transpose(1, 2)
     tree_causal_conv1d_packed(
         c["mixed"],
@@ -153,7 +154,7 @@ def case_gdn_tree_verify(budget: int) -> None:
         saved_inputs=torch.zeros(rows + 1, tokens, channels, dtype=torch.bfloat16),
         saved_index=torch.zeros(rows + 1, dtype=torch.int32),
     )
-    hv = gdn_shapes(HYBRID).num_v_heads
+    hv = HYBRID_GDN.num_v_heads
     tree_gated_delta_packed(
         c["q"],
         c["k"],
@@ -180,7 +181,7 @@ def case_gdn_commit(budget: int) -> None:
     c = _gdn_packed(budget, rows=2)
     rows, tokens = c["parents"].shape
     channels = c["mixed"].shape[1]
-    shapes = gdn_shapes(HYBRID)
+    shapes = HYBRID_GDN
     n = shapes.num_gdn_layers
     layers = GDNStateLayers.of(
         [c["ssm_cache"]] * n,

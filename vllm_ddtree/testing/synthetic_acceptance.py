@@ -102,7 +102,7 @@ def _rows(model: RankModel | RankRows, rows: int, device) -> RankRows:
 _MASK32 = 0xFFFFFFFF
 # Streams of keyed draws: P(ranked first), the rank below the first, the other candidates.
 _FIRST, _BELOW, _OTHERS = 1, 2, 3
-_STREAMS = 3  # consecutive from _FIRST
+_STREAMS = _OTHERS - _FIRST + 1  # (consecutive)
 
 
 def _mix32(x):
