@@ -281,37 +281,6 @@ def test_index_checks_name_a_gdn_layer_the_step_did_not_route(monkeypatch):
         step.commit(accepted, taken, num_draft)
 
 
-def test_index_checks_cover_vllms_gdn_metadata(monkeypatch):
-    """The same switch checks the state indices vLLM's GDN metadata builder hands its layers
-    (its prefill gathers SSM states by them), against the engine's block count."""
-    from types import SimpleNamespace
-
-    built = SimpleNamespace(
-        spec_state_indices_tensor=torch.tensor([[3, 4, 5], [6, 7, 8]]),
-        non_spec_state_indices_tensor=torch.tensor([9]),
-        prefill_state_indices=torch.tensor([9]),
-        num_accepted_tokens=torch.tensor([1, 3]),
-    )
-
-    class Builder:
-        vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=10))
-
-        def build(self, *args, **kwargs):
-            return built
-
-    Builder.build = hybrid_gdn._wrap_metadata_build(Builder.build)  # as the seam installs it
-    assert Builder().build() is built  # the switch off: no check
-    monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
-    assert Builder().build() is built
-    built.prefill_state_indices = torch.tensor([2, 10])
-    with pytest.raises(RuntimeError, match="prefill_state_indices out of range"):
-        Builder().build()
-    built.prefill_state_indices = torch.tensor([2])
-    built.num_accepted_tokens = torch.tensor([1, 4])
-    with pytest.raises(RuntimeError, match="num_accepted_tokens"):
-        Builder().build()
-
-
 @pytest.mark.parametrize("graph_pad", [1, 3])
 def test_a_graph_padded_batch_gives_the_unpadded_outputs_and_states(graph_pad):
     """In a full CUDA graph vLLM pads the recurrence's state-index table past the real rows
@@ -578,25 +547,3 @@ def test_layer_buffers_exist_while_vllm_profiles_memory(monkeypatch):
     profile_run = v1_hooks._wrap_profile_run(lambda runner: seen.append(len(step.layers)))
     profile_run(SimpleNamespace(get_model=lambda: model))
     assert seen == [1]
-
-
-def test_vllm_cpus_state_indices_reach_its_kernels_with_a_unit_last_stride():
-    """vLLM's GDN metadata takes a step's decode indices as column 0 of the speculative
-    block table; vLLM-CPU's kernels check the last stride, which PyTorch's ``is_contiguous``
-    ignores for a single request. Both come out with stride 1 and the same values."""
-    from types import SimpleNamespace
-
-    table = torch.arange(40, dtype=torch.int32).view(4, 10)
-    for rows in (4, 1):
-        column = table[:rows, 0]
-        assert column.stride(-1) == 10
-        spec = table[:rows, :3]
-        metadata = SimpleNamespace(
-            non_spec_state_indices_tensor=column,
-            spec_state_indices_tensor=spec,
-            prefill_state_indices=None,
-        )
-        hybrid_gdn.contiguous_cpu_state_indices(metadata)
-        assert metadata.non_spec_state_indices_tensor.stride(-1) == 1
-        assert torch.equal(metadata.non_spec_state_indices_tensor, column)
-        assert metadata.spec_state_indices_tensor is spec  # already unit-strided: kept

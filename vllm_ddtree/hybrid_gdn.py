@@ -431,65 +431,6 @@ class HybridTreeStep:
                 check_index_range(name, layer.ssm_blocks, layer.ssm_state.shape[0], valid)
 
 
-GDN_METADATA_MODULE = seams.GDN_METADATA_MODULE
-# The state-index fields of vLLM's GatedDeltaNet metadata (all index the mamba cache's blocks).
-GDN_METADATA_BLOCK_FIELDS = (
-    "spec_state_indices_tensor",
-    "non_spec_state_indices_tensor",
-    "prefill_state_indices",
-)
-
-
-def check_gdn_metadata(metadata, num_blocks: int) -> None:
-    """Raise unless every state-block index of vLLM's GatedDeltaNet ``metadata`` lies in
-    ``[0, num_blocks)`` and ``num_accepted_tokens`` in ``[1, columns]`` of its spec table
-    (``VLLM_DDTREE_CHECK_INDICES=1``: vLLM's own prefill gathers states by these indices)."""
-    for name in GDN_METADATA_BLOCK_FIELDS:
-        index = getattr(metadata, name, None)
-        if index is not None and index.numel():
-            check_index_range(f"vLLM GDN metadata {name}", index, num_blocks)
-    spec = getattr(metadata, "spec_state_indices_tensor", None)
-    accepted = getattr(metadata, "num_accepted_tokens", None)
-    if spec is not None and accepted is not None and accepted.numel():
-        check_index_range("vLLM GDN metadata num_accepted_tokens - 1", accepted - 1, spec.shape[-1])
-
-
-def contiguous_cpu_state_indices(metadata) -> None:
-    """Make vLLM's GatedDeltaNet state indices contiguous where they sit on the CPU, in place.
-
-    A step without speculative rows (every request decoding one token: near
-    ``max_model_len`` vLLM's scheduler gives no drafts) takes its decode indices as column 0
-    of the speculative block table, a strided view, and vLLM-CPU's decode kernel
-    (``fused_sigmoid_gating_delta_rule_update_cpu``) refuses it ("tensor must be contiguous
-    at last dimension"): the engine died, with vLLM's own DFlash chain as with trees. vLLM's
-    CUDA kernels take strides (and its CUDA-graph path copies the indices into a buffer).
-    The kernel checks the last dimension's stride, which ``is_contiguous`` ignores for a
-    single request: that stride is what is checked here."""
-    for name in GDN_METADATA_BLOCK_FIELDS:
-        index = getattr(metadata, name, None)
-        if index is None or index.device.type != "cpu" or not index.dim():
-            continue
-        if index.stride(-1) != 1:
-            setattr(metadata, name, index.clone(memory_format=torch.contiguous_format))
-
-
-def _wrap_metadata_build(original):
-    """``GDNAttentionMetadataBuilder.build``: on vLLM-CPU (the seam ``GDN_CPU``) its state
-    indices made contiguous (``contiguous_cpu_state_indices``); while
-    ``VLLM_DDTREE_CHECK_INDICES=1`` (the seam ``GDN_CHECKS``) each metadata checked against
-    the engine's block count (``check_gdn_metadata``)."""
-
-    def build(self, *args, **kwargs):
-        metadata = original(self, *args, **kwargs)
-        contiguous_cpu_state_indices(metadata)
-        num_blocks = getattr(self.vllm_config.cache_config, "num_gpu_blocks", None)
-        if num_blocks and checking_indices():
-            check_gdn_metadata(metadata, num_blocks)
-        return metadata
-
-    return build
-
-
 def step_of_this_forward() -> HybridTreeStep | None:
     """The DDTree step of the forward vLLM is running, when it verifies trees on a hybrid
     target: found through the TREE_ATTN metadata of the same forward (its builder was handed

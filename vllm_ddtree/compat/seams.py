@@ -67,11 +67,21 @@ _V2 = "vllm_ddtree.spec_decode.v2_hooks"
 _ENGINE = "vllm_ddtree.vllm_patches"
 _KV = "vllm_ddtree.kv_specs"
 _GDN = "vllm_ddtree.hybrid_gdn"
+_GDN_METADATA = "vllm_ddtree.gdn_metadata"
 _METRICS = "vllm_ddtree.spec_metrics"
 _REQUESTS = "vllm_ddtree.request_options"
 _GRAMMAR = "vllm_ddtree.structured_outputs"
 _ONLINE = "vllm_ddtree.online_budget"
 _BUDGET_METRICS = "vllm_ddtree.budget_metrics"
+# vLLM's GDN metadata build, bound by name (gdn_metadata.build_wrapper).
+_GDN_BUILD = (
+    "self",
+    "common_prefix_len",
+    "common_attn_metadata",
+    "num_accepted_tokens",
+    "num_decode_draft_tokens_cpu",
+    "fast_build",
+)
 # vLLM's stat loggers' record(), front end.
 _STAT_LOGGER_RECORD = ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx")
 
@@ -473,19 +483,44 @@ SEAMS: tuple[Seam, ...] = (
         f"{_GDN}:_cpu_spec_dispatcher",
         ("layer", "attn_metadata_i", "mixed_qkv_spec", "b_spec", "a_spec", "conv_buf", "ssm_state"),
     ),
-    # vLLM's GDN metadata: state indices made contiguous on vLLM-CPU, checked under the switch
-    # (one wrapper, installed by whichever group comes first).
+    # vLLM's GDN metadata: a DDTree engine's tree steps built without host masks; state
+    # indices made contiguous on vLLM-CPU, checked under the switch (one wrapper, installed by
+    # whichever group comes first).
+    *(
+        Seam(
+            f"{GDN_METADATA_MODULE}:GDNAttentionMetadataBuilder.build",
+            group,
+            f"{_GDN_METADATA}:build_wrapper",
+            _GDN_BUILD,
+        )
+        for group in (GDN, GDN_CPU, GDN_CHECKS)
+    ),
+    # What gdn_metadata.tree_step_metadata builds on.
     Seam(
-        f"{GDN_METADATA_MODULE}:GDNAttentionMetadataBuilder.build",
-        GDN_CPU,
-        f"{_GDN}:_wrap_metadata_build",
-        ("self",),
+        f"{GDN_METADATA_MODULE}:GDNAttentionMetadata",
+        GDN,
+        expected=(
+            "num_prefills",
+            "num_prefill_tokens",
+            "num_decodes",
+            "num_decode_tokens",
+            "num_spec_decodes",
+            "num_spec_decode_tokens",
+            "num_actual_tokens",
+        ),
+        kind=BUILDS_ON,
     ),
     Seam(
-        f"{GDN_METADATA_MODULE}:GDNAttentionMetadataBuilder.build",
-        GDN_CHECKS,
-        f"{_GDN}:_wrap_metadata_build",
-        ("self",),
+        "vllm.v1.attention.backends.utils:mamba_get_block_table_tensor",
+        GDN,
+        expected=("block_table", "seq_lens", "kv_cache_spec", "mamba_cache_mode"),
+        kind=BUILDS_ON,
+    ),
+    Seam(
+        "vllm.utils.torch_utils:async_tensor_h2d",
+        GDN,
+        expected=("data", "device"),
+        kind=BUILDS_ON,
     ),
     # Test switch: float32 GDN prefill as a chain through the tree op.
     Seam(
