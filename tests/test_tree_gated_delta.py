@@ -124,19 +124,26 @@ def test_reference_siblings_do_not_see_each_other():
         assert same == (t not in descendants), t
 
 
+# Launches (block_v, num_warps) the kernel tests run: one under the interpreter; on a GPU also
+# the launch served (ops/tree_gated_delta.BLOCK_V, NUM_WARPS).
+LAUNCHES = [(16, 4), "served"] if ON_GPU else [(16, 4)]
+
+
 @pytest.mark.interpreter
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("seed", range(2))
-def test_kernel_matches_reference(seed):
+def test_kernel_matches_reference(seed, launch):
     if not (ON_GPU or INTERPRETED):
         pytest.skip("runs in the interpreter subprocess")
-    from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta
+    from vllm_ddtree.ops import tree_gated_delta as op
 
+    block_v, num_warps = (op.BLOCK_V, op.NUM_WARPS) if launch == "served" else launch
     device = "cuda" if ON_GPU else "cpu"
     case = make_case(seed=seed)
     ref_pool = case["state_pool"].clone()
     ref = tree_gated_delta_ref(**{**case, "state_pool": ref_pool})
     gpu_case = {name: t.to(device) for name, t in case.items()}
-    out = tree_gated_delta(**gpu_case, block_v=16)
+    out = op.tree_gated_delta(**gpu_case, block_v=block_v, num_warps=num_warps)
     n = case["num_tokens"]
     for r in range(out.shape[0]):
         assert torch.allclose(out[r, : n[r]].cpu(), ref[r, : n[r]], atol=1e-4), r
