@@ -89,7 +89,7 @@ def test_coupling_perturbs_only_sampled_requests():
     torch.testing.assert_close(coupled[1], logits[1] + noise[1])
     torch.testing.assert_close(coupled[2], logits[2] / 0.5 + noise[2])
     greedy = torch.zeros(3)
-    assert couple_draft_logits(logits, greedy, seeds, keys) is logits
+    assert torch.equal(couple_draft_logits(logits, greedy, seeds, keys), logits)
 
 
 def test_coupled_draft_matches_the_targets_sample_more_often_than_its_argmax():

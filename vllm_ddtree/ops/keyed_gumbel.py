@@ -113,17 +113,16 @@ def couple_draft_logits(
             (the position of its parent).
 
     Returns:
-        float32 ``[R, L, V]``: ``draft_logits / T + G(seed, key)`` for sampled requests.
+        float32 ``[R, L, V]``: ``draft_logits / T + G(seed, key)`` for sampled requests, the
+        drafter's logits for the others.
     """
-    sampled = temperature > 0
-    if not bool(sampled.any()):
-        return draft_logits
-    rows = sampled.nonzero().squeeze(1)
-    noise = keyed_gumbel_noise(seeds[rows], keys[rows], draft_logits.shape[-1])
-    coupled = draft_logits.float().clone()
-    scale = temperature[rows].float().view(-1, 1, 1)
-    coupled[rows] = coupled[rows] / scale + noise
-    return coupled
+    # Every row computed and the greedy rows put back (no host test of which rows sample: it
+    # would wait for the device mid-step; the caller skips all-greedy batches by its host flag).
+    sampled = (temperature > 0).view(-1, 1, 1)
+    noise = keyed_gumbel_noise(seeds, keys, draft_logits.shape[-1])
+    scale = torch.where(sampled, temperature.float().view(-1, 1, 1), 1.0)
+    logits = draft_logits.float()
+    return torch.where(sampled, logits / scale + noise, logits)
 
 
 if HAS_TRITON:

@@ -267,13 +267,11 @@ def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_
             top_k.index_select(0, rows) if top_k is not None else None,
             top_p.index_select(0, rows) if top_p is not None else None,
         )
-    chosen = logits.argmax(dim=-1)
-    sampled_rows = (~greedy).nonzero().squeeze(1)
+    # Every row's sample, the greedy rows' argmax put back: no host test of which rows sample
+    # (it would wait for the device mid-step).
     seeds, keys = row_seeds_and_keys(rows)
-    noise = keyed_gumbel_noise(
-        seeds[sampled_rows], keys[sampled_rows].unsqueeze(1), logits.shape[-1]
-    ).squeeze(1)
-    chosen[sampled_rows] = (scaled[sampled_rows] + noise).argmax(dim=-1)
+    noise = keyed_gumbel_noise(seeds, keys.unsqueeze(1), logits.shape[-1]).squeeze(1)
+    chosen = torch.where(greedy, logits.argmax(dim=-1), (scaled + noise).argmax(dim=-1))
     return chosen, scaled
 
 
