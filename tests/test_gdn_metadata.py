@@ -18,6 +18,8 @@ from vllm.v1.attention.backends.gdn_attn import (  # noqa: E402
 )
 
 from vllm_ddtree import gdn_metadata  # noqa: E402
+from vllm_ddtree.compat import DDTREE_ATTR  # noqa: E402
+from vllm_ddtree.config import DDTreeConfig  # noqa: E402
 
 NUM_SPEC = 5  # the tree budget: vLLM's num_speculative_tokens in a DDTree engine
 BLOCKS_PER_ROW = 8
@@ -25,10 +27,16 @@ BLOCKS_PER_ROW = 8
 
 def make_builder(method: str = "ddtree", full_graph: bool = True, max_bs: int = 64):
     """vLLM's builder with the attributes its ``build`` reads, on the CPU (its ``__init__``
-    wants a whole engine config); its own persistent buffers."""
+    wants a whole engine config); its own persistent buffers. A DDTree engine's speculative
+    config is vLLM's DFlash one with the DDTree settings attached, as ``config.py`` splits it."""
     builder = object.__new__(GDNAttentionMetadataBuilder)
+    ddtree = (
+        DDTreeConfig(tree_budget=NUM_SPEC, tree_top_k=NUM_SPEC, depth=NUM_SPEC)
+        if method == "ddtree"
+        else None
+    )
     builder.vllm_config = SimpleNamespace(
-        speculative_config=SimpleNamespace(method=method),
+        speculative_config=SimpleNamespace(method="dflash", **{DDTREE_ATTR: ddtree}),
         cache_config=SimpleNamespace(mamba_cache_mode="none", num_gpu_blocks=None),
     )
     builder.kv_cache_spec = None  # read only by the "align" cache mode

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.hybrid_gdn import check_index_range, checking_indices
 
 # The state-index fields of vLLM's GatedDeltaNet metadata (all index the mamba cache's blocks).
@@ -69,9 +70,9 @@ def contiguous_cpu_state_indices(metadata) -> None:
 
 
 def is_ddtree_builder(builder) -> bool:
-    """Whether ``builder`` (vLLM's GDN metadata builder) serves a DDTree engine."""
-    spec = getattr(builder.vllm_config, "speculative_config", None)
-    return getattr(spec, "method", None) == "ddtree"
+    """Whether ``builder`` (vLLM's GDN metadata builder) serves a DDTree engine (whose
+    speculative config vLLM sees as DFlash's, with the DDTree settings attached)."""
+    return get_ddtree_config(getattr(builder.vllm_config, "speculative_config", None)) is not None
 
 
 def tree_rows(num_decode_draft_tokens_cpu: torch.Tensor, query_start_loc_cpu: torch.Tensor):
