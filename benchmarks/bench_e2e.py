@@ -60,10 +60,18 @@ def metric_values(llm) -> dict:
     return values
 
 
-def timed_generate(llm, prompts, temperature: float, one_at_a_time: bool, max_tokens: int):
+def timed_generate(
+    llm,
+    prompts,
+    temperature: float,
+    one_at_a_time: bool,
+    max_tokens: int,
+    request_seconds: list | None = None,
+):
     """One measurement on ``llm``: ``prompts`` (token-id lists) at ``temperature`` (request
     ``i`` seeded ``i``), all at once or one request at a time. Returns the output token ids,
-    the wall seconds and vLLM's spec-decode metrics before and after."""
+    the wall seconds and vLLM's spec-decode metrics before and after; one at a time, each
+    request's own seconds are appended to ``request_seconds`` when given."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -74,10 +82,12 @@ def timed_generate(llm, prompts, temperature: float, one_at_a_time: bool, max_to
     before = metric_values(llm)
     start = time.perf_counter()
     if one_at_a_time:
-        outs = [
-            llm.generate([TokensPrompt(prompt_token_ids=p)], [sp], use_tqdm=False)[0]
-            for p, sp in zip(prompts, params, strict=True)
-        ]
+        outs = []
+        for p, sp in zip(prompts, params, strict=True):
+            began = time.perf_counter()
+            outs.append(llm.generate([TokensPrompt(prompt_token_ids=p)], [sp], use_tqdm=False)[0])
+            if request_seconds is not None:
+                request_seconds.append(time.perf_counter() - began)
     else:
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False

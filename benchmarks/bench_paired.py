@@ -194,8 +194,9 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
             conn.send(measure(llm, prompts, max_tokens, metric_values, temperature))
             continue
         prompts, temperature, one_at_a_time, max_tokens = request
+        request_seconds: list[float] = []
         tokens, seconds, before, after = timed_generate(
-            llm, prompts, temperature, one_at_a_time, max_tokens
+            llm, prompts, temperature, one_at_a_time, max_tokens, request_seconds
         )
         drafts, accepted, draft_tokens = (
             after.get(key, 0) - before.get(key, 0)
@@ -212,6 +213,7 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
                 "drafts": drafts,
                 "accepted": accepted,
                 "draft_tokens": draft_tokens,  # tree nodes verified (DDTree)
+                "request_seconds": request_seconds,  # one at a time: each request's
             }
         )
 
@@ -343,6 +345,10 @@ def summarize_row(runs: dict[str, list[dict]], chain: str = CHAIN) -> dict:
             "runs_tok_per_s": [round(r, 1) for r in rates[name]],
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         }
+        if any(a.get("request_seconds") for a in answers):  # requests run one at a time
+            engines[name]["runs_request_seconds"] = [
+                [round(t, 4) for t in a.get("request_seconds", [])] for a in answers
+            ]
     ratios = {}
     if chain in rates:
         ratios = {name: paired_ratio(own, rates[chain]) for name, own in rates.items()}

@@ -56,6 +56,19 @@ def test_ratios_pair_each_round_with_the_chains_round():
     assert row["engines"]["dflash"]["mean_acceptance_length"] == pytest.approx(1.8)
 
 
+def test_a_row_keeps_each_requests_seconds_when_requests_ran_one_at_a_time():
+    """A batch-1 row's requests run one at a time: each one's seconds stay in the row (which
+    prompt a slow round came from), a batched row has none."""
+    alone = {name: [answer(100, 1.0) for _ in range(2)] for name in ("dflash", "ddtree_b32")}
+    for rounds in alone.values():
+        for r, a in enumerate(rounds):
+            a["request_seconds"] = [0.25 + r, 0.75]
+    row = bench_paired.summarize_row(alone)
+    assert row["engines"]["ddtree_b32"]["runs_request_seconds"] == [[0.25, 0.75], [1.25, 0.75]]
+    batched = {name: [answer(100, 1.0)] for name in ("dflash", "ddtree_b32")}
+    assert "runs_request_seconds" not in bench_paired.summarize_row(batched)["engines"]["dflash"]
+
+
 def test_the_engines_are_auto_s_budgets_with_full_graph_sizes_and_their_runner():
     jobs = bench_paired.engine_jobs("drafter", depth=15, budgets=[16, 64], max_seqs=4)
     assert [j["name"] for j in jobs] == ["ar", "dflash", "ddtree_v2_b16", "ddtree_v2_b64"]
