@@ -580,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torch-compile",
         action="store_true",
-        help="every engine with vLLM's torch.compile (its fused kernels; starts take longer)",
+        help="every engine with vLLM's torch.compile and its serving CUDA-graph mode, "
+        "FULL_AND_PIECEWISE (its fused kernels, the drafters in piecewise graphs; without it "
+        "they run eager; starts take longer)",
     )
     parser.add_argument("--start-timeout", type=int, default=420)
     parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
@@ -716,15 +718,10 @@ def main(argv: list[str] | None = None) -> int:
             served[job["name"]] = served[job["name"][: -len(FLASH_SUFFIX)]]
         jobs += copies
 
-    def compile_config(job):  # FULL graphs of every decode/verify batch
+    def compile_config(job):
         if args.cpu:
             return None  # eager (vLLM's CPU defaults)
-        # Without torch.compile unless asked (engine starts of minutes): its fused kernels
-        # shorten every engine's forward alike.
-        config = {"mode": 3 if args.torch_compile else 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
-        if job["cudagraph_capture_sizes"]:  # else the plugin's sizes ("auto")
-            config["cudagraph_capture_sizes"] = job["cudagraph_capture_sizes"]
-        return config
+        return compilation_config(job["cudagraph_capture_sizes"], args.torch_compile)
 
     for job in jobs:
         kv_bytes = kv_cache_bytes(model, job, job["max_seqs"], args.kv_cache_gb)
@@ -904,6 +901,25 @@ def flash_context_table(summary: dict) -> list[str]:
                 f"{ratio_text(over.get(name), '-')} |"
             )
     return lines if len(lines) > 2 else []
+
+
+def compilation_config(capture_sizes: list[int] | None, torch_compile: bool) -> dict:
+    """An engine's ``compilation_config``: FULL CUDA graphs of every decode and verify batch at
+    ``capture_sizes`` (None: the plugin's sizes, for "auto").
+
+    Without torch.compile (engine starts of minutes; its fused kernels shorten every engine's
+    forward alike) vLLM captures FULL graphs only (``FULL_DECODE_ONLY``), and its drafters then
+    run eager: vLLM graphs a drafter piecewise, which needs torch.compile. With it, vLLM's
+    serving default ``FULL_AND_PIECEWISE``: the verify in its FULL graph, the drafter (the
+    chain's and the trees' alike) and the prefill in piecewise graphs, as ``vllm serve`` runs
+    them."""
+    config = {
+        "mode": 3 if torch_compile else 0,
+        "cudagraph_mode": "FULL_AND_PIECEWISE" if torch_compile else "FULL_DECODE_ONLY",
+    }
+    if capture_sizes:
+        config["cudagraph_capture_sizes"] = capture_sizes
+    return config
 
 
 def verified_budgets(jobs: list[dict]) -> list[int]:

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.scale_paired import (
     DATASETS,
+    compilation_config,
     identical,
     kv_bytes_per_token,
     on_reference,
@@ -700,3 +701,22 @@ def test_ars_step_is_set_against_the_roofline_by_its_weight_gemms():
     assert lines[-1] == "| 1 | 0 | 5.00 | 4.00 | 4000 | 80 | 1.00 | 3.20 |"
     assert ar_kernel_roofline({**summary, "floor_bytes": {"bandwidth": None, "target": 1}}) == []
     assert ar_kernel_roofline({"splits": {}, "floor_bytes": summary["floor_bytes"]}) == []
+
+
+def test_torch_compile_serves_the_drafters_in_graphs_as_vllm_serve_does():
+    """Without torch.compile vLLM captures FULL graphs only and runs the drafters eager (its
+    drafter graphs are piecewise, which needs torch.compile); ``--torch-compile`` takes vLLM's
+    serving mode, whose mixed part graphs the drafter piecewise."""
+    from vllm.config import CUDAGraphMode
+
+    plain = compilation_config([33, 66], torch_compile=False)
+    assert plain == {
+        "mode": 0,
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": [33, 66],
+    }
+    assert CUDAGraphMode[plain["cudagraph_mode"]].mixed_mode() == CUDAGraphMode.NONE
+    compiled = compilation_config(None, torch_compile=True)
+    assert compiled["mode"] == 3 and "cudagraph_capture_sizes" not in compiled
+    assert CUDAGraphMode[compiled["cudagraph_mode"]].mixed_mode() == CUDAGraphMode.PIECEWISE
+    assert CUDAGraphMode[compiled["cudagraph_mode"]].decode_mode() == CUDAGraphMode.FULL
