@@ -97,7 +97,6 @@ def tree_step_metadata(builder, m, num_accepted_tokens, num_decode_draft_tokens_
     """vLLM's ``GDNAttentionMetadata`` for a tree step (``tree_rows``) of ``builder`` and
     its ``CommonAttentionMetadata`` ``m``, built with slices in place of host masks; None
     for any other step."""
-    from vllm.utils.torch_utils import async_tensor_h2d
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
     from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, mamba_get_block_table_tensor
 
@@ -115,13 +114,14 @@ def tree_step_metadata(builder, m, num_accepted_tokens, num_decode_draft_tokens_
         builder.kv_cache_spec,
         builder.vllm_config.cache_config.mamba_cache_mode,
     )
-    masks = async_tensor_h2d(num_decode_draft_tokens_cpu >= 0, device=device)
+    batch = m.num_reqs
+    # vLLM's mask (drafts >= 0) is this prefix: made on the device, no pinned copy per group.
+    masks = torch.arange(batch, device=device) < rows
     state_indices = block_table[:rows, :width]
     query_start_loc = m.query_start_loc[: rows + 1]
     accepted = num_accepted_tokens[:rows]
     token_indices = torch.arange(min(rows * width, num_tokens), dtype=torch.int32, device=device)
     no_token_indices = torch.empty(0, dtype=torch.int32, device=device)
-    batch = m.num_reqs
     if (
         builder.use_full_cuda_graph
         and rows <= builder.decode_cudagraph_max_bs

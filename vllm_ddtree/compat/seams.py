@@ -516,12 +516,6 @@ SEAMS: tuple[Seam, ...] = (
         expected=("block_table", "seq_lens", "kv_cache_spec", "mamba_cache_mode"),
         kind=BUILDS_ON,
     ),
-    Seam(
-        "vllm.utils.torch_utils:async_tensor_h2d",
-        GDN,
-        expected=("data", "device"),
-        kind=BUILDS_ON,
-    ),
     # Test switch: float32 GDN prefill as a chain through the tree op.
     Seam(
         f"{GDN_MODULE}:ChunkGatedDeltaRule.forward_native",
