@@ -4,8 +4,8 @@ vLLM 0.26.0's ``GDNAttentionMetadataBuilder.build`` picks a step's speculative r
 host boolean mask over device tensors (``block_table[mask_cpu, :1 + num_spec]``,
 ``num_accepted_tokens[mask_cpu]``). PyTorch sends the mask's row indices to the device from
 pageable memory, and such a copy first waits for every launch queued before it: each build (one
-per group of GDN layers, three a forward at Qwen3.6-27B's shapes) holds the host until the
-device drains, so the next forward's inputs are not ready when the device finishes this one.
+per group of GDN layers, several a forward) holds the host until the device drains, so the next
+forward's inputs are not ready when the device finishes this one.
 
 In a decode step where every request verifies a tree, the speculating rows come first and the
 rest are CUDA-graph padding without tokens (vLLM's own code relies on that order for
