@@ -388,6 +388,34 @@ def test_v2_logprobs_come_from_the_rows_of_the_accepted_path(monkeypatch):
     assert tree_step_logprobs_v2(sampler, raw, processed, *args) is None
 
 
+def test_v1_tree_sampler_draws_each_sampled_row_with_its_own_keyed_noise():
+    """In a batch mixing greedy and sampled requests, each sampled row is the Gumbel-max
+    sample with its own (seed, key) noise and each greedy row the argmax: the rows are not
+    picked out on the host, every row is computed and the greedy ones put back."""
+    from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
+    from vllm_ddtree.spec_decode.v1_hooks import _target_tokens
+
+    gen = torch.Generator().manual_seed(5)
+    num_rows = 16
+    logits = torch.randn(num_rows, VOCAB, generator=gen) * 0.3  # the noise decides most rows
+    rows = torch.arange(num_rows) % 4  # four requests, four rows each
+    metadata = SimpleNamespace(
+        all_greedy=False,
+        temperature=torch.tensor([0.0, 1.0, 0.0, 0.7]),
+        top_k=None,
+        top_p=None,
+    )
+    seeds = torch.tensor([3, 5, 7, 11])[rows]
+    keys = torch.arange(num_rows) + 40
+    chosen, _ = _target_tokens(logits, metadata, lambda: rows, lambda r: (seeds, keys))
+    temperature = metadata.temperature[rows]
+    noise = keyed_gumbel_noise(seeds, keys.unsqueeze(1), VOCAB).squeeze(1)
+    sampled = (logits / temperature.clamp(min=1e-9).unsqueeze(1) + noise).argmax(-1)
+    want = torch.where(temperature > 0, sampled, logits.argmax(-1))
+    assert torch.equal(chosen, want)
+    assert not torch.equal(want, logits.argmax(-1))  # the noise moved some sampled rows
+
+
 def test_v1_processed_logits_are_vllms_sampler_ones():
     """V1's tree sampler hands back the rows' processed logits as vLLM's V1 sampler reports
     them in a processed logprobs mode: the logits themselves in a greedy batch; in a batch
