@@ -624,8 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shrink < 1:
         parser.error(f"--shrink must be at least 1, got {args.shrink}")
     args.datasets = [d for d in args.datasets.split(",") if d]
-    shifted = [d for d in (args.shift or "").split(",") if d]
-    unknown = [d for d in [*args.datasets, *shifted] if d not in DATASETS]
+    args.shift = [d for d in (args.shift or "").split(",") if d]  # parsed once, as --datasets
+    unknown = [d for d in [*args.datasets, *args.shift] if d not in DATASETS]
     if unknown or not args.datasets:
         parser.error(f"--datasets / --shift take {', '.join(DATASETS)}; got {unknown or 'none'}")
     if args.cpu:
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         pool_size = max(pool_size, args.shift_chunks * args.shift_batch)
     # Greedy prompts also where --modes leaves greedy out: the step-time split and the shift
     # run serve them.
-    served_sets = {*args.datasets, *shifted}  # (both checked against DATASETS above)
+    served_sets = {*args.datasets, *args.shift}  # (both checked against DATASETS above)
     pools = {
         (mode, dataset): token_prompts(mode, dataset, pool_size, args.prompt_len, model.vocab_size)
         for mode in dict.fromkeys(["greedy", *modes])
@@ -1063,7 +1063,7 @@ def run_shift(summary, names, run, pools, reference_of, args, started) -> None:
     report is rewritten after each chunk."""
     here = [n for n in names if n != "ar"]
     shift = summary.setdefault("shift", [])
-    for dataset in args.shift.split(","):
+    for dataset in args.shift:
         pool = pools[("greedy", dataset)]
         for chunk in range(args.shift_chunks):
             if time.time() - started > args.deadline:
