@@ -369,6 +369,14 @@ def phase_starts(summary: dict) -> str:
     )
 
 
+def engine_sizes(summary: dict) -> str:
+    """The report's words for the engines' ``max_num_seqs`` ("" in runs before it was kept)."""
+    sizes = summary.get("max_num_seqs")
+    if not sizes:
+        return ""
+    return "max_num_seqs: " + ", ".join(f"{name} {n}" for name, n in sizes.items()) + ". "
+
+
 def write_report(summary: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "scale_paired.json"), "w") as f:
@@ -383,7 +391,7 @@ def write_report(summary: dict, out: str) -> None:
         f"run; {summary['max_tokens']} tokens per request, prompts of {summary['prompt_len']} "
         f"token ids, {'with' if summary.get('torch_compile') else 'without'} torch.compile. "
         + (f"Copy bandwidth {bandwidth:.0f} GB/s" if bandwidth else "No copy bandwidth (CPU)")
-        + ". Engine starts: AR "
+        + f". {engine_sizes(summary)}Engine starts: AR "
         f"{summary['ar_start_seconds']:.0f} s; {phase_starts(summary)}. Sampling rows: "
         f"temperature {summary['sampling_temperature']:g} with the T = 1 profiles. `= AR`: "
         "requests whose output equals AR's in the same round (the chain's in a phase without "
@@ -584,6 +592,14 @@ def main(argv: list[str] | None = None) -> int:
         "FULL_AND_PIECEWISE (its fused kernels, the drafters in piecewise graphs; without it "
         "they run eager; starts take longer)",
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=0,
+        help="every engine sized for at least this many requests, as a server is (its "
+        "max_num_seqs, CUDA graphs and KV cache), the rows still at --batches (0: each engine "
+        "sized for the largest batch it serves)",
+    )
     parser.add_argument("--start-timeout", type=int, default=420)
     parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
     parser.add_argument(
@@ -689,8 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = "v1" if model.hybrid or args.cpu else "v2"
     jobs = engine_jobs(drafter, model.block_size - 1, budgets, max(batches), runner)
     served = {job["name"]: batches_served(job, batches, args.max_verify_tokens) for job in jobs}
-    for job in jobs:  # each engine sized for the largest batch it serves in the grid
-        job["max_seqs"] = max(served[job["name"]], default=1)
+    for job in jobs:  # each engine sized for the largest batch it serves, or as a server
+        job["max_seqs"] = max(*served[job["name"]], args.max_num_seqs, 1)
         job["cudagraph_capture_sizes"] = graph_sizes(
             job["width"], job["max_seqs"], job["drafter_width"]
         )
@@ -701,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         served[auto["name"]] = list(batches)
     # Room for two trees of the widest budget any engine verifies, "auto"'s included: a tree
     # cut at max_model_len leaves the FULL CUDA graph.
-    overrides = engine_overrides(model, args, verified_budgets(jobs), batches)
+    overrides = engine_overrides(model, args, verified_budgets(jobs), [*batches, args.max_num_seqs])
     if args.cpu:
         overrides["enforce_eager"] = True
     if auto is not None:
@@ -788,6 +804,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_verify_tokens": args.max_verify_tokens,
             "torch_compile": args.torch_compile,
             "batches_served": served,
+            "max_num_seqs": {job["name"]: job["max_seqs"] for job in jobs},
             "bandwidth_gb_s": None if args.cpu else floor_bytes["bandwidth"] / 1e9,
             "floor_bytes": floor_bytes,
             "parameters": paths["parameters"],

@@ -487,6 +487,27 @@ def test_a_shift_sizes_every_engine_for_its_chunks_requests(tmp_path, monkeypatc
     assert all(seqs >= 4 for seqs in _FakeEngines.max_seqs.values()), _FakeEngines.max_seqs
 
 
+def test_max_num_seqs_sizes_every_engine_as_a_server_while_the_rows_stay_at_batch_1(
+    tmp_path, monkeypatch
+):
+    """``--max-num-seqs 16`` with ``--batches 1``: every engine is started for 16 requests
+    (its graphs cover 16 verify batches), the rows run one request, and the report says how
+    the engines were sized. At c009ebe budget 32 ran 1.11x the chain at one request on
+    engines sized for 16, and 1.25x on engines sized for one (two machines): this pairs the
+    two sizings on one."""
+    argv = ["--budgets", "32", "--batches", "1", "--max-tokens", "8", "--prompt-len", "4"]
+    argv += ["--repeats", "1", "--modes", "greedy", "--datasets", "humaneval"]
+    argv += ["--split-batches", "", "--max-num-seqs", "16"]
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv)
+    assert _FakeEngines.max_seqs == {"ar": 16, "dflash": 16, "ddtree_v2_b32": 16}
+    assert summary["max_num_seqs"] == _FakeEngines.max_seqs
+    assert {r["batch"] for r in summary["rows"]} == {1}
+    table = (tmp_path / "out" / "scale_paired.md").read_text()
+    assert "max_num_seqs: ar 16, dflash 16, ddtree_v2_b32 16." in table
+    _run_on_stand_ins(tmp_path, monkeypatch, argv[:-2])
+    assert set(_FakeEngines.max_seqs.values()) == {1}
+
+
 def test_a_shift_phase_settles_where_auto_stays_within_5_percent():
     from benchmarks.scale_paired import AUTO, shift_phases
 
