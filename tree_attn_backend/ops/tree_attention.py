@@ -141,7 +141,11 @@ if HAS_TRITON:
                 right = mid
         return left - 1
 
-    @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window"])
+    # Integers that follow the step's requests or tokens are not specialized (Triton compiles
+    # a kernel for each integer equal to 1 or a multiple of 16): the context's log-sum-exp
+    # stride is the token count. A prefill then runs the kernel its CUDA-graph captures
+    # compiled, not a new one during inference.
+    @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window", "stride_lse_h"])
     def _tree_attention_kernel(
         q_ptr,
         k_cache_ptr,
