@@ -600,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_seqs, CUDA graphs and KV cache), the rows still at --batches (0: each engine "
         "sized for the largest batch it serves)",
     )
+    parser.add_argument(
+        "--no-ar-phase",
+        action="store_true",
+        help="AR makes the references and closes, with no rows of its own: the chain and the "
+        "trees start at once, one engine start sooner (a 27B run under --torch-compile)",
+    )
     parser.add_argument("--start-timeout", type=int, default=420)
     parser.add_argument("--deadline", type=int, default=540, help="no row starts after this")
     parser.add_argument(
@@ -750,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu:  # the phases' engines against the GPU's free memory
         target_bytes, drafter_bytes = checkpoint_bytes(target), floor_bytes["drafter"]
         need = {job["name"]: engine_bytes(job, target_bytes, drafter_bytes) for job in jobs}
-        advice = memory_advice(list(need), need, free_gpu_bytes(), args.per_phase)
+        advice = memory_advice(phase_names(jobs, args), need, free_gpu_bytes(), args.per_phase)
         if advice:
             parser.error(advice)
     ar_job, spec_jobs = jobs[0], jobs[1:]
@@ -814,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [],
             "splits": {},
         }
-        for phase, names in enumerate(engine_phases([j["name"] for j in jobs], args.per_phase)):
+        for phase, names in enumerate(engine_phases(phase_names(jobs, args), args.per_phase)):
             if time.time() - started > args.deadline:
                 print(f"deadline: skipped phase {names}", flush=True)
                 continue
@@ -1008,14 +1014,22 @@ def engine_bytes(job: dict, target_bytes: int, drafter_bytes: int) -> int:
     return target_bytes + drafter + job["kwargs"]["kv_cache_memory_bytes"] + ENGINE_OVERHEAD_BYTES
 
 
+def phase_names(jobs: list[dict], args) -> list[str]:
+    """The engines the phases set side by side: every engine, AR left out with
+    ``--no-ar-phase`` (it makes the references alone, then closes)."""
+    return [j["name"] for j in jobs if not (args.no_ar_phase and j["name"] == "ar")]
+
+
 def engine_phases(names: list[str], per_phase: int) -> list[list[str]]:
     """The engines side by side in each phase, the chain in every one (the ratios' anchor):
-    all at once when ``per_phase`` is 0; else AR with the chain, then the DDTree budgets
-    ``per_phase`` at a time with the chain (a 27B target leaves room for two or three)."""
+    all at once when ``per_phase`` is 0; else AR with the chain (where ``names`` holds AR),
+    then the DDTree budgets ``per_phase`` at a time with the chain (a 27B target leaves room
+    for two or three)."""
     budgets = [n for n in names if n not in ("ar", CHAIN)]
     if per_phase <= 0:
         return [names]
-    return [["ar", CHAIN]] + [
+    with_ar = [["ar", CHAIN]] if "ar" in names else []
+    return with_ar + [
         [CHAIN, *budgets[i : i + per_phase]] for i in range(0, len(budgets), per_phase)
     ]
 

@@ -109,6 +109,28 @@ def test_phases_keep_the_chain_in_each_and_ar_beside_it():
     ]
 
 
+def test_without_an_ar_phase_the_chain_and_the_trees_start_at_once(tmp_path, monkeypatch):
+    """``--no-ar-phase``: AR makes the references alone and closes; the first phase starts
+    the chain beside the trees (a 27B run under torch.compile saves one engine start, about
+    two minutes), its rows set the trees against the chain and the references."""
+    from benchmarks.scale_paired import engine_phases
+
+    names = ["dflash", "ddtree_v2_b32", "ddtree_v2_b64"]
+    assert engine_phases(names, 1) == [["dflash", "ddtree_v2_b32"], ["dflash", "ddtree_v2_b64"]]
+    assert engine_phases(names, 0) == [names]
+    argv = ["--budgets", "32", "--batches", "1", "--max-tokens", "8", "--prompt-len", "4"]
+    argv += ["--repeats", "1", "--modes", "greedy,sampling", "--datasets", "humaneval"]
+    argv += ["--per-phase", "1", "--no-ar-phase"]
+    summary = _run_on_stand_ins(tmp_path, monkeypatch, argv)
+    assert _FakeEngines.started == [["ar"], ["dflash", "ddtree_v2_b32"]]
+    assert [p["engines"] for p in summary["phases"]] == [["dflash", "ddtree_v2_b32"]]
+    rows = summary["rows"]
+    assert len(rows) == 2 and all(set(r["engines"]) == {"dflash", "ddtree_v2_b32"} for r in rows)
+    assert all(v == 1.0 for r in rows for v in r["on_reference"].values())
+    assert set(summary["splits"]) == {"dflash", "ddtree_v2_b32"}
+    assert "| ddtree_v2_b32 |" in (tmp_path / "out" / "scale_paired.md").read_text()
+
+
 def test_engines_that_cannot_fit_side_by_side_stop_the_run_before_any_starts():
     """Seven 8B engines (AR, the chain, budgets 8-64, "auto") ran out of GPU memory at the
     seventh start, minutes into a lease, where six had fit (benchmarks/results/
