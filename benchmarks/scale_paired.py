@@ -589,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         "--torch-compile",
         action="store_true",
         help="every engine with vLLM's torch.compile and its serving CUDA-graph mode, "
-        "FULL_AND_PIECEWISE (its fused kernels, the drafters in piecewise graphs; without it "
-        "they run eager; starts take longer)",
+        "FULL_AND_PIECEWISE (its fused kernels, prefills in piecewise graphs, and on the V1 "
+        "runner the drafters, which run eager without it; starts take longer)",
     )
     parser.add_argument(
         "--max-num-seqs",
@@ -931,11 +931,12 @@ def compilation_config(capture_sizes: list[int] | None, torch_compile: bool) -> 
     ``capture_sizes`` (None: the plugin's sizes, for "auto").
 
     Without torch.compile (engine starts of minutes; its fused kernels shorten every engine's
-    forward alike) vLLM captures FULL graphs only (``FULL_DECODE_ONLY``), and its drafters then
-    run eager: vLLM graphs a drafter piecewise, which needs torch.compile. With it, vLLM's
-    serving default ``FULL_AND_PIECEWISE``: the verify in its FULL graph, the drafter (the
-    chain's and the trees' alike) and the prefill in piecewise graphs, as ``vllm serve`` runs
-    them."""
+    forward alike) vLLM captures FULL graphs only (``FULL_DECODE_ONLY``): prefills run eager,
+    and so do the V1 runner's drafters (V1 graphs a drafter piecewise, which needs
+    torch.compile; the V2 runner's DFlash drafter has FULL graphs of its own either way).
+    With it, vLLM's serving default ``FULL_AND_PIECEWISE``: the verify in its FULL graph,
+    prefills and V1's drafters (the chain's and the trees' alike) in piecewise graphs, as
+    ``vllm serve`` runs them."""
     config = {
         "mode": 3 if torch_compile else 0,
         "cudagraph_mode": "FULL_AND_PIECEWISE" if torch_compile else "FULL_DECODE_ONLY",

@@ -747,7 +747,7 @@ def test_ars_step_is_set_against_the_roofline_by_its_weight_gemms():
 
 
 def test_torch_compile_serves_the_drafters_in_graphs_as_vllm_serve_does():
-    """Without torch.compile vLLM captures FULL graphs only and runs the drafters eager (its
+    """Without torch.compile vLLM captures FULL graphs only and runs V1's drafters eager (its
     drafter graphs are piecewise, which needs torch.compile); ``--torch-compile`` takes vLLM's
     serving mode, whose mixed part graphs the drafter piecewise."""
     from vllm.config import CUDAGraphMode
