@@ -110,9 +110,10 @@ def test_phases_keep_the_chain_in_each_and_ar_beside_it():
 
 
 def test_without_an_ar_phase_the_chain_and_the_trees_start_at_once(tmp_path, monkeypatch):
-    """``--no-ar-phase``: AR makes the references alone and closes; the first phase starts
-    the chain beside the trees (a 27B run under torch.compile saves one engine start, about
-    two minutes), its rows set the trees against the chain and the references."""
+    """``--no-ar-phase``: AR makes the references alone, without torch.compile, and closes;
+    the first phase starts the chain beside the trees (a 27B run under torch.compile saves
+    one engine start and AR's compile), its rows set the trees against the chain and the
+    references."""
     from benchmarks.scale_paired import engine_phases
 
     names = ["dflash", "ddtree_v2_b32", "ddtree_v2_b64"]
@@ -120,9 +121,10 @@ def test_without_an_ar_phase_the_chain_and_the_trees_start_at_once(tmp_path, mon
     assert engine_phases(names, 0) == [names]
     argv = ["--budgets", "32", "--batches", "1", "--max-tokens", "8", "--prompt-len", "4"]
     argv += ["--repeats", "1", "--modes", "greedy,sampling", "--datasets", "humaneval"]
-    argv += ["--per-phase", "1", "--no-ar-phase"]
+    argv += ["--per-phase", "1", "--no-ar-phase", "--torch-compile"]
     summary = _run_on_stand_ins(tmp_path, monkeypatch, argv)
     assert _FakeEngines.started == [["ar"], ["dflash", "ddtree_v2_b32"]]
+    assert _FakeEngines.compile_modes == {"ar": 0, "dflash": 3, "ddtree_v2_b32": 3}
     assert [p["engines"] for p in summary["phases"]] == [["dflash", "ddtree_v2_b32"]]
     rows = summary["rows"]
     assert len(rows) == 2 and all(set(r["engines"]) == {"dflash", "ddtree_v2_b32"} for r in rows)
@@ -243,10 +245,14 @@ class _FakeEngines:
     started: list[list[str]] = []
 
     max_seqs: dict[str, int] = {}
+    compile_modes: dict[str, int] = {}
 
     def __init__(self, jobs, target, overrides, timeout, engine_core_process):
         self.names = [job["name"] for job in jobs]
         _FakeEngines.max_seqs.update({job["name"]: job["max_seqs"] for job in jobs})
+        _FakeEngines.compile_modes.update(
+            {job["name"]: job["kwargs"]["compilation_config"]["mode"] for job in jobs}
+        )
         self.ready = {name: {"gpu": "stand-in", "runner": "V2"} for name in self.names}
         _FakeEngines.started.append(self.names)
         self.closed = False
@@ -292,7 +298,7 @@ def _run_on_stand_ins(tmp_path, monkeypatch, argv: list[str]) -> dict:
     monkeypatch.setattr(bench, "free_gpu_bytes", lambda: 1 << 50)  # (its own test)
     monkeypatch.setattr(bench, "checkpoint_bytes", lambda path, leave_out=(): 16e9)
     monkeypatch.setattr(bench, "Engines", _FakeEngines)
-    _FakeEngines.started, _FakeEngines.max_seqs = [], {}
+    _FakeEngines.started, _FakeEngines.max_seqs, _FakeEngines.compile_modes = [], {}, {}
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps(CALIBRATION))
     out = tmp_path / "out"
