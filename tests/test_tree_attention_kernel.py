@@ -109,7 +109,7 @@ def test_launch_takes_wide_blocks_for_a_verify_and_small_ones_for_decode():
     assert choose_launch(32, 1, 128) == (32, 64, None)
 
 
-def _launch_signature(monkeypatch, case, **kwargs) -> tuple:
+def _launch_signature(case, **kwargs) -> tuple:
     """What Triton compiles ``tree_attention``'s launch on ``case`` for: its constexprs and
     how it specializes every other integer argument (equal to 1, a multiple of 16); the
     launch itself recorded, not run."""
@@ -119,16 +119,16 @@ def _launch_signature(monkeypatch, case, **kwargs) -> tuple:
     import tree_attn_backend.ops.tree_attention as ops
 
     launched = []
-    monkeypatch.undo()  # (a recorder left by an earlier call)
     kernel = ops._tree_attention_kernel
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *args, **kw: launched.append((args, kw))
 
-    monkeypatch.setattr(ops, "_tree_attention_kernel", Recorder())
-    monkeypatch.setattr(ops, "_combine_kernel", Recorder())
-    ops.tree_attention(**case.kwargs(), max_query_len=case.max_query_len, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "_tree_attention_kernel", Recorder())
+        patch.setattr(ops, "_combine_kernel", Recorder())
+        ops.tree_attention(**case.kwargs(), max_query_len=case.max_query_len, **kwargs)
     (args, constexprs), *_ = launched
     signature = []
     for param, value in zip(kernel.params, args, strict=False):
@@ -138,7 +138,7 @@ def _launch_signature(monkeypatch, case, **kwargs) -> tuple:
     return tuple(signature), tuple(sorted(constexprs.items()))
 
 
-def test_a_launch_compiles_once_for_every_token_count_of_its_kind(monkeypatch):
+def test_a_launch_compiles_once_for_every_token_count_of_its_kind():
     """Prefills of 65, 128 and 200 tokens merging their context, and their batches of two
     requests, launch one compiled kernel: no integer argument that follows the step's token
     count is specialized. A 128-token prefill in a budget-64 engine (its FULL graph captured
@@ -151,9 +151,7 @@ def test_a_launch_compiles_once_for_every_token_count_of_its_kind(monkeypatch):
         requests = [("causal", 0, n) for n in lengths]
         case = random_case(requests, 8, 2, 128, 16, torch.bfloat16, "cpu")
         context_out, context_lse = context_attention_ref(**case.context_kwargs())
-        signatures.add(
-            _launch_signature(monkeypatch, case, context_out=context_out, context_lse=context_lse)
-        )
+        signatures.add(_launch_signature(case, context_out=context_out, context_lse=context_lse))
     assert len(signatures) == 1, signatures
 
 
