@@ -724,7 +724,9 @@ def main(argv: list[str] | None = None) -> int:
         served[auto["name"]] = list(batches)
     # Room for two trees of the widest budget any engine verifies, "auto"'s included: a tree
     # cut at max_model_len leaves the FULL CUDA graph.
-    overrides = engine_overrides(model, args, verified_budgets(jobs), [*batches, args.max_num_seqs])
+    overrides = engine_overrides(
+        model, args, verified_budgets(jobs), max(*batches, args.max_num_seqs)
+    )
     if args.cpu:
         overrides["enforce_eager"] = True
     if auto is not None:
@@ -746,8 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             return None  # eager (vLLM's CPU defaults)
         # An AR that only makes the references starts without torch.compile (minutes at
         # 27B); the predictable target's margins leave its tokens those of a compiled AR.
-        references_only = args.no_ar_phase and job["name"] == "ar"
-        torch_compile = args.torch_compile and not references_only
+        torch_compile = args.torch_compile and not makes_references_only(job["name"], args)
         return compilation_config(job["cudagraph_capture_sizes"], torch_compile)
 
     for job in jobs:
@@ -957,12 +958,14 @@ def verified_budgets(jobs: list[dict]) -> list[int]:
     return [job["width"] - 1 for job in jobs if job["name"] != "ar"]
 
 
-def engine_overrides(model, args, budgets: list[int], batches: list[int]) -> dict:
+def engine_overrides(model, args, budgets: list[int], max_requests: int) -> dict:
     """``LLM(...)`` arguments every engine of the run shares (``bench_paired.engine_args``);
-    ``budgets``: the drafts per request the engines verify (``verified_budgets``)."""
+    ``budgets``: the drafts per request the engines verify (``verified_budgets``);
+    ``max_requests``: the most requests an engine is sized for (the largest batch, or
+    ``--max-num-seqs``)."""
     overrides = {
         "skip_tokenizer_init": True,
-        "max_num_batched_tokens": max(2048, (1 + max(budgets, default=15)) * max(batches)),
+        "max_num_batched_tokens": max(2048, (1 + max(budgets, default=15)) * max_requests),
         # Room past the output for two trees: with async scheduling vLLM counts the step in
         # flight as computed and cuts the next tree at max_model_len (a cut tree leaves the
         # uniform-decode CUDA graph).
@@ -1020,10 +1023,16 @@ def engine_bytes(job: dict, target_bytes: int, drafter_bytes: int) -> int:
     return target_bytes + drafter + job["kwargs"]["kv_cache_memory_bytes"] + ENGINE_OVERHEAD_BYTES
 
 
+def makes_references_only(name: str, args) -> bool:
+    """Whether engine ``name`` only makes the references, with no rows of its own: AR under
+    ``--no-ar-phase``."""
+    return args.no_ar_phase and name == "ar"
+
+
 def phase_names(jobs: list[dict], args) -> list[str]:
-    """The engines the phases set side by side: every engine, AR left out with
-    ``--no-ar-phase`` (it makes the references alone, then closes)."""
-    return [j["name"] for j in jobs if not (args.no_ar_phase and j["name"] == "ar")]
+    """The engines the phases set side by side: every engine but one that makes the
+    references alone, then closes (``makes_references_only``)."""
+    return [j["name"] for j in jobs if not makes_references_only(j["name"], args)]
 
 
 def engine_phases(names: list[str], per_phase: int) -> list[list[str]]:

@@ -401,11 +401,11 @@ def test_a_hybrid_target_is_served_text_only_with_ddtrees_hybrid_settings_by_eve
     from vllm_ddtree.config import HYBRID_ENGINE_ARGS
 
     args = SimpleNamespace(prompt_len=128, max_tokens=128, kv_cache_gb=1.0, max_model_len=0)
-    hybrid = engine_overrides(QWEN3_6_27B, args, [32, 64], [1, 4])
+    hybrid = engine_overrides(QWEN3_6_27B, args, [32, 64], 4)
     assert hybrid["language_model_only"] is True
     assert hybrid["additional_config"] == {"gdn_prefill_backend": "triton"}
     assert all(hybrid[key] == value for key, value in HYBRID_ENGINE_ARGS.items())
-    dense = engine_overrides(QWEN3_8B, args, [32, 64], [1, 4])
+    dense = engine_overrides(QWEN3_8B, args, [32, 64], 4)
     assert "language_model_only" not in dense and "additional_config" not in dense
     assert dense["max_model_len"] == 128 + 128 + 2 * 65 + 2 * QWEN3_8B.block_size
 
@@ -668,7 +668,7 @@ def test_max_model_len_leaves_room_for_two_of_the_auto_engines_widest_trees():
     auto = auto_job("d", 15, 64, "v2")
     widest = auto["width"] - 1
     assert widest >= 128  # the packaged profile's widest measured budget
-    overrides = engine_overrides(QWEN3_8B, args, verified_budgets([*jobs, auto]), [1, 16])
+    overrides = engine_overrides(QWEN3_8B, args, verified_budgets([*jobs, auto]), 16)
     assert overrides["max_model_len"] >= 128 + 256 + 2 * (1 + widest)
 
 
@@ -680,9 +680,9 @@ def test_max_model_len_can_be_set_for_every_engine():
     from benchmarks.scale_paired import engine_overrides
 
     args = SimpleNamespace(prompt_len=128, max_tokens=256, kv_cache_gb=1.0, max_model_len=400)
-    assert engine_overrides(QWEN3_8B, args, [64], [1])["max_model_len"] == 400
+    assert engine_overrides(QWEN3_8B, args, [64], 1)["max_model_len"] == 400
     args.max_model_len = 0
-    assert engine_overrides(QWEN3_8B, args, [64], [1])["max_model_len"] > 128 + 256 + 2 * 65
+    assert engine_overrides(QWEN3_8B, args, [64], 1)["max_model_len"] > 128 + 256 + 2 * 65
 
 
 CPU_CALIBRATION = "benchmarks/results/2026-12-02_00e665f_calibration/calibration.json"
