@@ -123,13 +123,20 @@ def layer_ops(shapes: GDNStateShapes, parents: torch.Tensor, device: torch.devic
         num_accepted,
     )
     x = rand(tokens, shapes.conv_dim)
-    conv_state = rand(2, shapes.conv_dim, shapes.conv_kernel - 1)
+    # vLLM's conv block: K - 1 + B columns, the window read from column num_accepted - 1.
+    conv_state = rand(2, shapes.conv_dim, shapes.conv_kernel - 1 + tokens - 1)
     weight = rand(shapes.conv_dim, shapes.conv_kernel)
     conv_index = torch.tensor([1], device=device, dtype=torch.int32)
     saved_inputs = torch.zeros(2, tokens, shapes.conv_dim, dtype=x.dtype, device=device)
     saved_index = torch.zeros(2, dtype=torch.int32, device=device)
+    saved_offset = torch.zeros(2, dtype=torch.int32, device=device)
     conv_args = (x, starts, parents, num_tokens, conv_state, conv_index, weight)
-    saves = {"saved_inputs": saved_inputs, "saved_index": saved_index}
+    saves = {
+        "saved_inputs": saved_inputs,
+        "saved_index": saved_index,
+        "num_accepted": num_accepted,
+        "saved_offset": saved_offset,
+    }
     if device.type == "cuda":
         return {
             "recurrence": lambda block_v, num_warps: tree_gated_delta_packed(
@@ -170,7 +177,7 @@ def model_commit(
     kept = shapes.conv_kernel - 1
     table = torch.ones(2, tokens, dtype=torch.int32)
     table[0, taken] = 2  # the destination; the leaf (and every other node) in block 1
-    groups = ([], [], [], [], [])
+    groups = ([], [], [], [], [], [])
     for _ in range(shapes.num_gdn_layers):
         groups[0].append(torch.zeros(3, hv, dv, dk, device=device))
         groups[1].append(table.to(device))
@@ -178,6 +185,7 @@ def model_commit(
         groups[2].append(window.transpose(1, 2))  # vLLM's window-first layout, seen [C, K-1+B]
         groups[3].append(torch.ones(2, dtype=torch.int32, device=device))
         groups[4].append(random_tensor(gen, device, 2, tokens, shapes.conv_dim))
+        groups[5].append(torch.zeros(2, dtype=torch.int32, device=device))
     layers = GDNStateLayers.of(*groups, window=kept)
     accepted = torch.tensor([path], device=device)
     num_accepted = torch.tensor([taken], device=device)

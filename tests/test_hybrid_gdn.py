@@ -116,6 +116,7 @@ def tree_step(
         table[:, 0],
         padded_start,
         tokens,
+        padded_accepted,
     )
     q, k, v = split_qkv(y)
     out, _ = step.tree_recurrence(
@@ -224,8 +225,84 @@ def check_two_tree_steps(atol: float = 1e-5) -> None:
             block = int(table[r, int(taken[r])])
             got_state = layer.ssm_cache[block].transpose(-1, -2)
             torch.testing.assert_close(got_state, state[r], atol=atol, rtol=atol)
-            got_window = layer.conv_view()[int(table[r, 0]), :, : WIDTH - 1]
+            # vLLM reads the window from column num_accepted - 1 = taken.
+            first = int(taken[r])
+            got_window = layer.conv_view()[int(table[r, 0]), :, first : first + WIDTH - 1]
             torch.testing.assert_close(got_window, window[r])
+
+
+def vllm_align_copy(layer: Layer, table_row, src_block, dest_block, bias: int) -> None:
+    """What vLLM's ``align`` postprocess does for one request whose accepted tokens reached a
+    block boundary ``bias`` tokens past its root (``mamba_utils._copy_mamba_state_block``):
+    the SSM state of speculative column ``bias`` and the conv window shifted by ``bias`` into
+    the boundary's block."""
+    layer.ssm_cache[dest_block] = layer.ssm_cache[int(table_row[bias])]
+    conv = layer.conv_view()
+    width = conv.shape[-1]
+    conv[dest_block, :, : width - bias] = conv[src_block, :, bias:].clone()
+
+
+@pytest.mark.parametrize("root_position, block_size", [(9, 16), (13, 16), (15, 16), (14, 4)])
+def test_align_layout_gets_the_boundary_state_decoding_reaches(root_position, block_size):
+    """Prefix caching (vLLM's ``align`` layout): after a tree step whose accepted path reaches
+    a block boundary, vLLM copies the state of the boundary's token into the block ending
+    there, reading it where its chain would have put it. With ``state_block_size`` the commit
+    puts it there: the boundary block's SSM state and conv window equal decoding the path's
+    tokens up to the boundary one by one, and the leaf's stay where the next step reads them.
+    (Root at position 9: no boundary within reach; 13: at depth 2; 15: at the root itself; 14
+    with blocks of 4: two boundaries, the last one taken, as vLLM does.)"""
+    gen = torch.Generator().manual_seed(4)
+    num_reqs, budget, depth = 1, 8, 6
+    layer, table, _ = layer_table_step(num_reqs, budget, gen)
+    step = HybridTreeStep(
+        max_rows=4, tree_budget=budget, device=torch.device("cpu"), state_block_size=block_size
+    )
+    window = layer.conv_view()[int(table[0, 0]), :, : WIDTH - 1].clone()
+    state = layer.ssm_cache[int(table[0, 0])].transpose(-1, -2).clone()
+    ones = torch.ones(num_reqs, dtype=torch.int32)
+    num_draft = torch.tensor([budget])
+    trees, x, a, b, _ = tree_step(step, layer, table, ones, gen, budget, depth, num_draft)
+    paths = []
+    for node in range(1, int(trees.num_nodes[0]) + 1):
+        path = [node]
+        while path[-1] != 0:
+            path.append(int(trees.parents[0, path[-1] - 1]))
+        paths.append(path[::-1])
+    # The deepest path off the first child: every node of it lies in another column than its
+    # depth (a node's index is at least its depth, and past node 1 more), so the boundary's
+    # state has to be moved to where vLLM reads it.
+    path = max((p for p in paths if p[1] != 1), key=len)
+    taken = len(path) - 1
+    assert taken >= 2
+    accepted = torch.full((1, depth + 1), -1, dtype=torch.long)
+    accepted[0, : len(path)] = torch.tensor(path)
+    roots = torch.tensor([root_position])
+    bias = int(hybrid_gdn.boundary_depths(roots, torch.tensor([taken]), block_size)[0])
+    running = root_position + 1
+    crossings = [
+        d for d in range(taken + 1) if (running + d) % block_size == 0
+    ]  # depths at whose token a block ends
+    assert bias == (crossings[-1] if crossings else -1)
+    step.commit(accepted, torch.tensor([taken]), num_draft, roots)
+    rows = torch.tensor(path)
+    if bias >= 0:
+        dest = 1 + layer.ssm_cache.shape[0] - 1  # a block of its own, past the table
+        layer.ssm_cache = torch.cat([layer.ssm_cache, layer.ssm_cache[:1].clone()])
+        layer.conv_cache = torch.cat([layer.conv_cache, layer.conv_cache[:1].clone()])
+        vllm_align_copy(layer, table[0], int(table[0, 0]), dest, bias)
+        prefix = rows[: bias + 1]
+        _, want_state, want_window = chain_outputs(
+            layer, window, state, x[0, prefix], a[0, prefix], b[0, prefix]
+        )
+        torch.testing.assert_close(layer.ssm_cache[dest].transpose(-1, -2), want_state)
+        torch.testing.assert_close(layer.conv_view()[dest, :, : WIDTH - 1], want_window)
+    _, leaf_state, leaf_window = chain_outputs(
+        layer, window, state, x[0, rows], a[0, rows], b[0, rows]
+    )
+    leaf_block = int(table[0, taken])
+    torch.testing.assert_close(layer.ssm_cache[leaf_block].transpose(-1, -2), leaf_state)
+    conv_block = layer.conv_view()[int(table[0, 0])]
+    torch.testing.assert_close(conv_block[:, taken : taken + WIDTH - 1], leaf_window)
 
 
 def test_index_checks_pass_a_correct_step_and_name_a_bad_block(monkeypatch):

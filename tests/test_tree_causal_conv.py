@@ -43,6 +43,29 @@ def test_reference_chain_equals_plain_causal_conv():
         assert torch.allclose(out[0, t], expected, atol=1e-5)
 
 
+def shifted_windows(case, extra=5, seed=11):
+    """``case``'s conv state widened to ``W - 1 + extra`` columns with each row's window moved
+    to column ``num_accepted - 1`` (vLLM's speculative layout), and those counts."""
+    gen = torch.Generator().manual_seed(seed)
+    slots, channels, kept = case["conv_state"].shape
+    num_accepted = torch.tensor([3, 1, 6], dtype=torch.int32)[: case["x"].shape[0]]
+    wide = torch.randn(slots, channels, kept + extra, generator=gen)
+    for r, slot in enumerate(case["state_index"].tolist()):
+        first = int(num_accepted[r]) - 1
+        wide[slot, :, first : first + kept] = case["conv_state"][slot]
+    return {**case, "conv_state": wide}, num_accepted
+
+
+def test_reference_reads_each_window_from_num_accepted_minus_one():
+    """vLLM's speculative conv layout: the committed window of a request that accepted ``n``
+    tokens last step starts at column ``n - 1``."""
+    case = make_case()
+    want = tree_causal_conv1d_ref(**case)
+    shifted, num_accepted = shifted_windows(case)
+    got = tree_causal_conv1d_ref(**shifted, num_accepted=num_accepted)
+    assert torch.equal(got, want)
+
+
 def test_state_after_path_keeps_the_last_inputs():
     state = torch.arange(6.0).view(2, 3)  # C = 2, W - 1 = 3
     x = torch.tensor([[10.0, 20.0], [11.0, 21.0], [12.0, 22.0]])
@@ -87,6 +110,35 @@ def test_kernel_reads_a_window_first_conv_state():
     for r in range(out.shape[0]):
         n = int(case["num_tokens"][r])
         assert torch.allclose(out[r, :n].cpu(), ref[r, :n], atol=1e-4), r
+
+
+@pytest.mark.interpreter
+def test_kernel_reads_windows_at_num_accepted_and_keeps_their_columns():
+    """Each row's window from column ``num_accepted - 1`` of its block, and that column kept
+    for the commit (``saved_offset``)."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess")
+    from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d_packed
+
+    device = "cuda" if ON_GPU else "cpu"
+    shifted, num_accepted = shifted_windows(make_case(seed=4))
+    ref = tree_causal_conv1d_ref(**shifted, num_accepted=num_accepted)
+    rows, width, channels = shifted["x"].shape
+    on_device = {k: v.to(device) for k, v in shifted.items() if k != "x"}
+    starts = torch.arange(rows + 1, device=device) * width
+    offsets = torch.full((rows + 1,), -1, dtype=torch.int32, device=device)
+    out = tree_causal_conv1d_packed(
+        shifted["x"].to(device).reshape(rows * width, channels),
+        starts,
+        **on_device,
+        num_accepted=num_accepted.to(device),
+        saved_offset=offsets,
+        block_c=16,
+    ).view(rows, width, channels)
+    for r in range(rows):
+        n = int(shifted["num_tokens"][r])
+        assert torch.allclose(out[r, :n].cpu(), ref[r, :n], atol=1e-4), r
+    assert offsets[:rows].cpu().tolist() == (num_accepted - 1).tolist()
 
 
 @pytest.mark.interpreter
@@ -172,7 +224,7 @@ def test_kernel_packed_rows_equal_the_reference_and_keep_the_inputs(block_t):
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_", expected=7)
+    run_under_interpreter(__file__, "kernel_", expected=8)
 
 
 @pytest.mark.gpu

@@ -16,13 +16,18 @@ plain decode) to vLLM's function unchanged.
 
 State, in vLLM's speculative layout (``1 + budget`` blocks per request; its size:
 ``hybrid_state.slot_layout_bytes``): node ``t``'s SSM state goes to block
-``spec_state_indices[r, t]`` and the step starts from block ``[r, num_accepted - 1]``, where
-vLLM's own bookkeeping puts ``num_accepted`` = accepted drafts + 1. After the walk,
-``HybridTreeStep.commit`` copies the accepted leaf's state into that block and rebuilds the conv
-window (the first ``K - 1`` columns of block 0, where vLLM's prefill writes it too) from the
-accepted path's inputs, in one launch for every layer (``ops/gdn_commit.py``). The tree kernels
-keep those inputs and the rows' state blocks per layer in persistent buffers as they run (so CUDA
-graph replays, which skip this Python, still fill them), made before vLLM captures any graph
+``spec_state_indices[r, t]``; the step starts from block ``[r, num_accepted - 1]`` and reads the
+conv window from column ``num_accepted - 1`` of block ``[r, 0]``, where vLLM's own bookkeeping
+puts ``num_accepted`` = accepted drafts + 1. After the walk, ``HybridTreeStep.commit`` leaves
+the accepted path where vLLM's chain would have left it (``ops/gdn_commit.py``, one launch for
+every layer): the leaf's state in block ``[r, num_accepted]``, the conv block holding the path's
+inputs in order. So vLLM's own state bookkeeping serves trees unchanged, the prefix-caching
+``align`` layout included: there vLLM copies the state at each block boundary the accepted
+tokens cross into that block (``postprocess_mamba``) and the running state into the block the
+next step writes (``preprocess_mamba``); ``commit`` puts the boundary's path node where vLLM's
+copy reads it (``boundary_depths``). The tree kernels keep the node inputs, the rows' state
+blocks and window columns per layer in persistent buffers as they run (so CUDA graph replays,
+which skip this Python, still fill them), made before vLLM captures any graph
 (``HybridTreeStep.prepare_layers``); each layer's verify is two launches. SSM states are
 float32 or bfloat16 (``--mamba-ssm-cache-dtype``).
 """
@@ -94,6 +99,7 @@ class GDNLayerStep:
         conv_state: the ``[blocks, C, K - 1 + B]`` conv cache view vLLM passed (None until the
             layer's first call).
         conv_blocks: int32 ``[rows]``, each row's block 0.
+        conv_offsets: int32 ``[rows]``, the column each row's committed window started at.
         inputs: ``[rows, T, C]``, the conv inputs of every tree token (T = 1 + B).
         window: ``K - 1``, the committed inputs the conv reads.
         ssm_state: float32 ``[blocks, Hv, V, K]`` SSM cache (set by the recurrence call).
@@ -106,6 +112,7 @@ class GDNLayerStep:
 
     conv_state: torch.Tensor | None
     conv_blocks: torch.Tensor
+    conv_offsets: torch.Tensor
     inputs: torch.Tensor
     window: int
     ssm_blocks: torch.Tensor
@@ -116,15 +123,37 @@ class GDNLayerStep:
     expected_ssm_blocks: torch.Tensor | None = None
 
 
+def boundary_depths(
+    root_positions: torch.Tensor, num_accepted: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Per batch row, the depth on its accepted path at which the committed tokens reach a
+    multiple of ``block_size`` (the last one, as vLLM's ``align`` postprocess picks it), or -1
+    where they reach none this step. ``root_positions`` long ``[R]`` (the root token's
+    position: ``running`` = position + 1 tokens are committed through the root),
+    ``num_accepted`` long ``[R]`` (accepted drafts). Long ``[R]``."""
+    running = root_positions.long() + 1
+    aligned = (running + num_accepted.long()) // block_size * block_size
+    return torch.where(aligned >= running, aligned - running, -1)
+
+
 class HybridTreeStep:
     """Parent pointers of the step's trees, the GDN layers' buffers, and the commit.
 
     ``parents`` long ``[rows + 1, T]`` (tree indices, ``-1`` at the root) and ``num_tokens``
     long ``[rows + 1]`` (0 for rows without a tree); the last row takes what has no row.
+    ``state_block_size``: the mamba block size of vLLM's prefix-caching ``align`` layout (the
+    commit then also places the states vLLM caches at block boundaries), None without it.
     """
 
-    def __init__(self, max_rows: int, tree_budget: int, device: torch.device):
+    def __init__(
+        self,
+        max_rows: int,
+        tree_budget: int,
+        device: torch.device,
+        state_block_size: int | None = None,
+    ):
         self.max_rows = max_rows
+        self.state_block_size = state_block_size
         self.tokens_per_row = tree_budget + 1  # a verify row: the root, then the nodes
         self.parents = torch.full(
             (max_rows + 1, self.tokens_per_row), -1, dtype=torch.long, device=device
@@ -169,6 +198,7 @@ class HybridTreeStep:
         layer = GDNLayerStep(
             conv_state=None,
             conv_blocks=torch.zeros(rows, dtype=torch.int32, device=device),
+            conv_offsets=torch.zeros(rows, dtype=torch.int32, device=device),
             inputs=torch.zeros(rows, tokens, channels, dtype=dtype, device=device),
             window=width - 1,
             ssm_blocks=torch.zeros(rows, tokens, dtype=torch.int32, device=device),
@@ -258,13 +288,15 @@ class HybridTreeStep:
         conv_state_indices,
         query_start_loc,
         max_query_len,
+        num_accepted_tokens,
     ):
         """vLLM's speculative ``causal_conv1d_update`` over trees: ``x`` ``[n, C]`` (row ``s``
-        from ``query_start_loc[s]``), ``conv_state`` ``[blocks, C, K - 1 + B]``; returns
-        ``[n, C]``. One launch on CUDA, which also keeps the nodes' inputs and the rows' conv
-        blocks in the layer's buffers for the commit. vLLM may schedule fewer drafts than the
-        budget (e.g. near ``max_model_len``): a row then has fewer tokens, and its tree was cut
-        to match."""
+        from ``query_start_loc[s]``), ``conv_state`` ``[blocks, C, K - 1 + B]``, each row's
+        window from column ``num_accepted_tokens[s] - 1``; returns ``[n, C]``. One launch on
+        CUDA, which also keeps the nodes' inputs and the rows' conv blocks and window columns
+        in the layer's buffers for the commit. vLLM may schedule fewer drafts than the budget
+        (e.g. near ``max_model_len``): a row then has fewer tokens, and its tree was cut to
+        match."""
         num_rows, total = conv_state_indices.shape[0], x.shape[0]
         assert int(max_query_len) == self.tokens_per_row, "verify rows are 1 + tree_budget"
         if self.routed_calls == 0:
@@ -276,7 +308,6 @@ class HybridTreeStep:
                 tuple(conv_state.shape),
             )
         self.routed_calls += 1
-        width = weight.shape[-1]
         layer = self._layer(conv_state, weight, x)
         check = checking_indices()
         if check:
@@ -290,13 +321,15 @@ class HybridTreeStep:
             query_start_loc,
             self.parents[:num_rows],
             self.num_tokens[:num_rows],
-            conv_state[:, :, : width - 1],
+            conv_state,
             conv_state_indices,
             weight,
             bias,
             activation="silu" if activation in (True, "silu", "swish") else None,
             saved_inputs=layer.inputs,
             saved_index=layer.conv_blocks,
+            num_accepted=num_accepted_tokens,
+            saved_offset=layer.conv_offsets,
         )
         self._conv_layer = layer
         if check:
@@ -367,21 +400,29 @@ class HybridTreeStep:
             self.watch(f"in GDN layer {layer.number}'s tree recurrence")
         return out.unsqueeze(0), initial_state
 
-    def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor):
+    def commit(
+        self,
+        accepted: torch.Tensor,
+        num_accepted: torch.Tensor,
+        num_draft: torch.Tensor,
+        root_positions: torch.Tensor | None = None,
+    ):
         """After the walk: ``accepted`` long ``[R, L + 1]`` (tree indices, root first),
-        ``num_accepted`` long ``[R]`` (accepted drafts), per batch row. Every GDN layer's block
-        ``[r, num_accepted]`` gets the accepted leaf's state, and block 0's conv window the last
-        ``K - 1`` inputs of (window, root, accepted nodes): ``ops/gdn_commit.py``, one launch
-        for all layers on CUDA."""
+        ``num_accepted`` long ``[R]`` (accepted drafts), ``root_positions`` long ``[R]`` (each
+        root token's position; needed with ``state_block_size``), per batch row. Every GDN
+        layer's caches left as vLLM's chain leaves them after this path (the module docstring;
+        ``ops/gdn_commit.py``, one launch for all layers on CUDA)."""
         if checking_indices():
             self._check_commit(accepted, num_accepted, num_draft)
         layers = self._state_layers()
         if layers is None:
             return
-        if use_triton(accepted.device):
-            commit_gdn_states(layers, accepted, num_accepted.long(), num_draft.long())
-        else:
-            commit_gdn_states_ref(layers, accepted, num_accepted.long(), num_draft.long())
+        boundary = None
+        if self.state_block_size is not None:
+            assert root_positions is not None, "the align layout needs the roots' positions"
+            boundary = boundary_depths(root_positions, num_accepted, self.state_block_size)
+        commit = commit_gdn_states if use_triton(accepted.device) else commit_gdn_states_ref
+        commit(layers, accepted, num_accepted.long(), num_draft.long(), boundary)
 
     def _state_layers(self) -> GDNStateLayers | None:
         """The GDN layers the commit updates (those the tree path has called), as one table,
@@ -403,6 +444,7 @@ class HybridTreeStep:
                 [layer.conv_state for layer in called],
                 [layer.conv_blocks for layer in called],
                 [layer.inputs for layer in called],
+                [layer.conv_offsets for layer in called],
                 window=windows.pop(),
             )
             self._state_table = (key, table)
@@ -429,6 +471,32 @@ class HybridTreeStep:
             if layer.ssm_state is not None:
                 name = f"GDN layer {layer.number} SSM block"
                 check_index_range(name, layer.ssm_blocks, layer.ssm_state.shape[0], valid)
+
+
+def hybrid_tree_step(vllm_config, tree_budget: int, device) -> HybridTreeStep:
+    """A DDTree worker's GatedDeltaNet tree path (either runner): vLLM's speculative GDN calls
+    routed to the tree kernels (``install``), and the step object the runner hooks publish
+    the trees to and commit through, sized for the engine; with prefix caching (vLLM's
+    ``align`` state layout) it also places the states vLLM caches at block boundaries. Made
+    before any CUDA graph is captured."""
+    install(torch.device(device))
+    cache = vllm_config.cache_config
+    aligned = cache.mamba_cache_mode == "align"
+    return HybridTreeStep(
+        max_rows=vllm_config.scheduler_config.max_num_seqs,
+        tree_budget=tree_budget,
+        device=torch.device(device),
+        state_block_size=cache.mamba_block_size if aligned else None,
+    )
+
+
+def prepare_before_capture(step: HybridTreeStep | None, model, when: str) -> None:
+    """The GDN tree path's per-layer buffers for ``model``, allocated once, before vLLM
+    profiles memory or captures a graph (``HybridTreeStep.prepare_layers``); nothing for a
+    dense target (``step`` None)."""
+    if step is not None:
+        found = step.prepare_layers(model)
+        logger.info("vllm-ddtree: buffers for %d GatedDeltaNet layers %s", found, when)
 
 
 def step_of_this_forward() -> HybridTreeStep | None:
@@ -484,6 +552,7 @@ def _conv_dispatcher(original):
             given["conv_state_indices"],
             given["query_start_loc"],
             given["max_query_len"],
+            given["num_accepted_tokens"],
         )
 
     return causal_conv1d_update
@@ -537,6 +606,7 @@ def tree_spec_forward_cpu(
         indices[:, 0],
         starts,
         indices.shape[-1],
+        md.num_accepted_tokens[:rows],
     )
     q, k, v = layer.rearrange_mixed_qkv(y)
     out, _ = step.tree_recurrence(

@@ -146,13 +146,15 @@ def case_gdn_tree_verify(budget: int) -> None:
         c["query_start_loc"],
         c["parents"],
         c["num_tokens"],
-        conv_state[:, :, : width - 1],
+        conv_state,
         c["state_slots"][:, 0],
         torch.zeros(channels, width, dtype=torch.bfloat16),
         None,
         activation="silu",
         saved_inputs=torch.zeros(rows + 1, tokens, channels, dtype=torch.bfloat16),
         saved_index=torch.zeros(rows + 1, dtype=torch.int32),
+        num_accepted=torch.ones(rows, dtype=torch.int32),
+        saved_offset=torch.zeros(rows + 1, dtype=torch.int32),
     )
     hv = HYBRID_GDN.num_v_heads
     tree_gated_delta_packed(
@@ -189,6 +191,7 @@ def case_gdn_commit(budget: int) -> None:
         [c["conv_cache"].transpose(1, 2)] * n,
         [torch.zeros(rows + 1, dtype=torch.int32)] * n,
         [torch.zeros(rows + 1, tokens, channels, dtype=torch.bfloat16)] * n,
+        [torch.zeros(rows + 1, dtype=torch.int32)] * n,
         window=shapes.conv_kernel - 1,
     )
     accepted = torch.zeros(rows, DEPTH + 1, dtype=torch.long)

