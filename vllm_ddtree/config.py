@@ -159,9 +159,15 @@ GDN_TREE_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
 )
-# The engine arguments the GDN tree path is checked with: float32 states (bfloat16 is accepted
-# too, see ``check_target_is_supported``) and vLLM's plain state layout (required).
+# The engine arguments the GDN tree path is checked with in the tests without prefix caching:
+# float32 states (bfloat16, the default "auto" on bf16 models, is served too, see
+# ``check_target_is_supported``) and vLLM's plain state layout; with prefix caching on (vLLM's
+# default) it serves vLLM's "align" layout.
 HYBRID_ENGINE_ARGS = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": False}
+# vLLM's state layouts (``--mamba-cache-mode``) the GDN tree path serves: "none" without prefix
+# caching, "align" with it ("all" keeps a state per block for every request, which vLLM 0.26.0
+# does not offer for GatedDeltaNet targets).
+GDN_CACHE_MODES = ("none", "align")
 # SSM state dtypes of the GDN tree path (``ops/tree_gated_delta.STATE_DTYPES``).
 GDN_STATE_DTYPES = ("float32", "bfloat16")
 
@@ -259,7 +265,7 @@ def check_target_is_supported(
     architectures: Iterable[str] | None,
     has_recurrent_layers: bool,
     mamba_ssm_cache_dtype: str | None = None,
-    prefix_caching: bool = False,
+    mamba_cache_mode: str | None = None,
 ) -> None:
     """Raise for a target DDTree cannot verify losslessly (yet).
 
@@ -268,10 +274,11 @@ def check_target_is_supported(
     one branch's state into its siblings. GatedDeltaNet targets get per-node states through
     ``vllm_ddtree.hybrid_gdn`` (``GDN_TREE_ARCHITECTURES``), with float32 or
     bfloat16 SSM states (``mamba_ssm_cache_dtype``, "auto" already resolved to the model's
-    dtype by the caller) and without prefix caching (vLLM's "align"/"all" state layouts move
-    states between blocks); other recurrent targets are refused before any engine process
-    starts. Node states are rounded to that dtype where target-alone decoding rounds them
-    (``ops/tree_gated_delta.py``, "State precision").
+    dtype by the caller), in vLLM's state layouts ``GDN_CACHE_MODES`` (``mamba_cache_mode``
+    as the user set it; with prefix caching vLLM picks "align" for these targets); other
+    recurrent targets are refused before any engine process starts. Node states are rounded
+    to that dtype where target-alone decoding rounds them (``ops/tree_gated_delta.py``, "State
+    precision").
     """
     if not has_recurrent_layers:
         return
@@ -291,11 +298,27 @@ def check_target_is_supported(
             "--mamba-ssm-cache-dtype float32 (or bfloat16) (it is "
             f"{mamba_ssm_cache_dtype!r})"
         )
-    if prefix_caching:
+    if mamba_cache_mode not in (None, *GDN_CACHE_MODES):
         raise DDTreeConfigError(
-            "method 'ddtree' on a GatedDeltaNet target needs vLLM's plain state layout "
-            "(mamba_cache_mode 'none'): start the engine with --no-enable-prefix-caching"
+            f"--mamba-cache-mode {mamba_cache_mode!r}: method 'ddtree' on a GatedDeltaNet "
+            f"target serves the state layouts {', '.join(GDN_CACHE_MODES)} (prefix caching "
+            "uses 'align'); leave --mamba-cache-mode unset"
         )
+
+
+def check_align_block_size(tree_budget: int, mamba_block_size: int | None) -> None:
+    """With prefix caching vLLM keeps a hybrid's states in its ``align`` layout, one block per
+    ``mamba_block_size`` tokens: a step's verify (``1 + tree_budget`` tokens) must fit one block
+    boundary at most, or the boundary's state would be copied into a block column vLLM already
+    gave to the step's tree nodes. Raise ``DDTreeConfigError`` naming what fits otherwise."""
+    if mamba_block_size is None or tree_budget + 1 <= mamba_block_size:
+        return
+    raise DDTreeConfigError(
+        f"tree_budget={tree_budget} with prefix caching on a GatedDeltaNet target needs state "
+        f"blocks of more than {tree_budget} tokens (vLLM's 'align' layout); this engine's are "
+        f"{mamba_block_size}: use tree_budget <= {mamba_block_size - 1}, a larger --block-size, "
+        "or --no-enable-prefix-caching"
+    )
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")

