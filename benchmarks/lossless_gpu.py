@@ -26,6 +26,13 @@ replaced in every engine by the test-only chain prefill (``VLLM_DDTREE_TEST_FLOA
 ``vllm_ddtree/testing/float32_gdn_prefill.py``): in bf16 the target alone and any speculative
 path, vLLM's own chain included, part at near-ties within a few tokens
 (``--hybrid-dtype bfloat16``); budgets 8/64/256; needs vLLM's MoE ops.
+
+``--prefix-caching`` (with ``--hybrid``): every engine with prefix caching (vLLM's ``align``
+state layout) and the same state blocks (``align_block_tokens``: what the widest tree needs),
+and conversations long enough to use them: each prompt fills most of two blocks, its answer
+crosses two block boundaries while it decodes (the trees' commits place those states), and a
+second turn (prompt, the engine's own answer, new tokens past a third boundary) resumes from
+the cached states: the turn-2 rows compare it with the target alone's second turn.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ def run_engine(job: dict) -> dict:
         model=job["target"],
         skip_tokenizer_init=not job.get("tokenizer"),
         dtype=job.get("dtype", "float32"),
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=job.get("max_model_len", MAX_MODEL_LEN),
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=max(4096, (budget + 1) * job["max_num_seqs"]),
         gpu_memory_utilization=0.04,
@@ -101,6 +108,20 @@ def run_engine(job: dict) -> dict:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         result["batched"] = [list(o.outputs[0].token_ids) for o in outputs]
         result["batched_seconds"] = time.time() - start
+        if job.get("second_turn"):  # each conversation again: its answer and new tokens
+            start = time.time()
+            turns = [
+                TokensPrompt(prompt_token_ids=list(p) + answer + extra)
+                for p, answer, extra in zip(
+                    job["prompts"], result["batched"], job["second_turn"], strict=True
+                )
+            ]
+            answer = SamplingParams(
+                temperature=0.0, max_tokens=job["second_turn_tokens"], ignore_eos=True
+            )
+            outputs = llm.generate(turns, answer, use_tqdm=False)
+            result["second_turn"] = [list(o.outputs[0].token_ids) for o in outputs]
+            result["second_turn_seconds"] = time.time() - start
         if job.get("one_at_a_time"):
             start = time.time()
             result["single"] = [
@@ -111,8 +132,10 @@ def run_engine(job: dict) -> dict:
     result["metrics"] = {
         m.name: getattr(m, "value", None)
         for m in llm.get_metrics()
-        if m.name.startswith("vllm:spec_decode")
+        if m.name.startswith(("vllm:spec_decode", "vllm:prefix_cache"))
     }
+    cache = llm.llm_engine.vllm_config.cache_config
+    result["cache"] = {"block_size": cache.block_size, "mamba_cache_mode": cache.mamba_cache_mode}
     config = llm.llm_engine.vllm_config
     result["runner"] = "V2" if config.use_v2_model_runner else "V1"
     result["cudagraph_mode"] = str(config.compilation_config.cudagraph_mode)
@@ -142,6 +165,38 @@ def emitted_logprobs(logprobs) -> list[dict] | None:
     if logprobs is None:
         return None
     return [{str(k): [v.logprob, v.rank] for k, v in position.items()} for position in logprobs]
+
+
+def align_block_tokens(target: str, widest_budget: int, dtype_bytes: int) -> int:
+    """KV-block tokens (a multiple of 16) whose attention page holds a GatedDeltaNet layer's
+    state with ``widest_budget`` speculative conv columns (float32 SSM states, conv states in
+    the activations' ``dtype_bytes``), as vLLM sizes a hybrid's blocks: one value for every
+    engine of a prefix-caching grid, so that all see the same cached blocks."""
+    from transformers import AutoConfig
+
+    from vllm_ddtree.hybrid_state import GDNStateShapes, ssm_state_bytes
+
+    config = AutoConfig.from_pretrained(target)
+    text = getattr(config, "text_config", None) or config
+    shapes = GDNStateShapes.from_hf_config(config)
+    columns = shapes.conv_kernel - 1 + widest_budget
+    state = ssm_state_bytes(shapes, 4) + shapes.conv_dim * columns * dtype_bytes
+    per_token = 2 * text.num_key_value_heads * text.head_dim * dtype_bytes
+    return 16 * math.ceil(state / (16 * per_token))
+
+
+def conversations(block: int, count: int, seed: int = 0) -> tuple[list, int, list]:
+    """A prefix-caching grid's conversations for state blocks of ``block`` tokens: ``count``
+    prompts of about 1.8 blocks, the answer length that takes each past the third block
+    boundary, and each second turn's new tokens (to about a block past the fourth)."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = [int(1.75 * block) + (7 * p) % (block // 8) for p in range(count)]
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in lengths]
+    answer = 3 * block + block // 8 - min(lengths)
+    extra = [[rng.randrange(1, 1000) for _ in range(block)] for _ in range(count)]
+    return prompts, answer, extra
 
 
 def run_jobs(
@@ -381,6 +436,12 @@ def main() -> int:
         "(e.g. '[[1,1,64],[2,16,8]]': whole trees one at a time, trees cut to 8 nodes in the "
         "batches of 16)",
     )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="with --hybrid: every engine with prefix caching (vLLM's align state layout), "
+        "conversations that cross state blocks, and a second turn of each from the cache",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -422,6 +483,11 @@ def main() -> int:
         [(7 * p + 3 * i) % 1000 + 1 for i in range(8 + 3 * p % 40)] for p in range(num_prompts)
     ]
     budgets = [8, 64] if args.quick else ([8, 64, 256] if args.hybrid else [1, 8, 64, 256])
+    if args.prefix_caching and not args.hybrid:
+        parser.error(
+            "--prefix-caching is a --hybrid grid's (a dense target's prefix caching "
+            "is vLLM's own KV cache, checked by the lifecycle fuzz)"
+        )
     modes = {"graphs": {"enforce_eager": False}}
     if not args.quick:
         modes = {"eager": {"enforce_eager": True}, **modes}
@@ -452,6 +518,21 @@ def main() -> int:
             # (vllm_ddtree/testing/float32_gdn_prefill.py), in every engine, reference included.
             os.environ["VLLM_DDTREE_TEST_FLOAT32_GDN"] = "1"
             os.environ["TRITON_F32_DEFAULT"] = args.f32_dots  # the engines inherit it
+    one_at_a_time = True
+    if args.prefix_caching:
+        # Every engine the same state blocks: what the widest tree needs (vLLM sizes each
+        # engine's by its own budget otherwise, and the engines would cache other blocks).
+        widest = max(b for b in budgets if b != "auto")
+        block = align_block_tokens(target, widest, 4 if args.hybrid_dtype == "float32" else 2)
+        prompts, max_tokens, extra = conversations(block, num_prompts)
+        base.update(
+            prompts=prompts,
+            max_tokens=max_tokens,
+            second_turn=extra,
+            second_turn_tokens=32,
+            max_model_len=8 * block,
+        )
+        one_at_a_time = False  # long conversations: each batch once
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
     schedule = {SCHEDULE_KEY: json.loads(args.schedule)} if args.schedule else {}
     if args.no_async_scheduling:
@@ -463,6 +544,8 @@ def main() -> int:
         # layout), Triton GDN prefill (the host has no FlashInfer).
         engine_extra.update(HYBRID_ENGINE_ARGS, additional_config={"gdn_prefill_backend": "triton"})
         engine_extra["mamba_ssm_cache_dtype"] = args.hybrid_states
+        if args.prefix_caching:
+            engine_extra.update(enable_prefix_caching=True, block_size=block)
         if args.hybrid_arch in ("qwen3_5", "qwen3_5_moe"):
             # Text prompts only: vLLM then builds no image processor (the tiny checkpoint has
             # no preprocessor config) and runs no vision tower.
@@ -485,7 +568,7 @@ def main() -> int:
     # The target alone at both batch shapes: each DDTree batch size is compared with the target
     # alone at that batch size (a float32 near-tie can part the target alone's own batch-16 and
     # batch-1 outputs; that difference is recorded, not blamed on the trees).
-    jobs = {"reference": {**base, "kwargs": reference_kwargs, "one_at_a_time": True}}
+    jobs = {"reference": {**base, "kwargs": reference_kwargs, "one_at_a_time": one_at_a_time}}
     if not args.no_sampling:
         jobs["sampling_target"] = {**base, "kwargs": reference_kwargs, "sampling": sampling}
     deadline = started + args.deadline
@@ -494,9 +577,13 @@ def main() -> int:
         print(reference["reference"]["error"])
         return 1
     reference_tokens = reference["reference"]["batched"]
-    reference_by_batch = {16: reference_tokens, 1: reference["reference"]["single"]}
+    reference_by_batch = {16: reference_tokens, 1: reference["reference"].get("single", [])}
+    if args.prefix_caching:
+        reference_by_batch["turn 2"] = reference["reference"]["second_turn"]
     target_alone_batch_shapes = []
-    for p, (alone, batched) in enumerate(zip(reference_by_batch[1], reference_tokens, strict=True)):
+    for p, (alone, batched) in enumerate(
+        zip(reference_by_batch[1], reference_tokens, strict=False)
+    ):
         where = first_divergence(alone, batched)
         if where is not None:
             gap = safe_logit_gap(target, prompts[p], batched[:where])
@@ -522,7 +609,7 @@ def main() -> int:
                 **base,
                 "kwargs": kwargs,
                 "oracle": oracle_path,
-                "one_at_a_time": True,
+                "one_at_a_time": one_at_a_time,
             }
     # The sampling engine with CUDA graphs, unless the grid runs eager engines only (an eager
     # engine names the operation of a device-side error under --launch-blocking; a graph
@@ -566,7 +653,7 @@ def main() -> int:
         budget, mode = name.split("_")[0][1:], name.split("_")[1]
         budget = budget if budget == "auto" else int(budget)
         if "error" in result:
-            for batch in (16, 1):
+            for batch in reference_by_batch:
                 row = {"budget": budget, "batch": batch, "mode": mode, "identical": False}
                 rows.append({**row, "error": result["error"]})
             continue
@@ -574,13 +661,17 @@ def main() -> int:
         drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
         accepted = metrics.get("vllm:spec_decode_num_accepted_tokens") or 0
         mean_length = 1 + accepted / drafts if drafts else 0.0
-        for batch, key in ((16, "batched"), (1, "single")):
+        keys = ((16, "batched"), (1, "single"), ("turn 2", "second_turn"))
+        for batch, key in ((b, k) for b, k in keys if k in result):
             divergences = []
             want_all = reference_by_batch[batch]
             for p, (got, want) in enumerate(zip(result[key], want_all, strict=True)):
                 where = first_divergence(got, want)
                 if where is not None:
-                    gap = safe_logit_gap(target, prompts[p], want[:where])
+                    asked = prompts[p]
+                    if key == "second_turn":  # the conversation so far, the target's
+                        asked = prompts[p] + reference_tokens[p] + base["second_turn"][p]
+                    gap = safe_logit_gap(target, asked, want[:where])
                     divergences.append({"prompt": p, "token": where, "logit_gap": gap})
             rows.append(
                 {
@@ -593,6 +684,8 @@ def main() -> int:
                     "tokens_checked": sum(map(len, result[key])),
                     "seconds": result[f"{key}_seconds"],
                     "runner": result["runner"],
+                    "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"),
+                    "cache": result.get("cache"),
                     "cudagraph_mode": result["cudagraph_mode"],
                     "async_scheduling": result.get("async_scheduling"),
                     # Over both batch sizes of this engine.
@@ -661,7 +754,18 @@ def main() -> int:
         "reference": "target alone, TREE_ATTN, CUDA graphs, at the row's batch size (16 "
         "requests at once, or each prompt alone)",
         "target_alone_batch_1_vs_16": target_alone_batch_shapes,
-        "runs": sorted(rows, key=lambda r: (str(r["budget"]).zfill(4), r["mode"], r["batch"])),
+        "prefix_caching": (
+            {
+                "block_size": engine_extra.get("block_size"),
+                "reference_cache": reference["reference"].get("cache"),
+                "reference_prefix_cache_hits": reference["reference"]["metrics"].get(
+                    "vllm:prefix_cache_hits"
+                ),
+            }
+            if args.prefix_caching
+            else None
+        ),
+        "runs": sorted(rows, key=lambda r: (str(r["budget"]).zfill(4), r["mode"], str(r["batch"]))),
         "sampling": {
             "test": "chi-square homogeneity of generated-token histograms, target alone vs "
             "DDTree (budget 64, oracle drafter), one prompt, seeds 0..N-1",
@@ -679,6 +783,7 @@ def main() -> int:
     }
     suffix = ("_quick" if args.quick else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
     suffix += "_hybrid" if args.hybrid else ""
+    suffix += "_prefix_caching" if args.prefix_caching else ""
     suffix += "_v2" if args.runner == "v2" else ""
     suffix += f"_{args.tag}" if args.tag else ""
     with open(os.path.join(args.out, f"lossless_gpu{suffix}.json"), "w") as f:

@@ -187,13 +187,16 @@ def state_bytes_per_request(model, ssm_bytes: int = SSM_STATE_BYTES) -> int:
     return layers * per_layer * ssm_bytes
 
 
-def kv_cache_bytes(model, job: dict, batch: int, base_gb: float) -> int:
+def kv_cache_bytes(
+    model, job: dict, batch: int, base_gb: float, prefix_caching: bool = False
+) -> int:
     """The KV cache an engine of the run gets: ``base_gb``, plus for a hybrid the state blocks
     vLLM keeps per request, one per verified token, each with its conv window (the plugin's
-    ``hybrid_state.slot_layout_bytes``: the chain's 1 + 15, a tree's 1 + budget), for
-    ``batch`` requests with 10% to spare. The first Qwen3.6-27B runs gave the chain 1 GiB
-    where its start asked for 2.72, and then DDTree b64 11.1 GiB where the plugin's state
-    check asked for 13.1 (the bench had left out the conv windows)."""
+    ``hybrid_state.slot_layout_bytes``: the chain's 1 + 15, a tree's 1 + budget; one more
+    with ``prefix_caching``, vLLM's align layout), for ``batch`` requests with 10% to spare.
+    The first Qwen3.6-27B runs gave the chain 1 GiB where its start asked for 2.72, and then
+    DDTree b64 11.1 GiB where the plugin's state check asked for 13.1 (the bench had left out
+    the conv windows)."""
     base = int(base_gb * (1 << 30))
     if not model.hybrid or job["width"] <= 1:
         return base
@@ -201,7 +204,9 @@ def kv_cache_bytes(model, job: dict, batch: int, base_gb: float) -> int:
     from vllm_ddtree.testing.scale_models import target_config
 
     shapes = GDNStateShapes.from_hf_config(target_config(model)[0])
-    return base + int(1.1 * slot_layout_bytes(shapes, batch, job["width"] - 1))
+    extra = 1 if prefix_caching else 0
+    layout = slot_layout_bytes(shapes, batch, job["width"] - 1, extra_blocks=extra)
+    return base + int(1.1 * layout)
 
 
 def roofline(
@@ -389,7 +394,8 @@ def write_report(summary: dict, out: str) -> None:
         "acceptance synthetic, calibrated to the DDTree paper's Qwen3-8B DFlash numbers "
         f"({summary['calibration']}). {summary['repeats']} rounds per row after one untimed "
         f"run; {summary['max_tokens']} tokens per request, prompts of {summary['prompt_len']} "
-        f"token ids, {'with' if summary.get('torch_compile') else 'without'} torch.compile. "
+        f"token ids, {'with' if summary.get('torch_compile') else 'without'} torch.compile, "
+        f"prefix caching {'on' if summary.get('prefix_caching') else 'off'}. "
         + (f"Copy bandwidth {bandwidth:.0f} GB/s" if bandwidth else "No copy bandwidth (CPU)")
         + f". {engine_sizes(summary)}Engine starts: AR "
         f"{summary['ar_start_seconds']:.0f} s; {phase_starts(summary)}. Sampling rows: "
@@ -601,6 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         "sized for the largest batch it serves)",
     )
     parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="every engine with prefix caching, as a server of conversations runs (a hybrid's "
+        "states in vLLM's align layout; vLLM 0.26.0 leaves it off for hybrids unless asked)",
+    )
+    parser.add_argument(
         "--no-ar-phase",
         action="store_true",
         help="AR makes the references and closes, with no rows of its own (and starts without "
@@ -752,7 +764,9 @@ def main(argv: list[str] | None = None) -> int:
         return compilation_config(job["cudagraph_capture_sizes"], torch_compile)
 
     for job in jobs:
-        kv_bytes = kv_cache_bytes(model, job, job["max_seqs"], args.kv_cache_gb)
+        kv_bytes = kv_cache_bytes(
+            model, job, job["max_seqs"], args.kv_cache_gb, args.prefix_caching
+        )
         if job["name"].startswith(AUTO):  # the grid's largest batch, widest trees: no preemption
             tokens = max(batches) * overrides["max_model_len"]
             kv_bytes = max(kv_bytes, int(1.2 * tokens * kv_bytes_per_token(model)))
@@ -815,6 +829,7 @@ def main(argv: list[str] | None = None) -> int:
             "sampling_temperature": args.sampling_temperature,
             "max_verify_tokens": args.max_verify_tokens,
             "torch_compile": args.torch_compile,
+            "prefix_caching": args.prefix_caching,
             "batches_served": served,
             "max_num_seqs": {job["name"]: job["max_seqs"] for job in jobs},
             "bandwidth_gb_s": None if args.cpu else floor_bytes["bandwidth"] / 1e9,
@@ -976,13 +991,15 @@ def engine_overrides(model, args, budgets: list[int], max_requests: int) -> dict
         + 2 * model.block_size,
     }
     if model.hybrid:
-        # What DDTree serves a GatedDeltaNet hybrid with (float32 node states, no prefix
-        # caching), for every engine alike; text prompts only (vLLM then builds no image
-        # processor for the Qwen3.5/3.6 class); Triton's GDN prefill (FlashInfer's, Hopper's
-        # default, is not on the GPU host).
+        # What DDTree serves a GatedDeltaNet hybrid with (float32 node states; prefix caching
+        # with --prefix-caching), for every engine alike; text prompts only (vLLM then builds
+        # no image processor for the Qwen3.5/3.6 class); Triton's GDN prefill (FlashInfer's,
+        # Hopper's default, is not on the GPU host).
         overrides.update(HYBRID_ENGINE_ARGS)
         overrides["language_model_only"] = True
         overrides["additional_config"] = {"gdn_prefill_backend": "triton"}
+    if args.prefix_caching:
+        overrides["enable_prefix_caching"] = True
     return overrides
 
 

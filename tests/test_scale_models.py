@@ -10,6 +10,7 @@ import torch
 
 from vllm_ddtree.testing.scale_models import (
     LOGIT_STD,
+    QWEN3_5_9B,
     QWEN3_6_27B,
     QWEN3_8B,
     build,
@@ -19,8 +20,9 @@ from vllm_ddtree.testing.scale_models import (
 
 def test_the_full_size_specs_count_the_parameters_of_the_models_they_stand_for():
     assert round(parameter_count(QWEN3_8B) / 1e9, 2) == 8.19  # Qwen3-8B: 8.19B
-    # Qwen3.6-27B's text model (the vision tower is one block here)
+    # Qwen3.6-27B's and Qwen3.5-9B's text models (the vision tower is one block here)
     assert 26.5e9 < parameter_count(QWEN3_6_27B) < 27.5e9
+    assert 8.8e9 < parameter_count(QWEN3_5_9B) < 9.1e9
 
 
 @pytest.mark.parametrize("model", [QWEN3_8B, QWEN3_6_27B], ids=["dense", "hybrid"])

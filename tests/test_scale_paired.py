@@ -400,7 +400,9 @@ def test_a_hybrid_target_is_served_text_only_with_ddtrees_hybrid_settings_by_eve
     from benchmarks.scale_paired import engine_overrides
     from vllm_ddtree.config import HYBRID_ENGINE_ARGS
 
-    args = SimpleNamespace(prompt_len=128, max_tokens=128, kv_cache_gb=1.0, max_model_len=0)
+    args = SimpleNamespace(
+        prompt_len=128, max_tokens=128, kv_cache_gb=1.0, max_model_len=0, prefix_caching=False
+    )
     hybrid = engine_overrides(QWEN3_6_27B, args, [32, 64], 4)
     assert hybrid["language_model_only"] is True
     assert hybrid["additional_config"] == {"gdn_prefill_backend": "triton"}
@@ -408,6 +410,10 @@ def test_a_hybrid_target_is_served_text_only_with_ddtrees_hybrid_settings_by_eve
     dense = engine_overrides(QWEN3_8B, args, [32, 64], 4)
     assert "language_model_only" not in dense and "additional_config" not in dense
     assert dense["max_model_len"] == 128 + 128 + 2 * 65 + 2 * QWEN3_8B.block_size
+    # --prefix-caching: every engine with it, a hybrid's states in vLLM's align layout.
+    args.prefix_caching = True
+    for model in (QWEN3_6_27B, QWEN3_8B):
+        assert engine_overrides(model, args, [32], 4)["enable_prefix_caching"] is True
 
 
 def test_a_hybrid_engines_kv_cache_holds_a_state_block_per_verified_token():
@@ -423,6 +429,9 @@ def test_a_hybrid_engines_kv_cache_holds_a_state_block_per_verified_token():
     assert chain >= 2.72 * gib
     assert chain >= gib + 16 * state_bytes_per_request(QWEN3_6_27B)
     tree = kv_cache_bytes(QWEN3_6_27B, jobs["ddtree_b32"], 4, 1.0)
+    # Prefix caching (vLLM's align layout) keeps one more state block per request.
+    aligned = kv_cache_bytes(QWEN3_6_27B, jobs["ddtree_b32"], 4, 1.0, prefix_caching=True)
+    assert aligned > tree
     assert tree >= gib + 4 * 33 * state_bytes_per_request(QWEN3_6_27B)
     assert kv_cache_bytes(QWEN3_8B, jobs["dflash"], 16, 1.0) == gib  # dense: the base
 
@@ -662,7 +671,9 @@ def test_max_model_len_leaves_room_for_two_of_the_auto_engines_widest_trees():
     from benchmarks.bench_paired import auto_job, engine_jobs
     from benchmarks.scale_paired import engine_overrides, verified_budgets
 
-    args = SimpleNamespace(prompt_len=128, max_tokens=256, kv_cache_gb=1.0, max_model_len=0)
+    args = SimpleNamespace(
+        prompt_len=128, max_tokens=256, kv_cache_gb=1.0, max_model_len=0, prefix_caching=False
+    )
     jobs = engine_jobs("d", 15, [8, 32], 1, "v2")
     assert verified_budgets(jobs) == [15, 8, 32]
     auto = auto_job("d", 15, 64, "v2")
@@ -679,7 +690,9 @@ def test_max_model_len_can_be_set_for_every_engine():
 
     from benchmarks.scale_paired import engine_overrides
 
-    args = SimpleNamespace(prompt_len=128, max_tokens=256, kv_cache_gb=1.0, max_model_len=400)
+    args = SimpleNamespace(
+        prompt_len=128, max_tokens=256, kv_cache_gb=1.0, max_model_len=400, prefix_caching=False
+    )
     assert engine_overrides(QWEN3_8B, args, [64], 1)["max_model_len"] == 400
     args.max_model_len = 0
     assert engine_overrides(QWEN3_8B, args, [64], 1)["max_model_len"] > 128 + 256 + 2 * 65

@@ -19,6 +19,14 @@ The shapes, from public configs:
   ``DFlashDraftModel`` for this target (5 layers, hidden 5120, 32 query / 8 KV heads of 128,
   MLP 17408, features from target layers 1, 16, 31, 46, 61, mask token 248070, RoPE theta
   1e7). The vision tower is one block: text prompts never run it.
+* ``QWEN3_5_9B``: Qwen3.5-9B, the smaller dense GatedDeltaNet hybrid of the same class, for
+  iterating on one H100: Qwen/Qwen3.5-9B's ``config.json`` (its ``text_config``) and model card
+  give hidden 4096, 32 layers laid out as 8 x (3 GatedDeltaNet + 1 gated attention), GDN heads
+  32 for V and 16 for QK of dim 128, conv width 4, 16 query / 4 KV heads of 256, partial rotary
+  0.25, RoPE theta 1e7, MLP 12288, vocabulary 248320. The drafter, as z-lab's
+  Qwen3.5-9B-DFlash card describes it: 5 layers at the target's width with 32 heads (8 KV heads
+  of 128, MLP 12288 as the Qwen3-8B drafter's), block 16, features from target layers 1, 8,
+  15, 22, 29, mask token 248070.
 
 Sharp logits: with the usual initialisation (std 0.02) a random model's next-token
 distribution is nearly flat and bf16 rounding flips greedy near-ties between two correct
@@ -181,7 +189,37 @@ QWEN3_6_27B = ScaleModel(
     ),
 )
 
-SCALE_MODELS = {model.name: model for model in (QWEN3_8B, QWEN3_6_27B)}
+QWEN3_5_9B = ScaleModel(
+    name="qwen3.5-9b",
+    architecture="Qwen3_5ForConditionalGeneration",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    intermediate_size=12288,
+    vocab_size=248320,
+    rope_theta=10_000_000.0,
+    drafter_layers=5,
+    drafter_heads=32,
+    drafter_kv_heads=8,
+    drafter_head_dim=128,
+    drafter_intermediate_size=12288,
+    target_layer_ids=(1, 8, 15, 22, 29),
+    mask_token_id=248070,
+    max_position_embeddings=262144,
+    partial_rotary_factor=0.25,
+    hybrid=dict(
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+    ),
+)
+
+SCALE_MODELS = {model.name: model for model in (QWEN3_8B, QWEN3_5_9B, QWEN3_6_27B)}
 
 
 def _text_fields(model: ScaleModel) -> dict[str, Any]:
