@@ -254,9 +254,15 @@ def test_align_layout_gets_the_boundary_state_decoding_reaches(root_position, bl
     gen = torch.Generator().manual_seed(4)
     num_reqs, budget, depth = 1, 8, 6
     layer, table, _ = layer_table_step(num_reqs, budget, gen)
+    from types import SimpleNamespace
+
+    # vLLM's cache config in the align layout (read at the commit: vLLM fixes the block size
+    # after the step is made).
+    cache = SimpleNamespace(mamba_cache_mode="none", mamba_block_size=16)
     step = HybridTreeStep(
-        max_rows=4, tree_budget=budget, device=torch.device("cpu"), state_block_size=block_size
+        max_rows=4, tree_budget=budget, device=torch.device("cpu"), cache_config=cache
     )
+    cache.mamba_cache_mode, cache.mamba_block_size = "align", block_size
     window = layer.conv_view()[int(table[0, 0]), :, : WIDTH - 1].clone()
     state = layer.ssm_cache[int(table[0, 0])].transpose(-1, -2).clone()
     ones = torch.ones(num_reqs, dtype=torch.int32)

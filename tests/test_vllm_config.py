@@ -415,21 +415,18 @@ def test_the_gdn_tree_path_needs_float32_or_bf16_states_and_serves_prefix_cachin
         assert config.cache_config.mamba_ssm_cache_dtype == ("float32" if amx else states)
 
 
-def test_prefix_caching_needs_state_blocks_longer_than_a_verify(tmp_path, tiny_drafter_path):
+def test_prefix_caching_needs_state_blocks_longer_than_a_verify():
     """With prefix caching a step's ``1 + tree_budget`` verify tokens may cross one state block
     boundary at most (vLLM's align layout copies the boundary's state into a block column of
-    its own): a block size too small for the budget is refused before the engine starts,
-    naming the budget that fits and the flags that fix it."""
-    target = tiny_qwen3_next(tmp_path)
+    its own): a block size too small for the budget is refused as the engine starts (where vLLM
+    fixes its block sizes; ``test_vllm_hybrid_prefix_caching.py`` starts one), naming the
+    budget that fits and the flags that fix it."""
     from vllm_ddtree.config import check_align_block_size
 
     check_align_block_size(15, 16)
     check_align_block_size(64, None)  # no align layout
     with pytest.raises(DDTreeConfigError, match=r"tree_budget <= 15.*--block-size"):
         check_align_block_size(16, 16)
-    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
-    config = engine_config(target, spec, enable_prefix_caching=True)
-    assert config.cache_config.mamba_block_size > 8
 
 
 def test_a_hybrid_tree_whose_states_cannot_fit_is_refused_naming_what_fits(

@@ -118,3 +118,15 @@ def test_chunked_prefill_of_a_long_prompt_then_its_reuse(small_state_pair):
     ]
     results, _ = run_engines(target, runs, prompts, max_tokens=24)
     check_trees_equal_reference(results, "single", ["budget8"])
+
+
+@pytest.mark.vllm_engine
+def test_a_tree_wider_than_a_state_block_is_refused_as_the_engine_starts(small_state_pair):
+    """vLLM fixes a hybrid's block size as the engine starts (``--block-size`` 16 here, raised
+    to hold a layer's state: 48 tokens at budget 48). A verify of ``1 + tree_budget`` tokens
+    could then cross two block boundaries, whose states the align layout cannot both keep: the
+    engine stops at start naming the budget that fits and the flags that fix it."""
+    target, drafter = small_state_pair
+    too_wide = run(drafter, "budget48", 48, block_size=16)
+    with pytest.raises(AssertionError, match=r"tree_budget=48 .*tree_budget <= 47"):
+        run_engines(target, [too_wide], [[5, 6, 7]], max_tokens=4)

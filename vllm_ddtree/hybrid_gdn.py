@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ddtree.compat import seams
+from vllm_ddtree.config import check_align_block_size
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.gdn_commit import (
     GDNStateLayers,
@@ -141,19 +142,15 @@ class HybridTreeStep:
 
     ``parents`` long ``[rows + 1, T]`` (tree indices, ``-1`` at the root) and ``num_tokens``
     long ``[rows + 1]`` (0 for rows without a tree); the last row takes what has no row.
-    ``state_block_size``: the mamba block size of vLLM's prefix-caching ``align`` layout (the
-    commit then also places the states vLLM caches at block boundaries), None without it.
+    ``cache_config``: the engine's (vLLM's ``CacheConfig``), read when the commit runs: in the
+    prefix-caching ``align`` layout the commit also places the states vLLM caches at block
+    boundaries, and vLLM fixes the block size only after the model is loaded
+    (``Platform.update_block_size_for_backend``), after this object is made.
     """
 
-    def __init__(
-        self,
-        max_rows: int,
-        tree_budget: int,
-        device: torch.device,
-        state_block_size: int | None = None,
-    ):
+    def __init__(self, max_rows: int, tree_budget: int, device: torch.device, cache_config=None):
         self.max_rows = max_rows
-        self.state_block_size = state_block_size
+        self.cache_config = cache_config
         self.tokens_per_row = tree_budget + 1  # a verify row: the root, then the nodes
         self.parents = torch.full(
             (max_rows + 1, self.tokens_per_row), -1, dtype=torch.long, device=device
@@ -166,6 +163,15 @@ class HybridTreeStep:
         self.routed_calls = 0  # speculative GDN calls sent to the tree kernels
         self.step_number = 0  # publish() counts the verify steps
         self._routed_at_publish = 0
+
+    @property
+    def state_block_size(self) -> int | None:
+        """Tokens per cached state block in vLLM's ``align`` layout (prefix caching); None in
+        its plain layout."""
+        cache = self.cache_config
+        if cache is None or cache.mamba_cache_mode != "align":
+            return None
+        return cache.mamba_block_size
 
     def publish(self, parents: torch.Tensor, num_nodes: torch.Tensor, num_draft: torch.Tensor):
         """Before the forward: the trees' ``parents`` long ``[R, B]`` (tree index of each
@@ -208,9 +214,13 @@ class HybridTreeStep:
         return layer
 
     def prepare_layers(self, model: torch.nn.Module) -> int:
-        """Before CUDA graphs are captured: buffers for every GatedDeltaNet layer of ``model``
-        (vLLM's ``QwenGatedDeltaNetAttention``, found by its ``conv1d`` and ``A_log``), keyed
-        as the calls find them. Returns how many layers have buffers."""
+        """Before CUDA graphs are captured (and vLLM's memory profile, once its block sizes are
+        fixed): buffers for every GatedDeltaNet layer of ``model`` (vLLM's
+        ``QwenGatedDeltaNetAttention``, found by its ``conv1d`` and ``A_log``), keyed as the
+        calls find them; a tree too wide for the ``align`` layout's state blocks is refused
+        (``config.check_align_block_size``). Returns how many layers have buffers."""
+        if self.state_block_size is not None:
+            check_align_block_size(self.tokens_per_row - 1, self.state_block_size)
         for module in model.modules():
             conv = getattr(module, "conv1d", None)
             weight = getattr(conv, "weight", None)
@@ -418,9 +428,10 @@ class HybridTreeStep:
         if layers is None:
             return
         boundary = None
-        if self.state_block_size is not None:
+        block_size = self.state_block_size
+        if block_size is not None:
             assert root_positions is not None, "the align layout needs the roots' positions"
-            boundary = boundary_depths(root_positions, num_accepted, self.state_block_size)
+            boundary = boundary_depths(root_positions, num_accepted, block_size)
         commit = commit_gdn_states if use_triton(accepted.device) else commit_gdn_states_ref
         commit(layers, accepted, num_accepted.long(), num_draft.long(), boundary)
 
@@ -477,16 +488,15 @@ def hybrid_tree_step(vllm_config, tree_budget: int, device) -> HybridTreeStep:
     """A DDTree worker's GatedDeltaNet tree path (either runner): vLLM's speculative GDN calls
     routed to the tree kernels (``install``), and the step object the runner hooks publish
     the trees to and commit through, sized for the engine; with prefix caching (vLLM's
-    ``align`` state layout) it also places the states vLLM caches at block boundaries. Made
-    before any CUDA graph is captured."""
+    ``align`` state layout) it also places the states vLLM caches at block boundaries, of the
+    size vLLM fixes once the model is loaded (read then: ``HybridTreeStep.state_block_size``).
+    Made before any CUDA graph is captured."""
     install(torch.device(device))
-    cache = vllm_config.cache_config
-    aligned = cache.mamba_cache_mode == "align"
     return HybridTreeStep(
         max_rows=vllm_config.scheduler_config.max_num_seqs,
         tree_budget=tree_budget,
         device=torch.device(device),
-        state_block_size=cache.mamba_block_size if aligned else None,
+        cache_config=vllm_config.cache_config,
     )
 
 

@@ -53,7 +53,6 @@ from vllm_ddtree.config import (
     VERIFY_GRAPH_TOKENS,
     DDTreeConfig,
     DDTreeConfigError,
-    check_align_block_size,
     check_drafter_is_dflash,
     check_engine_is_supported,
     check_sampling_params,
@@ -202,9 +201,9 @@ def _wrap_create_speculative_config(original):
 
 def check_hybrid_state_memory(vllm_config) -> None:
     """A DDTree engine on a GatedDeltaNet target: its tree states must fit the memory vLLM may
-    use (``hybrid_state.check_slot_layout_fits``) and, with prefix caching, its verify one state
-    block (``config.check_align_block_size``); checked on the final config (``max_num_seqs`` and
-    the block sizes are resolved after the speculative config)."""
+    use (``hybrid_state.check_slot_layout_fits``), checked on the final config (``max_num_seqs``
+    is resolved after the speculative config). (Its state blocks get their final size only when
+    the engine starts: ``hybrid_gdn.hybrid_tree_step`` checks them there.)"""
     ddtree = get_ddtree_config(vllm_config.speculative_config)
     model_config = vllm_config.model_config
     if ddtree is None or model_config is None or not model_config.is_hybrid:
@@ -213,8 +212,6 @@ def check_hybrid_state_memory(vllm_config) -> None:
 
     cache = vllm_config.cache_config
     aligned = cache.mamba_cache_mode == "align"
-    if aligned:
-        check_align_block_size(ddtree.tree_budget, cache.mamba_block_size)
     available = cache.kv_cache_memory_bytes
     if not available:
         from vllm.platforms import current_platform
