@@ -530,7 +530,7 @@ def main() -> int:
             max_tokens=max_tokens,
             second_turn=extra,
             second_turn_tokens=32,
-            max_model_len=8 * block,
+            max_model_len=min(8 * block, spec.max_position_embeddings),
         )
         one_at_a_time = False  # long conversations: each batch once
     engine_extra = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
