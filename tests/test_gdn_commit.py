@@ -187,4 +187,4 @@ def test_kernel_equals_reference(block, conv_dtype, with_boundary):
 @pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="runs the kernel directly")
 def test_kernel_under_interpreter():
-    run_under_interpreter(__file__, "kernel_equals", expected=8)
+    run_under_interpreter(__file__, "kernel_equals", expected=8, strict_scalars=True)

@@ -164,7 +164,7 @@ def test_kernel_path_two_tree_steps_continue_exactly(monkeypatch):
 @pytest.mark.skipif(INTERPRETED, reason="already interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel-path tests, under Triton's interpreter."""
-    run_under_interpreter(__file__, "kernel_path", expected=1)
+    run_under_interpreter(__file__, "kernel_path", expected=1, strict_scalars=True)
 
 
 def layer_table_step(num_reqs: int, budget: int, gen, max_rows: int = 4):

@@ -195,6 +195,7 @@ if HAS_TRITON:
         TOKENS: tl.constexpr,
         CHANNELS: tl.constexpr,
         KEPT: tl.constexpr,
+        PATH: tl.constexpr,
         HEAD_V: tl.constexpr,
         HEAD_K: tl.constexpr,
         SSM_SIZE: tl.constexpr,
@@ -264,12 +265,14 @@ if HAS_TRITON:
                 for c in tl.static_range(KEPT - 1):
                     value = tl.load(window + (first + 1 + c) * stride_conv_w, mask=inside)
                     tl.store(window + c * stride_conv_w, value, mask=inside)
-                # Then the path's inputs, root first.
-                for j in range(0, taken + 1):
-                    node = tl.load(accepted_ptr + req * stride_accepted + j)
-                    at = inputs + (row * TOKENS + node) * CHANNELS + channel
-                    value = tl.load(at, mask=inside).to(CONV_DTYPE)
-                    tl.store(window + (KEPT - 1 + j) * stride_conv_w, value, mask=inside)
+                # Then the path's inputs, root first (``taken + 1`` of the ``PATH`` columns).
+                for j in tl.static_range(PATH):
+                    on_path = j <= taken
+                    node = tl.load(accepted_ptr + req * stride_accepted + j, mask=on_path, other=0)
+                    source = inputs + (row * TOKENS + node) * CHANNELS + channel
+                    value = tl.load(source, mask=inside & on_path).to(CONV_DTYPE)
+                    column = window + (KEPT - 1 + j) * stride_conv_w
+                    tl.store(column, value, mask=inside & on_path)
 
 
 def commit_gdn_states(
@@ -312,6 +315,7 @@ def commit_gdn_states(
         TOKENS=inputs.shape[1],
         CHANNELS=channels,
         KEPT=layers.window,
+        PATH=accepted.shape[1],
         HEAD_V=head_v,
         HEAD_K=head_k,
         SSM_SIZE=ssm_size,
