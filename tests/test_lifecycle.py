@@ -209,8 +209,8 @@ def test_lifecycle_fuzz_with_auto_moving_its_budget(
 # vLLM's plain state layout, whole prefills, a pool too large to preempt (a hybrid request takes
 # its state blocks when it starts); and with prefix caching (vLLM's align layout, which needs
 # chunked prefill: chunks end on state-block boundaries) on a pool small enough to preempt
-# (requests crossing a state block need one more as they decode), greedy only (vLLM-CPU's chunked prefill of a seeded request fails in vLLM itself, see
-# FUZZ_ENGINES).
+# (requests crossing a state block need one more as they decode), greedy only (vLLM-CPU's
+# chunked prefill of a seeded request fails in vLLM itself, see FUZZ_ENGINES).
 HYBRID_FUZZ_ENGINES = {
     "plain": (2, 256, 0.3, {"num_gpu_blocks_override": 40, "enable_chunked_prefill": False}),
     "prefix_caching": (

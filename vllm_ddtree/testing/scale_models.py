@@ -159,64 +159,59 @@ QWEN3_8B = ScaleModel(
     mask_token_id=151669,
 )
 
-QWEN3_6_27B = ScaleModel(
+
+def qwen3_5_family(gdn_value_heads: int, **shapes) -> ScaleModel:
+    """A Qwen3.5/3.6 dense hybrid (vLLM's ``Qwen3_5ForConditionalGeneration``) and its z-lab
+    drafter: what the family shares (vocabulary, RoPE, the drafter's mask token and heads, the
+    GatedDeltaNet layout: 16 key heads of 128, conv width 4, full attention every 4th layer)
+    with the model's own ``shapes`` and ``gdn_value_heads``."""
+    return ScaleModel(
+        architecture="Qwen3_5ForConditionalGeneration",
+        vocab_size=248320,
+        rope_theta=10_000_000.0,
+        drafter_layers=5,
+        drafter_heads=32,
+        drafter_kv_heads=8,
+        drafter_head_dim=128,
+        mask_token_id=248070,
+        max_position_embeddings=262144,
+        partial_rotary_factor=0.25,
+        hybrid=dict(
+            linear_num_key_heads=16,
+            linear_num_value_heads=gdn_value_heads,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=4,
+        ),
+        **shapes,
+    )
+
+
+QWEN3_6_27B = qwen3_5_family(
+    48,
     name="qwen3.6-27b",
-    architecture="Qwen3_5ForConditionalGeneration",
     hidden_size=5120,
     num_hidden_layers=64,
     num_attention_heads=24,
     num_key_value_heads=4,
     head_dim=256,
     intermediate_size=17408,
-    vocab_size=248320,
-    rope_theta=10_000_000.0,
-    drafter_layers=5,
-    drafter_heads=32,
-    drafter_kv_heads=8,
-    drafter_head_dim=128,
     drafter_intermediate_size=17408,
     target_layer_ids=(1, 16, 31, 46, 61),
-    mask_token_id=248070,
-    max_position_embeddings=262144,
-    partial_rotary_factor=0.25,
-    hybrid=dict(
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-    ),
 )
 
-QWEN3_5_9B = ScaleModel(
+QWEN3_5_9B = qwen3_5_family(
+    32,
     name="qwen3.5-9b",
-    architecture="Qwen3_5ForConditionalGeneration",
     hidden_size=4096,
     num_hidden_layers=32,
     num_attention_heads=16,
     num_key_value_heads=4,
     head_dim=256,
     intermediate_size=12288,
-    vocab_size=248320,
-    rope_theta=10_000_000.0,
-    drafter_layers=5,
-    drafter_heads=32,
-    drafter_kv_heads=8,
-    drafter_head_dim=128,
     drafter_intermediate_size=12288,
     target_layer_ids=(1, 8, 15, 22, 29),
-    mask_token_id=248070,
-    max_position_embeddings=262144,
-    partial_rotary_factor=0.25,
-    hybrid=dict(
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-    ),
 )
 
 SCALE_MODELS = {model.name: model for model in (QWEN3_8B, QWEN3_5_9B, QWEN3_6_27B)}
