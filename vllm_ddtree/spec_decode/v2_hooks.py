@@ -113,10 +113,11 @@ def _wrap_capture_model(original):
         speculator = _ddtree_speculator(self)
         if speculator is None:
             return original(self)
-        # A hybrid target's GDN layers reach the tree path through TREE_ATTN's metadata, in
-        # the captured verify graphs too, whose buffers exist before the first capture.
-        prepare_before_capture(speculator.state.hybrid, self.model, "before capture")
-        speculator.state.bind_tree_attention(self.attn_groups)
+        if speculator.state.hybrid is not None:
+            # The GDN layers reach the tree path through TREE_ATTN's metadata, in the captured
+            # verify graphs too, whose buffers exist before the first capture.
+            prepare_before_capture(speculator.state.hybrid, self.model, "before capture")
+            speculator.state.bind_tree_attention(self.attn_groups)
         if speculator.state.acceptance is None:
             captured = original(self)
         else:
@@ -135,7 +136,7 @@ def _wrap_profile_run(original):
 
     def profile_run(self):
         speculator = _ddtree_speculator(self)
-        if speculator is not None:
+        if speculator is not None and speculator.state.hybrid is not None:
             prepare_before_capture(speculator.state.hybrid, self.model, "before memory profiling")
         return original(self)
 
