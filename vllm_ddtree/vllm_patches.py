@@ -16,16 +16,13 @@ when vLLM imports a runner. This module holds the engine-level wrappers:
 * ``Scheduler.__init__``: the KV lookahead a request gets each step covers every slot the
   DDTree drafter writes (``DDTreeConfig.kv_lookahead``).
 * ``VllmConfig.use_v2_model_runner``: the runner ``config.choose_runner`` chose.
-* ``resolve_chat_template_kwargs``: chat-template switches sent as the strings
-  ``"true"``/``"false"`` (any case) become booleans (DFlash drafters are trained for one chat
-  mode; the wrong mode silently collapses acceptance).
 * ``SamplingParams._validate_spec_decode``: with DDTree configured, a request asking for what
   the tree sampler cannot apply yet is refused with an error naming the fields.
 * ``CpuPlatform.get_attn_backend_cls``: TREE_ATTN when selected (its PyTorch path).
 
-TREE_ATTN is registered in the ``CUSTOM`` slot of vLLM's ``AttentionBackendEnum``
-(``register_backend``, vLLM's API for it), with ``TREE_ATTN`` as an alias name of that member,
-so ``--attention-backend TREE_ATTN`` parses and the member pickles as the static ``CUSTOM``.
+Every wrapper leaves an engine that does not use DDTree as vLLM makes it. TREE_ATTN takes vLLM's
+``CUSTOM`` attention backend slot only in the processes of an engine that uses it
+(``compat/tree_attn_slot.py``).
 """
 
 from __future__ import annotations
@@ -39,13 +36,21 @@ from vllm_ddtree.compat import (
     DDTREE_ATTR,
     DDTREE_CHAIN_ATTR,
     WRITTEN_FOR_VLLM,
-    VLLMIncompatibleError,
-    alias_enum_member,
     get_ddtree_config,
     incompatible,
     is_applied,
     seams,
     vllm_version,
+)
+from vllm_ddtree.compat.tree_attn_slot import (
+    TREE_ATTN_NAME,
+    TREE_ATTN_PATH,
+    CustomSlotTaken,
+    add_tree_attn_name,
+    is_tree_attention,
+    mark_uses_tree_attention,
+    names_tree_attention,
+    take_slot,
 )
 from vllm_ddtree.config import (
     DDTREE_METHOD,
@@ -96,13 +101,25 @@ def _choose_target_attention_backend(engine_args) -> None:
     chosen = _as_backend(engine_args.attention_backend) or _as_backend(config_backend)
     if chosen is None:
         engine_args.attention_backend = TREE_ATTN_NAME
-    elif not is_tree_attention(chosen):
+        chosen = _as_backend(TREE_ATTN_NAME)
+    if chosen is _as_backend(TREE_ATTN_NAME):  # TREE_ATTN, or the CUSTOM slot it fills
+        _take_custom_slot()
+    if not is_tree_attention(chosen):
         raise DDTreeConfigError(
             f"method 'ddtree' verifies draft trees with the TREE_ATTN attention backend; the "
             f"target's attention backend {chosen.name} cannot do tree attention. Use "
             "--attention-backend TREE_ATTN or leave it unset (speculative_config"
             "['attention_backend'] chooses the drafter's backend)."
         )
+
+
+def _take_custom_slot() -> None:
+    """TREE_ATTN in vLLM's CUSTOM slot for this engine, or a config error naming the holder."""
+    try:
+        take_slot()
+    except CustomSlotTaken as error:
+        message = f"method 'ddtree' verifies draft trees with TREE_ATTN: {error}"
+        raise DDTreeConfigError(message) from error
 
 
 def _wrap_create_speculative_config(original):
@@ -232,47 +249,23 @@ def check_hybrid_state_memory(vllm_config) -> None:
 
 
 def _wrap_create_engine_config(original):
-    """``EngineArgs.create_engine_config``: the checks that need the resolved config."""
+    """``EngineArgs.create_engine_config``: the checks that need the resolved config; an
+    engine that attends with TREE_ATTN (a DDTree engine, or one naming it) is marked so."""
 
     def create_engine_config(self, *args, **kwargs):
+        named_tree_attention = names_tree_attention(getattr(self, "attention_backend", None))
         config = original(self, *args, **kwargs)
         check_hybrid_state_memory(config)
         ddtree = get_ddtree_config(config.speculative_config)
+        if ddtree is not None or named_tree_attention:
+            # Its processes take vLLM's CUSTOM slot for TREE_ATTN (compat/tree_attn_slot.py).
+            take_slot()
+            mark_uses_tree_attention(config)
         if ddtree is not None and getattr(self, "_ddtree_sized_graphs", False):
             complete_verify_graph_sizes(config, ddtree)
         return config
 
     return create_engine_config
-
-
-TREE_ATTN_NAME = "TREE_ATTN"
-TREE_ATTN_PATH = "tree_attn_backend.backend.TreeAttentionBackend"
-
-
-def register_tree_attention() -> None:
-    """Register TREE_ATTN in vLLM's CUSTOM backend slot under the name ``TREE_ATTN``."""
-    from vllm.v1.attention.backends import registry
-
-    enum = registry.AttentionBackendEnum
-    custom = enum.CUSTOM
-    existing = registry._ATTN_OVERRIDES.get(custom)
-    if existing not in (None, TREE_ATTN_PATH):
-        raise VLLMIncompatibleError(
-            f"vllm-ddtree: the CUSTOM attention backend slot already holds {existing}; "
-            "TREE_ATTN needs it"
-        )
-    registry.register_backend(custom, TREE_ATTN_PATH)
-    alias_enum_member(enum, TREE_ATTN_NAME, custom)
-
-
-def is_tree_attention(backend) -> bool:
-    """True if ``backend`` (an ``AttentionBackendEnum`` or None) selects TREE_ATTN."""
-    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
-
-    return (
-        backend is AttentionBackendEnum.CUSTOM
-        and _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM) == TREE_ATTN_PATH
-    )
 
 
 def _wrap_drafting_slots(original):
@@ -314,24 +307,6 @@ def _wrap_use_v2_model_runner(original):
         return original(self)
 
     return use_v2_model_runner
-
-
-def coerce_template_switches(kwargs: dict) -> dict:
-    """``{"enable_thinking": "false"}`` -> ``{"enable_thinking": False}``; likewise "true".
-
-    Case and surrounding spaces are ignored; other values are left as they are."""
-    booleans = {"true": True, "false": False}
-    return {
-        key: booleans.get(value.strip().lower(), value) if isinstance(value, str) else value
-        for key, value in kwargs.items()
-    }
-
-
-def _wrap_chat_template_kwargs(original):
-    def resolve_chat_template_kwargs(*args, **kwargs):
-        return coerce_template_switches(original(*args, **kwargs))
-
-    return resolve_chat_template_kwargs
 
 
 def _wrap_validate_spec_decode(original):
@@ -547,7 +522,7 @@ def apply() -> None:
     seams now, the model runners' seams when vLLM imports a runner (``compat.seams``)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    register_tree_attention()
+    add_tree_attn_name()
     if is_applied(EngineArgs.create_speculative_config):
         return
     version = vllm_version()

@@ -272,11 +272,12 @@ SEAMS: tuple[Seam, ...] = (
         f"{_ENGINE}:_wrap_use_v2_model_runner",
         kind=PROPERTY,
     ),
+    # TREE_ATTN in vLLM's CUSTOM slot, in the processes of an engine that uses it.
     Seam(
-        "vllm.renderers.hf:resolve_chat_template_kwargs",
+        "vllm.v1.attention.selector:_cached_get_attn_backend",
         ENGINE,
-        f"{_ENGINE}:_wrap_chat_template_kwargs",
-        optional=True,
+        "vllm_ddtree.compat.tree_attn_slot:wrap_cached_get_attn_backend",
+        ("backend", "attn_selector_config"),
     ),
     Seam(
         "vllm.sampling_params:SamplingParams._validate_spec_decode",
@@ -372,7 +373,8 @@ SEAMS: tuple[Seam, ...] = (
         ("self", "block_ids"),
         optional=True,
     ),
-    # vLLM-CPU's DFlash drafter: each layer's own K-norm on its context keys (any method).
+    # vLLM-CPU's DFlash drafter: each layer's own K-norm on its context keys (a DDTree
+    # engine's drafter, marked by its proposer).
     Seam(
         f"{DFLASH_MODEL_MODULE}:DFlashQwen3Model._normalize_context_k",
         CPU_RUNNER,
