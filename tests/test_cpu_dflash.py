@@ -3,7 +3,11 @@
 
 import torch
 
-from vllm_ddtree.compat.cpu_dflash import normalize_per_layer, wrap_normalize_context_k
+from vllm_ddtree.compat.cpu_dflash import (
+    normalize_per_layer,
+    use_per_layer_k_norm,
+    wrap_normalize_context_k,
+)
 from vllm_ddtree.dflash_drafter import RMSNorm
 
 
@@ -37,10 +41,23 @@ def test_vllms_cpu_rms_norm_gives_every_layer_the_first_layers_weight():
     assert not torch.allclose(out, normalize_per_layer(keys, weights, 1e-6), atol=1e-3)
 
 
-def test_the_wrapper_replaces_vllms_call_on_the_cpu_only():
+class Drafter(torch.nn.Module):
+    """A stand-in for vLLM's DFlashQwen3Model: what the wrapper reads."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self._k_norm_weights, self._rms_norm_eps = weights, 1e-6
+
+    def _normalize_context_k(self, all_k):
+        raise AssertionError("not called")
+
+
+def test_the_wrapper_replaces_vllms_call_on_the_cpu_in_a_ddtree_drafter_only():
     keys, weights = _keys_and_weights()
-    model = type("Drafter", (), {"_k_norm_weights": weights, "_rms_norm_eps": 1e-6})()
+    model = Drafter(weights)
     wrapped = wrap_normalize_context_k(lambda self, all_k: "vLLM's kernel")
+    assert wrapped(model, keys) == "vLLM's kernel"  # vLLM's DFlash chain: vLLM's call
+    use_per_layer_k_norm(torch.nn.Sequential(model))  # what the DDTree proposer does
     assert torch.equal(wrapped(model, keys), normalize_per_layer(keys, weights, 1e-6))
     meta = torch.empty(3, 5, 2, 8, device="meta")
     assert wrapped(model, meta) == "vLLM's kernel"

@@ -19,6 +19,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import hybrid_gdn
 from vllm_ddtree.compat import get_ddtree_config
+from vllm_ddtree.compat.cpu_dflash import use_per_layer_k_norm
 from vllm_ddtree.config import DDTreeConfig, oracle_path
 from vllm_ddtree.online_budget import make_tracker
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
@@ -66,6 +67,11 @@ class DDTreeProposer(DFlashProposer):
             self.state.hybrid = hybrid_gdn.hybrid_tree_step(
                 vllm_config, self.ddtree.tree_budget, device
             )
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        if self.ddtree is not None:  # vLLM-CPU's drafter as trained (compat/cpu_dflash.py)
+            use_per_layer_k_norm(self.model)
 
     def _size_query_buffers(self, queries_per_request: int) -> None:
         """DFlash sizes its query buffers for 1 + num_speculative_tokens (= the budget) queries
