@@ -255,6 +255,8 @@ def _wrap_update_draft_token_ids(original):
     """``Scheduler.update_draft_token_ids`` (synchronous scheduling)."""
 
     def update_draft_token_ids(self, draft_token_ids):
+        if not _is_ddtree_engine(self.vllm_config):
+            return original(self, draft_token_ids)
         original(self, draft_token_ids)
 
         def store(request, tokens):
@@ -270,6 +272,8 @@ def _wrap_update_draft_token_ids_in_output(original):
     a step whose grammar bitmask waited for them)."""
 
     def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output):
+        if not _is_ddtree_engine(self.vllm_config):
+            return original(self, draft_token_ids, scheduler_output)
         original(self, draft_token_ids, scheduler_output)
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         invalid = scheduler_output.num_invalid_spec_tokens
