@@ -161,3 +161,14 @@ def test_request_seeds_are_explicit_or_drawn_alike_on_every_rank():
         drawn.append(again.tolist())
     assert drawn[0] == drawn[1]
     assert drawn[0][0] != drawn[0][1]
+
+
+def test_request_seeds_take_every_seed_vllm_accepts():
+    """Seeds up to 2**64 - 1 (the offline API accepts them) become the int64 of their 64 bits:
+    distinct seeds stay distinct, and a seed below 2**63 is itself."""
+    from vllm_ddtree.spec_decode.request_seeds import RequestSeeds
+
+    explicit = {"small": 2**63 - 1, "high": 2**63 + 5, "top": 2**64 - 1, "zero": 0}
+    table = RequestSeeds(keep=lambda req_id: True)
+    seeds = table.seeds(list(explicit), explicit.get, torch.device("cpu"))
+    assert seeds.tolist() == [2**63 - 1, 5 - 2**63, -1, 0]

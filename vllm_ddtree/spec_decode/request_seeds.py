@@ -17,6 +17,13 @@ import torch
 from vllm_ddtree.spec_decode.step_state import runner_step_state
 
 
+def as_int64(seed: int) -> int:
+    """``seed``'s low 64 bits as an int64 (two's complement): vLLM accepts seeds up to
+    2**64 - 1, the noise hashes the seed's 64 bits, and distinct seeds stay distinct."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 def _random_seed() -> int:
     """A 63-bit seed from torch's default CPU generator."""
     return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.long).item())
@@ -43,7 +50,7 @@ class RequestSeeds:
             seed = self._seeds.get(req_id)
             if seed is None:
                 explicit = explicit_seed(req_id)
-                seed = int(explicit) if explicit is not None else _random_seed()
+                seed = as_int64(int(explicit)) if explicit is not None else _random_seed()
                 self._seeds[req_id] = seed
             values.append(seed)
         if len(self._seeds) > 4 * len(req_ids) + 1024:
