@@ -417,6 +417,28 @@ def test_ddtree_logprobs_are_the_target_alones(tiny_target_path, tiny_drafter_pa
 
 
 @pytest.mark.vllm_engine
+def test_ddtree_label_logprobs_are_the_target_alones(tiny_target_path, tiny_drafter_path):
+    """``logprob_token_ids`` (a scoring request's labels, with ``logprobs``) on trees of budget
+    8: at every emitted token the labels' logprobs and the token's own, as the target alone
+    returns them (vLLM's sampler prefers the labels to the top-k), each request its own labels.
+    (A request without labels in a batch with some gets only its token's logprob from vLLM's
+    sampler, so what it gets depends on its batch: not compared.)"""
+    labels = [[5 + i, 17, 42 + 3 * i, 99 - i] for i in range(len(PROMPTS))]
+    per_prompt = [{"logprob_token_ids": ids} for ids in labels]
+    target = {**TARGET_ALONE, "params": {"logprobs": 4}, "prompt_params": per_prompt}
+    tree = {**ddtree_run("ddtree", tiny_drafter_path, 8), "params": {"logprobs": 4}}
+    tree["prompt_params"] = per_prompt
+    results, _ = run_engines(tiny_target_path, [target, tree], PROMPTS, max_tokens=12)
+    assert results["ddtree"]["tokens"] == results["target"]["tokens"]
+    want = results["target"]["logprobs"]
+    for positions, tokens, ids in zip(want, results["target"]["tokens"], labels, strict=True):
+        for position, token in zip(positions, tokens, strict=True):
+            assert {t for t, _, _ in position} == {token, *ids}, position
+    assert_same_logprobs(results["ddtree"]["logprobs"], want)
+    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.vllm_engine
 def test_ddtree_whole_vocabulary_logprobs_are_the_target_alones(
     tiny_target_path, tiny_drafter_path
 ):

@@ -33,6 +33,29 @@ def mode_logprobs(sampler, logits: torch.Tensor) -> torch.Tensor:
     return sampler.compute_logprobs(logits)
 
 
+def asks_for_logprobs(sampling_metadata) -> bool:
+    """Whether a V1 batch asks for logprobs: top-k (``max_num_logprobs``) or labels
+    (``logprob_token_ids``)."""
+    return sampling_metadata.max_num_logprobs is not None or bool(
+        sampling_metadata.logprob_token_ids
+    )
+
+
+def gather_step_logprobs(
+    sampler, scores: torch.Tensor, tokens: torch.Tensor, sampling_metadata, width: int = 1
+):
+    """vLLM's V1 ``LogprobsTensors`` of emitted tokens, chosen as its sampler chooses: where
+    any request of the batch gave ``logprob_token_ids``, every row gets the emitted token and
+    its request's labels (``gather_specific_token_logprobs``), else the top
+    ``max_num_logprobs``. ``scores`` ``[R * width, V]`` (request ``r``'s rows ``r * width``
+    onwards) in the sampler's logprobs mode; ``tokens`` long ``[R * width]``."""
+    labels = sampling_metadata.logprob_token_ids
+    if labels:
+        by_row = {r * width + j: ids for r, ids in labels.items() for j in range(width)}
+        return sampler.gather_specific_token_logprobs(scores, by_row, tokens)
+    return sampler.gather_logprobs(scores, sampling_metadata.max_num_logprobs, tokens)
+
+
 def path_logit_rows(
     first_row: torch.Tensor, accepted: torch.Tensor, num_accepted: torch.Tensor, width: int
 ) -> torch.Tensor:
@@ -55,16 +78,17 @@ def tree_step_logprobs(
     accepted: torch.Tensor,
     num_accepted: torch.Tensor,
     sampled: torch.Tensor,
-    max_num_logprobs: int,
+    sampling_metadata,
 ):
     """vLLM's ``LogprobsTensors`` of a tree step: ``R x W`` rows (``sampled`` ``[R, W]``: the
-    emitted tokens, then -1), each the top ``max_num_logprobs`` and the emitted token's
-    logprob and rank at the logits row that chose it (``path_logit_rows``)."""
+    emitted tokens, then -1), each the emitted token's logprob and rank with the top
+    ``max_num_logprobs`` or the request's labels (``gather_step_logprobs``) at the logits row
+    that chose it (``path_logit_rows``)."""
     width = sampled.shape[1]
     rows = path_logit_rows(first_row, accepted, num_accepted, width)
     logprobs = mode_logprobs(sampler, logits.index_select(0, rows))
     tokens = sampled.reshape(-1).long().clamp(min=0)  # -1 past the path: filtered by vLLM
-    return sampler.gather_logprobs(logprobs, max_num_logprobs, tokens)
+    return gather_step_logprobs(sampler, logprobs, tokens, sampling_metadata, width)
 
 
 def emitted_logit_rows(

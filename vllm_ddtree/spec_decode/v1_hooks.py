@@ -42,6 +42,8 @@ from vllm_ddtree.spec_decode.tree_logits_processors import (
     needs_tree_processors,
 )
 from vllm_ddtree.spec_decode.tree_logprobs import (
+    asks_for_logprobs,
+    gather_step_logprobs,
     mode_logprobs,
     processed_logprobs_mode,
     tree_step_logprobs,
@@ -345,10 +347,10 @@ def _sample_without_trees(runner, original, logits):
     from vllm.v1.outputs import SamplerOutput
 
     runner.input_batch.update_async_output_token_ids()
-    max_num_logprobs = sampling_metadata.max_num_logprobs
+    wants_logprobs = asks_for_logprobs(sampling_metadata)
     processed_mode = processed_logprobs_mode(runner.sampler)
     raw = None  # before the processors, as vLLM's sampler reports "raw" logprobs
-    if max_num_logprobs is not None and not processed_mode:
+    if wants_logprobs and not processed_mode:
         raw = mode_logprobs(runner.sampler, logits)
     # vLLM's own: allowed token ids, bad words, min_tokens and the other processors, penalties.
     logits = runner.sampler.apply_logits_processors(
@@ -370,9 +372,11 @@ def _sample_without_trees(runner, original, logits):
         chosen, processed = _target_tokens(logits, sampling_metadata, request_of_row, keyed_rows)
     sampled = chosen.to(torch.int32).view(num_reqs, 1)
     logprobs_tensors = None
-    if max_num_logprobs is not None:
+    if wants_logprobs:
         scores = mode_logprobs(runner.sampler, processed) if processed_mode else raw
-        logprobs_tensors = runner.sampler.gather_logprobs(scores, max_num_logprobs, chosen.long())
+        logprobs_tensors = gather_step_logprobs(
+            runner.sampler, scores, chosen.long(), sampling_metadata
+        )
     return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
 
@@ -407,7 +411,7 @@ def _wrap_sample(original):
         gdn = state.hybrid
         if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
             gdn.watch("in the target's forward after its last GDN layer, or its logits")
-        max_num_logprobs = sampling_metadata.max_num_logprobs
+        wants_logprobs = asks_for_logprobs(sampling_metadata)
         processed_mode = processed_logprobs_mode(self.sampler)
         with step_range("ddtree::target_tokens"):
             unban = _ban_stop_tokens_before_min_tokens(
@@ -438,7 +442,7 @@ def _wrap_sample(original):
             )
             if not processed_mode:
                 scored = logits  # raw: the target's logits as they came
-                if unban is not None and max_num_logprobs is not None:
+                if unban is not None and wants_logprobs:
                     unban()
         if gdn is not None:
             gdn.watch("in choosing the target's tokens")
@@ -460,9 +464,9 @@ def _wrap_sample(original):
                 roots = self.positions.index_select(0, step.root_row.long())
                 gdn.commit(accepted, num_accepted, step.num_draft, roots)
         logprobs_tensors = None
-        if max_num_logprobs is not None:
+        if wants_logprobs:
             logprobs_tensors = tree_step_logprobs(
-                self.sampler, scored, first_row, accepted, num_accepted, sampled, max_num_logprobs
+                self.sampler, scored, first_row, accepted, num_accepted, sampled, sampling_metadata
             )
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
