@@ -96,3 +96,54 @@ def test_the_log_line_says_the_predicted_acceptance_length_beside_the_realised_o
     assert line.endswith(
         "Mean tree nodes verified: 16.0, Predicted acceptance length ('auto'): 4.00"
     )
+
+
+def test_custom_stat_loggers_see_the_connectors_stats_as_vllm_sent_them():
+    """vLLM's ``StatLoggerManager`` runs custom stat loggers before its own: they get the KV
+    connector's stats without DDTree's predictions (a logger rebuilding connector stats from
+    the dict would refuse an unknown key), and without a connector the field stays None; the
+    default loggers still get the predictions."""
+    pytest.importorskip("vllm")
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    seen = []
+
+    class CustomLogger:  # what AsyncLLM(stat_loggers=...) or a stat logger plugin adds
+        def record(self, scheduler_stats, *args, **kwargs):
+            seen.append(scheduler_stats.kv_connector_stats)
+
+    class DefaultLogger:  # vLLM's own, patched: they read take_payload
+        def record(self, scheduler_stats, *args, **kwargs):
+            seen.append(budget_metrics.take_payload(scheduler_stats))
+
+    manager = SimpleNamespace(stat_loggers=[CustomLogger(), DefaultLogger()])
+    record = budget_metrics._wrap_stat_logger_manager_record(StatLoggerManager.record)
+    payload = {"predicted_tokens": 6.0, "predicted_steps": 2}
+    connector = {"Nixl": {"num_successful_transfers": [3]}}
+    for sent in ({**connector, "ddtree": payload}, {"ddtree": payload}):
+        seen.clear()
+        stats = SimpleNamespace(kv_connector_stats=sent, spec_decoding_stats=None)
+        record(manager, stats, None, engine_idx=0)
+        assert seen == [connector if len(sent) > 1 else None, payload]
+
+
+def test_predictions_sent_without_request_outputs_ride_with_the_next_stats():
+    """vLLM's synchronous LLMEngine records no stats that come without request outputs: the
+    engine core gives such predictions back, and the next stats carry them."""
+    scheduler = SimpleNamespace()
+    budget_metrics.set_predictions(scheduler, {8: 3.0})
+    make_stats = budget_metrics._wrap_make_stats(
+        lambda self: SimpleNamespace(kv_connector_stats=None, spec_decoding_stats=None)
+    )
+
+    def step(with_outputs: bool):
+        budget_metrics.observe(scheduler, 8)
+        eco = SimpleNamespace(outputs=["out"] if with_outputs else [])
+        eco.scheduler_stats = make_stats(scheduler)
+        return budget_metrics._wrap_update_from_output(lambda self: {0: eco})(scheduler)[0]
+
+    quiet = step(with_outputs=False)
+    assert quiet.scheduler_stats.kv_connector_stats is None
+    loud = step(with_outputs=True)
+    expected = {"predicted_tokens": 6.0, "predicted_steps": 2}
+    assert budget_metrics.take_payload(loud.scheduler_stats) == expected

@@ -5,9 +5,14 @@ Engine core: each refresh of the online budget (``online_budget.OnlineBudget``) 
 predicted tokens per verify step by budget on the scheduler (``set_predictions``). Every
 request's verify step then adds the prediction for the tree it verified (``observe``: the
 prediction of the largest budget at most its tree nodes), and the step's ``SchedulerStats``
-carry the sums to the front end under ``"ddtree"`` in ``kv_connector_stats`` (the one free-form
-field vLLM sends from the engine core; ``_wrap_make_stats``), which the front end's stat
-loggers take out before vLLM's own code reads the field (``take_payload``).
+carry the sums to the front end under ``"ddtree"`` in ``kv_connector_stats``: the one
+free-form field vLLM sends from the engine core (its serialiser drops any attribute that is
+not a declared field; ``_wrap_make_stats``). Stats that travel without request outputs give
+their sums back for the next ones (``_wrap_update_from_output``: vLLM's synchronous
+``LLMEngine`` records no stats from such outputs). In the front end the sums are taken out of
+the field before any stat logger runs (``_wrap_stat_logger_manager_record``, then
+``take_payload``), so custom stat loggers and vLLM's KV-connector metrics see the connector's
+stats as vLLM sent them.
 
 Front end: the log line ends with the predicted tokens per verify step next to vLLM's mean
 acceptance length (the realised one), and ``/metrics`` has
@@ -56,6 +61,11 @@ class BudgetPredictions:
             self.tokens += predicted
             self.steps += 1
 
+    def give_back(self, payload: dict[str, Any]) -> None:
+        """Sums ``drain`` gave that did not reach the front end: sent with the next ones."""
+        self.tokens += payload["predicted_tokens"]
+        self.steps += payload["predicted_steps"]
+
     def drain(self) -> dict[str, Any] | None:
         if not self.steps:
             return None
@@ -101,6 +111,49 @@ def _wrap_make_stats(original):
     return make_stats
 
 
+def _pop_payload(scheduler_stats) -> dict[str, Any] | None:
+    """The predictions in ``scheduler_stats.kv_connector_stats``, removed from it (the field
+    left None when nothing else is there)."""
+    connector = scheduler_stats.kv_connector_stats
+    if not isinstance(connector, dict) or PAYLOAD_KEY not in connector:
+        return None
+    rest = dict(connector)
+    payload = rest.pop(PAYLOAD_KEY)
+    scheduler_stats.kv_connector_stats = rest or None
+    return payload
+
+
+def _wrap_update_from_output(original):
+    """``Scheduler.update_from_output`` (engine core): predictions in stats sent without
+    request outputs go back to the scheduler, to ride with the next stats."""
+
+    def update_from_output(self, *args, **kwargs):
+        outputs = original(self, *args, **kwargs)
+        held = predictions(self)
+        if held is None or not outputs:
+            return outputs
+        for engine_core_outputs in outputs.values():
+            stats = engine_core_outputs.scheduler_stats
+            if stats is not None and not engine_core_outputs.outputs:
+                payload = _pop_payload(stats)
+                if payload is not None:
+                    held.give_back(payload)
+        return outputs
+
+    return update_from_output
+
+
+def _wrap_stat_logger_manager_record(original):
+    """``StatLoggerManager.record`` (front end): the predictions are taken out of the stats
+    before the first stat logger (a custom one included) sees them."""
+
+    def record(self, scheduler_stats, *args, **kwargs):
+        take_payload(scheduler_stats)
+        return original(self, scheduler_stats, *args, **kwargs)
+
+    return record
+
+
 def take_payload(scheduler_stats) -> dict[str, Any] | None:
     """Front end: the engine core's predictions in ``scheduler_stats``, taken out of its
     ``kv_connector_stats`` (left None when nothing else is there) the first time, so that
@@ -109,12 +162,7 @@ def take_payload(scheduler_stats) -> dict[str, Any] | None:
         return None
     if hasattr(scheduler_stats, PAYLOAD_ATTR):
         return getattr(scheduler_stats, PAYLOAD_ATTR)
-    connector = scheduler_stats.kv_connector_stats
-    payload = None
-    if isinstance(connector, dict) and PAYLOAD_KEY in connector:
-        rest = dict(connector)
-        payload = rest.pop(PAYLOAD_KEY)
-        scheduler_stats.kv_connector_stats = rest or None
+    payload = _pop_payload(scheduler_stats)
     setattr(scheduler_stats, PAYLOAD_ATTR, payload)
     return payload
 

@@ -243,6 +243,18 @@ SEAMS: tuple[Seam, ...] = (
         ("self", "spec_decoding_stats", "kv_connector_stats"),
     ),
     Seam(
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        ENGINE,
+        f"{_BUDGET_METRICS}:_wrap_update_from_output",
+        ("self", "scheduler_output", "model_runner_output"),
+    ),
+    Seam(
+        "vllm.v1.metrics.loggers:StatLoggerManager.record",
+        ENGINE,
+        f"{_BUDGET_METRICS}:_wrap_stat_logger_manager_record",
+        ("self", "scheduler_stats"),
+    ),
+    Seam(
         "vllm.v1.metrics.loggers:LoggingStatLogger.record",
         ENGINE,
         f"{_BUDGET_METRICS}:_wrap_logging_record",
