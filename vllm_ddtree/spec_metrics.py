@@ -65,8 +65,10 @@ def _wrap_make_spec_decoding_stats(original):
         book = stats_book(self)
         if book is not None:  # the request's own statistics (request_options.py)
             book.observe(bound["request_id"], num_draft_tokens, bound["num_accepted_tokens"])
-        if not self.log_stats or not num_draft_tokens:
+        if not self.log_stats:
             return None
+        if not num_draft_tokens:  # every draft invalid: the other requests' counts stay
+            return bound["spec_decoding_stats"]
         budget_metrics.observe(self, num_draft_tokens)  # what "auto" predicted for it
         positions = tree_positions(ddtree)
         stats = tree_stats(bound["spec_decoding_stats"], positions)
