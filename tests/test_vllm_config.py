@@ -97,6 +97,17 @@ def test_auto_budget_chooses_for_the_engines_max_num_seqs(
     # Marked as served for "ddtree" (the runner hooks guard its graph dispatch), in the
     # engine's processes too.
     assert getattr(pickle.loads(pickle.dumps(sc)), DDTREE_CHAIN_ATTR, False)
+    # A request's DDTree options are still checked: the chain's draft tokens capped by any
+    # int >= 1, anything else refused naming the key and the allowed values.
+    from vllm import SamplingParams
+
+    for value in (3, 100, "auto"):
+        SamplingParams(extra_args={"tree_budget": value}).verify(
+            config.model_config, sc, None, None
+        )
+    for extra in ({"tree_budget": -5}, {"tree_budget": 2.5}, {"ddtree_stats": "maybe"}):
+        with pytest.raises(ValueError, match="extra_args.*allowed"):
+            SamplingParams(extra_args=extra).verify(config.model_config, sc, None, None)
 
 
 def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):

@@ -18,7 +18,10 @@ A request asks through ``SamplingParams.extra_args`` (the OpenAI server's ``vllm
   (a stop string) finishes without a final engine output: its statistics are in the log only.
 
 Both are checked when vLLM validates the request (``check_request_options``): a bad value is
-refused before the request reaches the engine, naming the key and the values allowed.
+refused before the request reaches the engine, naming the key and the values allowed. An
+engine where ``"tree_budget": "auto"`` chose vLLM's DFlash chain takes the same options: a
+request's ``tree_budget`` (an int >= 1 or ``"auto"``) caps its chain's draft tokens, and its
+statistics count the chain's verify steps and say ``"served": "dflash_chain"``.
 """
 
 from __future__ import annotations
@@ -41,18 +44,26 @@ def _extra_args(params: Any) -> dict:
     return getattr(params, "extra_args", None) or {}
 
 
-def request_tree_budget(params: Any, engine_budget: int) -> int | None:
+def request_tree_budget(params: Any, engine_budget: int | None) -> int | None:
     """The nodes per step ``params`` asks for when fewer than ``engine_budget`` (None: the
-    engine's budget). Raises ``DDTreeConfigError`` for a value outside the allowed ones."""
+    engine's budget). ``engine_budget`` None: the engine serves the DFlash chain, whose draft
+    tokens any int >= 1 caps. Raises ``DDTreeConfigError`` for a value outside the allowed
+    ones."""
     value = _extra_args(params).get(REQUEST_BUDGET_KEY)
     if value is None or value == AUTO_BUDGET:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= engine_budget:
-        raise DDTreeConfigError(
-            f"extra_args['{REQUEST_BUDGET_KEY}'] (vllm_xargs) = {value!r}: allowed are an int "
-            f"in 1..{engine_budget} (this engine's tree_budget) or '{AUTO_BUDGET}'"
+    highest = engine_budget if engine_budget is not None else float("inf")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= highest:
+        allowed = (
+            f"an int in 1..{engine_budget} (this engine's tree_budget)"
+            if engine_budget is not None
+            else "an int >= 1 (this engine serves the DFlash chain: it caps the draft tokens)"
         )
-    return value if value < engine_budget else None
+        raise DDTreeConfigError(
+            f"extra_args['{REQUEST_BUDGET_KEY}'] (vllm_xargs) = {value!r}: allowed are "
+            f"{allowed} or '{AUTO_BUDGET}'"
+        )
+    return value if value < highest else None
 
 
 def wants_tree_stats(params: Any) -> bool:
@@ -69,8 +80,9 @@ def wants_tree_stats(params: Any) -> bool:
     )
 
 
-def check_request_options(params: Any, engine_budget: int) -> None:
-    """Raise ``DDTreeConfigError`` when a request's DDTree options are not allowed values."""
+def check_request_options(params: Any, engine_budget: int | None) -> None:
+    """Raise ``DDTreeConfigError`` when a request's DDTree options are not allowed values
+    (``engine_budget`` None: the engine serves the DFlash chain)."""
     request_tree_budget(params, engine_budget)
     wants_tree_stats(params)
 
@@ -127,10 +139,12 @@ class RequestTreeStats:
 
 class RequestStatsBook:
     """The scheduler's ``RequestTreeStats`` by request id, from a request's first verify step
-    until it is freed."""
+    until it is freed; ``serves_chain``: the engine verifies vLLM's DFlash chain ("auto" chose
+    it), whose drafts count as trees of one branch."""
 
-    def __init__(self):
+    def __init__(self, serves_chain: bool = False):
         self._by_request: dict[str, RequestTreeStats] = {}
+        self.serves_chain = serves_chain
 
     def observe(self, request_id: str, num_nodes: int, num_accepted: int) -> None:
         stats = self._by_request.get(request_id)
@@ -153,7 +167,7 @@ def _wrap_schedule(original):
     """``Scheduler.schedule``: requests' own tree budgets cap their draft tokens first."""
 
     def schedule(self, *args, **kwargs):
-        if stats_book(self) is not None:  # a DDTree engine's scheduler
+        if stats_book(self) is not None:  # an engine asked for DDTree (trees or the chain)
             cap_request_budgets(self.running)
         return original(self, *args, **kwargs)
 
@@ -161,6 +175,8 @@ def _wrap_schedule(original):
 
 
 STATS_RESPONSE_KEY = "ddtree_stats"  # in a finished request's kv_transfer_params
+# What its engine verified, in a request's returned statistics ("served").
+SERVED_TREES, SERVED_CHAIN = "ddtree", "dflash_chain"
 
 
 def _wrap_free_request(original):
@@ -169,7 +185,7 @@ def _wrap_free_request(original):
 
     def _free_request(self, request, *args, **kwargs):
         book = stats_book(self)
-        if book is None:  # not a DDTree engine's scheduler
+        if book is None:  # not the scheduler of an engine asked for DDTree
             return original(self, request, *args, **kwargs)
         stats = book.finish(request.request_id)
         try:
@@ -178,19 +194,25 @@ def _wrap_free_request(original):
             asked = False
         if asked and stats is None:  # finished before its first tree
             stats = RequestTreeStats()
+        served = SERVED_CHAIN if book.serves_chain else SERVED_TREES
         if stats is not None:
             level = logging.INFO if asked else logging.DEBUG
-            logger.log(level, "vllm-ddtree: request %s: %s", request.request_id, stats.describe())
+            described = stats.describe()
+            if book.serves_chain:
+                described += " (vLLM's DFlash chain: tree_budget 'auto' chose it)"
+            logger.log(level, "vllm-ddtree: request %s: %s", request.request_id, described)
         freed = original(self, request, *args, **kwargs)
         if asked:
             kv_params, *rest = freed
-            kv_params = {**(kv_params or {}), STATS_RESPONSE_KEY: stats.as_dict()}
+            returned = {**stats.as_dict(), "served": served}
+            kv_params = {**(kv_params or {}), STATS_RESPONSE_KEY: returned}
             freed = (kv_params, *rest)
         return freed
 
     return _free_request
 
 
-def install_stats_book(scheduler) -> None:
-    """A DDTree engine's scheduler keeps a ``RequestStatsBook`` (its ``__init__`` wrapper)."""
-    setattr(scheduler, STATS_ATTR, RequestStatsBook())
+def install_stats_book(scheduler, serves_chain: bool = False) -> None:
+    """The scheduler of an engine asked for DDTree keeps a ``RequestStatsBook`` (its
+    ``__init__`` wrapper); ``serves_chain``: "auto" chose vLLM's DFlash chain."""
+    setattr(scheduler, STATS_ATTR, RequestStatsBook(serves_chain))

@@ -55,16 +55,18 @@ def _wrap_make_spec_decoding_stats(original):
 
     def make_spec_decoding_stats(self, *args, **kwargs):
         ddtree = get_ddtree_config(self.vllm_config.speculative_config)
-        if ddtree is None:
+        book = stats_book(self)  # the requests' own statistics (request_options.py)
+        if ddtree is None and book is None:
             return original(self, *args, **kwargs)
         bound = bind_arguments(original, self, *args, **kwargs).arguments
         num_draft_tokens = bound["num_draft_tokens"]
         invalid = bound.get("num_invalid_spec_tokens")
         if invalid:
             num_draft_tokens -= invalid.get(bound["request_id"], 0)
-        book = stats_book(self)
-        if book is not None:  # the request's own statistics (request_options.py)
+        if book is not None:
             book.observe(bound["request_id"], num_draft_tokens, bound["num_accepted_tokens"])
+        if ddtree is None:  # "auto" chose the chain: vLLM's counters
+            return original(self, *args, **kwargs)
         if not self.log_stats:
             return None
         if not num_draft_tokens:  # every draft invalid: the other requests' counts stay

@@ -40,6 +40,7 @@ from vllm_ddtree.compat import (
     incompatible,
     is_applied,
     seams,
+    serves_chain_for_ddtree,
     vllm_version,
 )
 from vllm_ddtree.compat.tree_attn_slot import (
@@ -293,6 +294,8 @@ def _wrap_scheduler_init(original):
         if ddtree is not None:
             self.num_lookahead_tokens = max(self.num_lookahead_tokens, ddtree.kv_lookahead)
             install_stats_book(self)
+        elif serves_chain_for_ddtree(vllm_config.speculative_config):
+            install_stats_book(self, serves_chain=True)
 
     return __init__
 
@@ -319,6 +322,8 @@ def _wrap_validate_spec_decode(original):
         if ddtree is not None:
             check_sampling_params(self, ddtree.runner)
             check_request_options(self, ddtree.tree_budget)
+        elif serves_chain_for_ddtree(speculative_config):  # "auto" chose the chain
+            check_request_options(self, None)
 
     return _validate_spec_decode
 
