@@ -718,3 +718,28 @@ def test_a_profile_of_another_target_does_not_choose_the_chain_on_v2(caplog):
     assert vllm_part["method"] == "dflash" and "num_speculative_tokens_per_batch_size" in vllm_part
     assert "measured on SmolLM2-135M-Instruct, not this target" in caplog.text
     assert served("Qwen/Qwen3-8B", runner="v1")[1] is None
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_under_data_parallelism_auto_chooses_one_budget_every_rank_serves(tmp_path, runner):
+    """vLLM drops per-batch-size schedules when data_parallel_size > 1 (ranks choosing apart
+    diverge and deadlock): "auto" then serves one budget, with no schedule and no online moves
+    (each rank would move by its own acceptance)."""
+    one, single = split_speculative_config(
+        auto(tmp_path, 3.0),
+        VLLM_FIELDS,
+        DFLASH,
+        max_num_seqs=1,
+        runner=runner,
+    )
+    parallel, ddtree = split_speculative_config(
+        auto(tmp_path, 3.0),
+        VLLM_FIELDS,
+        DFLASH,
+        max_num_seqs=1,
+        runner=runner,
+        data_parallel_size=2,
+    )
+    assert len(single.online_budgets) > 1  # one rank: "auto" moves
+    assert ddtree.online_budgets == () and "num_speculative_tokens_per_batch_size" not in parallel
+    assert parallel["num_speculative_tokens"] == ddtree.tree_budget

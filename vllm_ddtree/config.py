@@ -467,6 +467,7 @@ def split_speculative_config(
     runner: str | None = None,
     tensor_parallel_size: int = 1,
     target: str | None = None,
+    data_parallel_size: int = 1,
 ) -> tuple[dict[str, Any], DDTreeConfig | None]:
     """Split a user's speculative config into vLLM's part and DDTree's part.
 
@@ -481,6 +482,10 @@ def split_speculative_config(
             user's ``VLLM_DDTREE_RUNNER``, else "v1".
         target: the served model (path or hub id) when known: "auto" on V2 does not take the
             chain from a profile measured on another target (``_automatic_budget``).
+        data_parallel_size: the engine's data-parallel ranks. Above 1, "auto" chooses one
+            budget at start that every rank serves (no per-batch-size schedule, which vLLM
+            drops under data parallelism, and no online moves, which each rank would make from
+            its own acceptance).
 
     Returns:
         ``(vllm_dict, ddtree)``: for ``method == "ddtree"``, ``vllm_dict`` is the request vLLM's
@@ -562,7 +567,14 @@ def split_speculative_config(
             config["method"] = DFLASH_METHOD
             config["num_speculative_tokens"] = depth
             return config, None
-        if runner == "v2" and not gives_batch_size_schedule(config):
+        if data_parallel_size > 1:
+            logger.info(
+                "vllm-ddtree: tree_budget 'auto' chose budget %d for all %d data-parallel "
+                "ranks (fixed: ranks must verify alike)",
+                tree_budget,
+                data_parallel_size,
+            )
+        elif runner == "v2" and not gives_batch_size_schedule(config):
             from vllm_ddtree.cost_model import online_schedule
 
             schedule = _automatic_schedule(profile, max_num_seqs)

@@ -94,12 +94,14 @@ def worker_step_costs(worker):
 def moves_online(vllm_config) -> bool:
     """Whether this engine's "auto" moves its budget online: several budgets to move between
     (``DDTreeConfig.online_budgets``), each with its verify graphs (V2: the schedule's widths)
-    or without graphs at all (V1: its graphs have one width)."""
+    or without graphs at all (V1: its graphs have one width), on one data-parallel rank."""
     from vllm.config import CUDAGraphMode
 
     ddtree = get_ddtree_config(vllm_config.speculative_config)
     if ddtree is None or len(ddtree.online_budgets) < 2:
         return False
+    if vllm_config.parallel_config.data_parallel_size > 1:
+        return False  # each rank would move by its own acceptance: ranks must verify alike
     return (
         ddtree.runner == "v2" or vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     )

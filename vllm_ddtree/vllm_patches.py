@@ -170,11 +170,17 @@ def _wrap_create_speculative_config(original):
                 runner=runner,
                 tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
                 target=getattr(target_model_config, "model", None),
+                data_parallel_size=_data_parallel_size(target_parallel_config),
             )
             if parsed is not None:
                 ddtree = parsed
                 _choose_target_attention_backend(self)
-                fitted = _size_graphs(self, ddtree, vllm_dict.get(SCHEDULE_KEY))
+                fitted = _size_graphs(
+                    self,
+                    ddtree,
+                    vllm_dict.get(SCHEDULE_KEY),
+                    _data_parallel_size(target_parallel_config),
+                )
                 if fitted is not None:
                     vllm_dict[SCHEDULE_KEY] = [list(entry) for entry in fitted]
                 self._ddtree_config = ddtree
@@ -396,7 +402,11 @@ def complete_verify_graph_sizes(vllm_config, ddtree: DDTreeConfig) -> None:
         compilation.post_init_cudagraph_sizes()
 
 
-def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None):
+def _data_parallel_size(parallel_config) -> int:
+    return int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+
+
+def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None, data_parallel_size: int = 1):
     """Give every verify batch and the DFlash drafter's batches a FULL CUDA graph.
 
     vLLM sizes its graphs for ``1 + num_speculative_tokens`` (here ``1 + tree_budget``) tokens
@@ -410,9 +420,10 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None):
     runner, whose graphs cover every width of a per-batch-size schedule, an explicit budget
     without a schedule of the user's whose verify batches would still exceed it is returned as
     a schedule cutting those batches' trees to fit (``cost_model.fitting_schedule``), named in
-    one warning at start; elsewhere (the V1 runner's graphs have one width, or the user's
-    schedule) such batches are named in one warning and run without a FULL graph. Returns the
-    schedule to serve, or None to keep the engine's."""
+    one warning at start; elsewhere (the V1 runner's graphs have one width, the user's
+    schedule, or data parallelism, under which vLLM drops per-batch-size schedules) such
+    batches are named in one warning and run without a FULL graph. Returns the schedule to
+    serve, or None to keep the engine's."""
     compilation = getattr(engine_args, "compilation_config", None)
     chosen = (
         getattr(engine_args, "cudagraph_capture_sizes", None),
@@ -437,7 +448,8 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None):
     if not exceeding:
         return None
     widths = sorted({1 + nodes[b] for b in exceeding})
-    if ddtree.runner == "v2" and not schedule and not getattr(engine_args, "enforce_eager", False):
+    fits_by_schedule = ddtree.runner == "v2" and not schedule and data_parallel_size == 1
+    if fits_by_schedule and not getattr(engine_args, "enforce_eager", False):
         from vllm_ddtree.cost_model import fitting_schedule, format_schedule
 
         fitted = fitting_schedule(max_num_seqs, ddtree.tree_budget, largest)
