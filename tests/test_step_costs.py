@@ -327,3 +327,55 @@ def test_a_budget_is_untimed_where_its_batch_size_was_served_with_other_budgets_
     assert ratios.untimed(32, 1) and not ratios.untimed(64, 1)
     assert not ratios.untimed(8, 4)  # nothing served at 3-4 requests
     assert not RealisedRatios().untimed(8, 1)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_graphs_are_timed_at_capture_on_one_rank_only(monkeypatch, tensor_parallel_size):
+    """An online "auto" V2 engine times its FULL graphs as vLLM stores them, inside vLLM's
+    ``graph_capture()`` context (a stand-in here, closing after the whole capture). With
+    tensor parallelism custom all-reduce registers the graphs' buffers only when that context
+    closes: a replay inside it could read unregistered buffers, and ranks could part ways, so
+    no rank times there and every rank serves the profile's costs."""
+    pytest.importorskip("vllm")
+    import collections
+    import contextlib
+
+    from vllm_ddtree.config import DDTreeConfig
+    from vllm_ddtree.spec_decode import v2_hooks
+    from vllm_ddtree.spec_decode.step_state import StepState
+
+    monkeypatch.setattr(v2_hooks, "warm_drafter_inputs", lambda runner, speculator: [])
+    Descriptor = collections.namedtuple("Descriptor", "cg_mode num_reqs uniform_token_count")
+    FULL = collections.namedtuple("Mode", "name")("FULL")
+    registered = []  # custom all-reduce's graph buffers, registered when the context closes
+    replays_before_registration = []
+
+    class Graph:
+        def replay(self):
+            replays_before_registration.append(not registered)
+
+    @contextlib.contextmanager
+    def graph_capture():
+        yield
+        registered.append(True)
+
+    def capture_model(runner):
+        with graph_capture():
+            desc = Descriptor(FULL, num_reqs=1, uniform_token_count=33)
+            runner.cudagraph_manager.graphs[desc] = Graph()
+        return "captured"
+
+    ddtree = DDTreeConfig(32, 8, 15, runner="v2", online_budgets=(16, 32))
+    state = StepState(acceptance=object())
+    parallel = SimpleNamespace(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=1)
+    runner = SimpleNamespace(
+        speculator=SimpleNamespace(ddtree=ddtree, state=state),
+        cudagraph_manager=SimpleNamespace(graphs={}),
+        vllm_config=SimpleNamespace(parallel_config=parallel),
+    )
+    monkeypatch.setattr(v2_hooks, "_synchronize_stream", lambda: None)
+    assert v2_hooks._wrap_capture_model(capture_model)(runner) == "captured"
+    if tensor_parallel_size == 1:
+        assert replays_before_registration and state.step_costs is not None
+    else:
+        assert replays_before_registration == [] and state.step_costs is None

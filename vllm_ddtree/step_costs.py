@@ -136,6 +136,16 @@ class TimedGraphs(dict):
             self.failure = error
 
 
+def times_graphs_at_capture(parallel_config) -> bool:
+    """Whether an engine times its graphs as vLLM captures them: only on one rank. With
+    several (tensor or pipeline parallel) a replay inside vLLM's ``graph_capture()`` context
+    runs before custom all-reduce registers the graph's buffers (which it does when the
+    context closes), and a rank whose timing failed would stop timing while the others went on:
+    every rank then judges budgets by the profile's step costs alike."""
+    ranks = parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size
+    return ranks == 1
+
+
 def time_graphs_as_captured(runner, synchronize, clock=time.perf_counter) -> list[TimedGraphs]:
     """Before vLLM's V2 ``runner`` captures: its graph managers (the target's and its
     speculator's drafter's) time each graph as they store it; returns their ``TimedGraphs``."""

@@ -55,7 +55,11 @@ from vllm_ddtree.spec_decode.tree_step import (
     observe_acceptance,
     set_tree_step_inputs,
 )
-from vllm_ddtree.step_costs import measured_step_costs, time_graphs_as_captured
+from vllm_ddtree.step_costs import (
+    measured_step_costs,
+    time_graphs_as_captured,
+    times_graphs_at_capture,
+)
 from vllm_ddtree.structured_outputs import with_tree_parents
 from vllm_ddtree.tree import DDTreeBatch
 
@@ -119,6 +123,12 @@ def _wrap_capture_model(original):
             prepare_before_capture(speculator.state.hybrid, self.model, "before capture")
             speculator.state.bind_tree_attention(self.attn_groups)
         if speculator.state.acceptance is None:
+            captured = original(self)
+        elif not times_graphs_at_capture(self.vllm_config.parallel_config):
+            logger.info(
+                "vllm-ddtree: tree_budget 'auto' judges budgets by its cost profile's step "
+                "costs (graphs are timed at capture on one rank only)"
+            )
             captured = original(self)
         else:
             timers = time_graphs_as_captured(self, _synchronize_stream)
