@@ -41,8 +41,8 @@ def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
     faster at every batch size, so the DFlash chain request comes back; on V2's (the paired
     run's fit), the largest tree at one request (budget 128), the chain at 16 requests (no tree
     predicted 10% faster) and trees at 256 (budget 16 judged at the largest measured batch, 64),
-    there with a budget per batch size: 128 for a few requests down to 16 for many, the
-    engine's budget the largest."""
+    there with a budget per batch size: 128 for a few requests down to 16 for many and no
+    drafts where no tree's verify fits the largest graph, the engine's budget the largest."""
     assert DEFAULT_TREE_BUDGET == "auto"
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v1")
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"})
@@ -56,7 +56,9 @@ def test_the_default_budget_is_the_cost_model_s_choice(monkeypatch):
     vllm_part, ddtree = split({"method": "ddtree", "model": "d"}, max_num_seqs=256)
     entries = vllm_part["num_speculative_tokens_per_batch_size"]
     schedule = [entry for entry in entries if entry[0] <= 256]  # (past it: graphs only)
-    assert schedule[0][:2] == [1, 4] and schedule[0][2] == 128 and schedule[-1][1:] == [256, 16]
+    assert schedule[0][:2] == [1, 4] and schedule[0][2] == 128
+    # 16 nodes while 17 tokens a request fit the 2048-token graph, no drafts past it.
+    assert schedule[-2][1:] == [120, 16] and schedule[-1] == [121, 256, 0]
     assert entries[len(schedule) :] == [[257, 257, 8]]  # budget 8's graphs, for moving online
     assert ddtree is not None and ddtree.tree_budget == 128
     assert vllm_part["num_speculative_tokens"] == 128

@@ -371,16 +371,23 @@ def test_batches_past_the_measured_ones_are_judged_at_the_largest_measured():
 def test_the_schedule_gives_each_batch_size_its_fastest_tree_within_the_largest_graph():
     """``choose_schedule``: ranges that cover 1..max_num_seqs in order, each batch size the
     budget ``choose_budget`` would pick among the candidates whose verify batch fits the
-    largest graph; the V2 profile's trees shrink as the batch grows."""
+    largest graph, and no drafts (0) where none does (vLLM's default max_num_seqs on an H100
+    is 1024: past 120 requests no tree of 16 nodes fits 2048 tokens); the V2 profile's trees
+    shrink as the batch grows."""
     v2 = load_profile(runner="V2")
-    schedule = choose_schedule(v2, 200, 2048)
-    assert schedule[0][0] == 1 and schedule[-1][1] == 200
+    schedule = choose_schedule(v2, 1024, 2048)
+    assert schedule[0][0] == 1 and schedule[-1][1] == 1024
     assert all(a[1] + 1 == b[0] for a, b in zip(schedule, schedule[1:], strict=False))
     budgets = [budget for _, _, budget in schedule]
-    assert budgets[0] == 128 and budgets[-1] == 16 and budgets == sorted(budgets, reverse=True)
+    assert budgets[0] == 128 and budgets == sorted(budgets, reverse=True)
+    assert schedule[-1] == (121, 1024, 0)
     for first, last, budget in schedule:
+        assert last * (1 + budget) <= 2048 or budget == 0
         for batch in (first, last):
-            fitting = [b for b in (16, 32, 64, 128) if batch * (1 + b) <= 2048] or [16]
+            fitting = [b for b in (16, 32, 64, 128) if batch * (1 + b) <= 2048]
+            if not fitting:
+                assert budget == 0
+                continue
             trees = {k: v for k, v in choose_budget(v2, batch, fitting)[1].items() if k != "chain"}
             fastest = max(trees.values())
             tied = [int(k[1:]) for k, v in trees.items() if v >= (1 - NEAR_TIE) * fastest]
@@ -402,7 +409,7 @@ def test_the_cost_model_command_says_what_auto_serves():
 
     v2 = run("--runner", "v2", "--max-num-seqs", "256")
     assert "choice: trees (budget 16 at 256 requests)" in v2
-    assert "budget per batch size: 1-4: 128," in v2 and "-256: 16\n" in v2
+    assert "budget per batch size: 1-4: 128," in v2 and "12-120: 16, 121-256: 0\n" in v2
     moves = "moves among budgets [8, 16, 32, 64, 128] as it learns the acceptance"
     assert v2.rstrip().endswith(moves)
     v1 = run("--runner", "v1", "--max-num-seqs", "8")

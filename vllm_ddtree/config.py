@@ -578,7 +578,7 @@ def split_speculative_config(
             from vllm_ddtree.cost_model import online_schedule
 
             schedule = _automatic_schedule(profile, max_num_seqs)
-            scheduled = sorted({budget for _, _, budget in schedule})
+            scheduled = sorted({budget for _, _, budget in schedule if budget > 0})
             budgets = tuple(scheduled)
             if max_num_seqs is not None:  # (entries past it for graphs only need the limit)
                 schedule, budgets = online_schedule(schedule, max_num_seqs)

@@ -250,11 +250,12 @@ def choose_schedule(
     per-batch-size schedule (``num_speculative_tokens_per_batch_size``: inclusive ranges
     ``(first, last, budget)``): at each batch size the budget predicted fastest (the smallest
     within ``NEAR_TIE``) among the candidates whose verify batch, ``batch x (1 + budget)``
-    tokens, has a CUDA graph (at most ``max_verify_tokens``; the narrowest candidate past
-    that)."""
+    tokens, has a CUDA graph (at most ``max_verify_tokens``); 0 (no drafts: vLLM decodes
+    those batches as the target alone, in its graphs) where no candidate's fits."""
 
     def fastest_fitting(batch: int) -> int:
-        return _fastest(_fitting_predictions(profile, batch, candidates, max_verify_tokens))
+        predicted = _fitting_predictions(profile, batch, candidates, max_verify_tokens)
+        return _fastest(predicted) if predicted else 0
 
     return _ranges(max_num_seqs, fastest_fitting)
 
@@ -263,9 +264,9 @@ def _fitting_predictions(
     profile: CostProfile, batch: int, candidates, max_verify_tokens: int
 ) -> dict[int, float]:
     """``_predicted_trees`` at ``batch`` of the candidates whose verify batch, ``batch x
-    (1 + budget)`` tokens, is at most ``max_verify_tokens`` (the narrowest when none is)."""
+    (1 + budget)`` tokens, is at most ``max_verify_tokens`` (empty when none is)."""
     fitting = [b for b in candidates if batch * (1 + b) <= max_verify_tokens]
-    return _predicted_trees(profile, batch, fitting or [min(candidates)])
+    return _predicted_trees(profile, batch, fitting) if fitting else {}
 
 
 def _ranges(max_num_seqs: int, budget_at) -> list[tuple[int, int, int]]:
@@ -315,7 +316,7 @@ def online_schedule(
     every batch size, and its lookup ignores entries past ``max_num_seqs``: each budget the
     schedule lacks gets an entry of its own past ``max_num_seqs`` (one batch size each), for
     its graphs only."""
-    scheduled = sorted({budget for _, _, budget in schedule})
+    scheduled = sorted({budget for _, _, budget in schedule if budget > 0})
     budgets = sorted(set(scheduled) | {b for b in ONLINE_CANDIDATES if b < scheduled[-1]})
     missing = [b for b in budgets if b not in scheduled]
     graphs_only = [(max_num_seqs + 1 + i, max_num_seqs + 1 + i, b) for i, b in enumerate(missing)]
@@ -365,6 +366,8 @@ def choose_live_schedule(
 
     def budget_at(batch: int) -> int:
         predicted = _fitting_predictions(judged, batch, candidates, max_verify_tokens)
+        if not predicted:  # no tree's verify fits a graph: no drafts
+            return 0
         best = _fastest(predicted, LIVE_NEAR_TIE)
         held = served_budget(served, batch)
         if held in predicted and predicted[held] >= (1 - HOLD_MARGIN) * predicted[best]:

@@ -100,7 +100,8 @@ def moves_online(vllm_config) -> bool:
     ddtree = get_ddtree_config(vllm_config.speculative_config)
     if ddtree is None or len(ddtree.online_budgets) < 2:
         return False
-    if vllm_config.parallel_config.data_parallel_size > 1:
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel_config, "data_parallel_size", 1) > 1:
         return False  # each rank would move by its own acceptance: ranks must verify alike
     return (
         ddtree.runner == "v2" or vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
