@@ -855,3 +855,34 @@ def test_under_data_parallelism_the_start_up_log_says_what_the_ranks_serve(
     parallel = engine_config(tiny_target_path, cheap_trees, max_num_seqs=1, data_parallel_size=2)
     assert not moves_online(parallel)
     assert get_ddtree_config(parallel.speculative_config).online_budgets == ()
+
+
+def test_with_the_users_capture_sizes_autos_schedule_verifies_in_full_graphs_or_not_at_all(
+    tiny_target_path, tiny_drafter_path, monkeypatch, caplog
+):
+    """A user who sets the CUDA-graph sizes keeps them; "auto" on V2 then serves at each batch
+    size a budget whose verify lands on one of those graphs (vLLM's own V2 graph manager
+    decides), or no drafts there (decoded as the target alone is with those sizes), and does
+    not move online to widths those sizes lack."""
+    from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    spec = {"method": "ddtree", "model": tiny_drafter_path}
+    args = engine_args(
+        tiny_target_path,
+        spec,
+        max_num_seqs=64,
+        compilation_config={"cudagraph_capture_sizes": sizes},
+    )
+    with caplog.at_level("INFO", logger="vllm.ddtree"):
+        config = args.create_engine_config()
+    # The user's sizes stand (this CPU config captures none: the sizes given are judged).
+    assert args.compilation_config.cudagraph_capture_sizes == sizes
+    ddtree = get_ddtree_config(config.speculative_config)
+    schedule = config.speculative_config.num_speculative_tokens_per_batch_size
+    modes = vllm_v2_scheduled_verify_modes(sizes, 64, schedule, ddtree.tree_budget)
+    trees = {b: mode for b, (width, mode) in modes.items() if width > 1}
+    assert len(trees) > 4 and set(trees.values()) == {"FULL"}, modes
+    assert ddtree.online_budgets == ()
+    assert "the CUDA-graph sizes given" in caplog.text

@@ -270,6 +270,8 @@ def _wrap_create_engine_config(original):
             mark_uses_tree_attention(config)
         if ddtree is not None and getattr(self, "_ddtree_sized_graphs", False):
             complete_verify_graph_sizes(config, ddtree)
+        elif ddtree is not None and getattr(self, "_ddtree_user_graph_sizes", None):
+            fit_schedule_to_users_graphs(config, ddtree, self._ddtree_user_graph_sizes)
         return config
 
     return create_engine_config
@@ -406,6 +408,69 @@ def _data_parallel_size(parallel_config) -> int:
     return int(getattr(parallel_config, "data_parallel_size", 1) or 1)
 
 
+def has_full_graph(sizes: list[int], width: int, requests: int) -> bool:
+    """Whether vLLM's V2 graph manager has a FULL graph for a uniform verify batch of
+    ``requests`` x ``width`` tokens, given capture ``sizes``: it captures one per size
+    rounded up to a multiple of the width (``verify_graph_sizes``), none past the largest."""
+    low, high = width * (requests - 1), width * requests
+    return high <= max(sizes) and any(low < size <= high for size in sizes)
+
+
+def schedule_within_graphs(
+    schedule, tree_budget: int, sizes: list[int], max_num_seqs: int
+) -> list[tuple[int, int, int]]:
+    """Tree nodes per batch size (vLLM's inclusive ranges) for batch sizes 1..``max_num_seqs``:
+    at each the scheduled budget (``schedule``, or ``tree_budget`` everywhere), else the
+    largest smaller budget of the schedule or of "auto"'s online candidates whose verify has a
+    FULL graph among ``sizes`` (``has_full_graph``), else 0: no drafts (the batch decodes as
+    the target alone does with those sizes)."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    from vllm_ddtree.cost_model import ONLINE_CANDIDATES
+
+    if schedule:
+        lookup = build_dynamic_sd_schedule_lookup(schedule, max_num_seqs, tree_budget)
+    else:
+        lookup = [tree_budget] * (max_num_seqs + 1)
+    smaller = {entry[2] for entry in schedule or []} | {tree_budget} | set(ONLINE_CANDIDATES)
+    fitted: list[tuple[int, int, int]] = []
+    for requests in range(1, max_num_seqs + 1):
+        choices = sorted((b for b in smaller if 0 < b <= lookup[requests]), reverse=True)
+        nodes = next((b for b in choices if has_full_graph(sizes, 1 + b, requests)), 0)
+        if fitted and fitted[-1][2] == nodes:
+            fitted[-1] = (fitted[-1][0], requests, nodes)
+        else:
+            fitted.append((requests, requests, nodes))
+    return fitted
+
+
+def fit_schedule_to_users_graphs(vllm_config, ddtree: DDTreeConfig, given: list[int]) -> None:
+    """On the V2 runner with the user's CUDA-graph sizes (kept as given): every batch size
+    verifies a tree whose verify has a FULL graph, or drafts nothing (``schedule_within_graphs``
+    of the sizes vLLM captures, else those given), and "auto" does not move online (its other
+    widths may have no graph). Said in one line at start."""
+    from dataclasses import replace
+
+    from vllm_ddtree.cost_model import format_schedule
+
+    speculative = vllm_config.speculative_config
+    sizes = list(vllm_config.compilation_config.cudagraph_capture_sizes or given)
+    if ddtree.runner != "v2" or not sizes or vllm_config.parallel_config.data_parallel_size > 1:
+        return
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    schedule = getattr(speculative, SCHEDULE_KEY, None)
+    fitted = schedule_within_graphs(schedule, ddtree.tree_budget, sizes, max_num_seqs)
+    setattr(speculative, SCHEDULE_KEY, [tuple(entry) for entry in fitted])
+    if ddtree.online_budgets:
+        setattr(speculative, DDTREE_ATTR, replace(ddtree, online_budgets=()))
+    logger.info(
+        "vllm-ddtree: with the CUDA-graph sizes given, trees are verified where a FULL graph "
+        "holds them, tree nodes per batch size (requests: budget): %s%s",
+        format_schedule(fitted),
+        "; tree_budget 'auto' does not move online" if ddtree.online_budgets else "",
+    )
+
+
 def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None, data_parallel_size: int = 1):
     """Give every verify batch and the DFlash drafter's batches a FULL CUDA graph.
 
@@ -432,6 +497,8 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None, data_parallel
         getattr(compilation, "max_cudagraph_capture_size", None),
     )
     if any(value is not None for value in chosen):
+        # The user's sizes stand; the schedule is fitted to them once the config is made.
+        engine_args._ddtree_user_graph_sizes = list(chosen[0] or chosen[2] or [])
         return None
     engine_args._ddtree_sized_graphs = True  # create_engine_config completes the sizes
     max_num_seqs = _max_num_seqs(engine_args) or 1
