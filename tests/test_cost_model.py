@@ -732,21 +732,19 @@ def test_under_data_parallelism_auto_chooses_one_budget_every_rank_serves(tmp_pa
     """vLLM drops per-batch-size schedules when data_parallel_size > 1 (ranks choosing apart
     diverge and deadlock): "auto" then serves one budget, with no schedule and no online moves
     (each rank would move by its own acceptance)."""
-    one, single = split_speculative_config(
-        auto(tmp_path, 3.0),
-        VLLM_FIELDS,
-        DFLASH,
-        max_num_seqs=1,
-        runner=runner,
-    )
-    parallel, ddtree = split_speculative_config(
-        auto(tmp_path, 3.0),
-        VLLM_FIELDS,
-        DFLASH,
-        max_num_seqs=1,
-        runner=runner,
-        data_parallel_size=2,
-    )
+
+    def split_for(ranks: int):
+        return split_speculative_config(
+            auto(tmp_path, 3.0),
+            VLLM_FIELDS,
+            DFLASH,
+            max_num_seqs=1,
+            runner=runner,
+            data_parallel_size=ranks,
+        )
+
+    _, single = split_for(1)
+    parallel, ddtree = split_for(2)
     assert len(single.online_budgets) > 1  # one rank: "auto" moves
     assert ddtree.online_budgets == () and "num_speculative_tokens_per_batch_size" not in parallel
     assert parallel["num_speculative_tokens"] == ddtree.tree_budget
