@@ -28,6 +28,7 @@ import os
 import sys
 
 from benchmarks.bench_e2e import metric_values
+from vllm_ddtree import envs
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_smollm2,
     )
 
-    target = args.target or prepare_smollm2(os.environ.get("VLLM_DDTREE_CACHE", DEFAULT_CACHE))
+    target = args.target or prepare_smollm2(envs.cache_dir(DEFAULT_CACHE))
     drafter = args.drafter or TRAINED_DRAFTER
     texts = None
     if args.prompt_file:
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     summary = {
-        "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+        "commit": envs.commit() or "unknown",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
         "target": os.path.basename(target.rstrip("/")),
         "drafter": os.path.basename(drafter.rstrip("/")),

@@ -44,6 +44,7 @@ from benchmarks.step_split import (
     profiled_step_split,
     split_table,
 )
+from vllm_ddtree import envs
 
 DATASETS = ("humaneval", "mtbench", "sharegpt")
 COMPILE_NOTES = {
@@ -875,7 +876,7 @@ def summarize(engines, args, budgets, batches, started, note: str = "") -> list[
 
     identical = compare_with_ar(engines)
     summary = {
-        "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+        "commit": envs.commit() or "unknown",
         "gpu": (
             args.device_name
             if args.collect

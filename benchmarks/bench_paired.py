@@ -40,6 +40,7 @@ from benchmarks.bench_e2e import (
     timed_generate,
     weights_sha256,
 )
+from vllm_ddtree import envs
 
 CHAIN = "dflash"
 AUTO = "ddtree_v2_auto"  # the engine of "tree_budget": "auto" (``auto_job``)
@@ -652,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = {
-            "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+            "commit": envs.commit() or "unknown",
             "gpu": engines.ready[CHAIN]["gpu"],
             "device_id": engines.ready[CHAIN]["device_id"],
             "target_name": os.path.basename(os.path.normpath(args.target)),

@@ -8,13 +8,15 @@ import statistics
 import subprocess
 import sys
 
+from vllm_ddtree import envs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit() -> str:
     """The commit measured: $VLLM_DDTREE_COMMIT (hosts without the git metadata), else HEAD."""
-    if os.environ.get("VLLM_DDTREE_COMMIT"):
-        return os.environ["VLLM_DDTREE_COMMIT"]
+    if envs.commit():
+        return envs.commit()
     try:
         return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "HEAD"], text=True).strip()
     except Exception:  # noqa: BLE001

@@ -20,7 +20,8 @@ import subprocess
 import time
 
 from benchmarks.prompts import HELD_OUT_HUMANEVAL_FROM, humaneval_prompts, mtbench_prompts
-from vllm_ddtree.ops.keyed_gumbel import COUPLED_DRAFTS_ENV
+from vllm_ddtree import envs
+from vllm_ddtree.envs import COUPLED_DRAFTS as COUPLED_DRAFTS_ENV
 
 CHAIN = "dflash_chain"
 
@@ -154,8 +155,8 @@ def eval_texts(prompts_file: str | None) -> dict[str, list[str]]:
 def measured_commit() -> str:
     """The commit measured: ``VLLM_DDTREE_COMMIT`` (a host's copied tree may carry stale git
     metadata), else git's HEAD."""
-    if os.environ.get("VLLM_DDTREE_COMMIT"):
-        return os.environ["VLLM_DDTREE_COMMIT"]
+    if envs.commit():
+        return envs.commit()
     return subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_ddtree.demo import DEFAULT_CACHE, TRAINED_DRAFTER, prepare_smollm2
 
-    target = args.target or prepare_smollm2(os.environ.get("VLLM_DDTREE_CACHE", DEFAULT_CACHE))
+    target = args.target or prepare_smollm2(envs.cache_dir(DEFAULT_CACHE))
     drafter = args.drafter or TRAINED_DRAFTER
     budgets = [int(b) for b in args.budgets.split(",") if b]
     tokenizer = AutoTokenizer.from_pretrained(target)

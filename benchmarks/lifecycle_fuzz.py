@@ -44,6 +44,7 @@ import tempfile
 import traceback
 
 from benchmarks.common import ROOT, module_command
+from vllm_ddtree import envs
 
 ENGINE_DEFAULTS = dict(
     enforce_eager=True,
@@ -312,7 +313,7 @@ def gpu_main(args) -> int:
         "gpu_memory_utilization": 0.2,
     }
     report: dict = {
-        "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+        "commit": envs.commit() or "unknown",
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "engine": engine,
         "seeds": {},

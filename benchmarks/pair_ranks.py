@@ -34,6 +34,7 @@ import sys
 import time
 
 from benchmarks.common import git_commit
+from vllm_ddtree import envs
 
 
 class RecordingDraftSource:
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ddtree.testing.synthetic_acceptance import simulate
 
     torch.manual_seed(0)
-    target_path = prepare_smollm2(os.environ.get("VLLM_DDTREE_CACHE", DEFAULT_CACHE))
+    target_path = prepare_smollm2(envs.cache_dir(DEFAULT_CACHE))
     prompts = humaneval_chat_prompts(AutoTokenizer.from_pretrained(target_path), args.prompts)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     drafter = DFlashDrafter.from_pretrained(TRAINED_DRAFTER).eval()

@@ -27,6 +27,7 @@ import time
 
 from benchmarks.common import ROOT, module_command
 from benchmarks.step_split import LAUNCH_EVENTS, SYNC_EVENTS
+from vllm_ddtree import envs
 
 # "graphs": full CUDA graphs of decode/verify batches, no torch.compile (engines start fast;
 # vLLM's V1 runner then runs the DFlash drafter eagerly). "default": vLLM's defaults
@@ -314,7 +315,7 @@ def main() -> int:
     with open(os.path.join(args.out, "profile_step.json"), "w") as f:
         json.dump(
             {
-                "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+                "commit": envs.commit() or "unknown",
                 "tensor_parallel_size": args.tp,
                 "target": os.path.basename(args.target.rstrip("/")),
                 "methods": summary,

@@ -76,6 +76,7 @@ from benchmarks.bench_paired import (
     turn_order,
 )
 from benchmarks.common import ROOT, module_command
+from vllm_ddtree import envs
 from vllm_ddtree.config import HYBRID_ENGINE_ARGS
 
 DATASETS = ("humaneval", "math500", "mtbench")
@@ -816,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
             return dict(answer, prompts=prompts)
 
         summary = {
-            "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+            "commit": envs.commit() or "unknown",
             "model": model.name,
             "gpu": ar_engines.ready["ar"]["gpu"],
             "engines": {"ar": ar_engines.ready["ar"]},

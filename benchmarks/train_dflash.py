@@ -31,6 +31,7 @@ import sys
 import time
 
 from benchmarks.common import ROOT, module_command
+from vllm_ddtree import envs
 
 LOSS_DECAY = 7.0
 
@@ -353,7 +354,7 @@ def train(args) -> dict:
         "validation_top1_accuracy_per_position": accuracy,
         "validation_expected_chain_length_if_independent": expected,
         "device": torch.cuda.get_device_name() if device == "cuda" else device,
-        "commit": os.environ.get("VLLM_DDTREE_COMMIT", "unknown"),
+        "commit": envs.commit() or "unknown",
     }
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(record, f, indent=1)

@@ -173,7 +173,7 @@ def test_the_runner_is_v2_for_dense_gpu_targets_unless_the_user_says(monkeypatch
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     assert choose_runner(**{**dense, "tensor_parallel_size": 2}) == "v2"
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "fast")
-    with pytest.raises(DDTreeConfigError, match="'fast': allowed values are v1, v2"):
+    with pytest.raises(DDTreeConfigError, match="'fast': allowed values are 'v1' or 'v2'"):
         choose_runner(**dense)
 
 

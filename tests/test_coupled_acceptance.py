@@ -16,7 +16,7 @@ from benchmarks.coupled_acceptance import (
     summarize,
     write_report,
 )
-from vllm_ddtree.ops.keyed_gumbel import COUPLED_DRAFTS_ENV
+from vllm_ddtree.envs import COUPLED_DRAFTS as COUPLED_DRAFTS_ENV
 
 
 def test_engines_are_the_chain_then_coupled_and_uncoupled_per_budget():

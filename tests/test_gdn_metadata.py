@@ -17,7 +17,7 @@ from vllm.v1.attention.backends.gdn_attn import (  # noqa: E402
     GDNAttentionMetadataBuilder,
 )
 
-from vllm_ddtree import gdn_metadata  # noqa: E402
+from vllm_ddtree import envs, gdn_metadata  # noqa: E402
 from vllm_ddtree.compat import DDTREE_ATTR  # noqa: E402
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
 
@@ -175,7 +175,6 @@ def test_the_wrapper_builds_tree_steps_only_in_ddtree_engines(method, vllm_build
 def test_index_checks_cover_vllms_gdn_metadata(monkeypatch):
     """The same switch checks the state indices vLLM's GDN metadata builder hands its layers
     (its prefill gathers SSM states by them), against the engine's block count."""
-    from vllm_ddtree import hybrid_gdn
 
     built = SimpleNamespace(
         spec_state_indices_tensor=torch.tensor([[3, 4, 5], [6, 7, 8]]),
@@ -192,7 +191,7 @@ def test_index_checks_cover_vllms_gdn_metadata(monkeypatch):
 
     Builder.build = gdn_metadata.build_wrapper(Builder.build)  # as the seam installs it
     assert Builder().build(0, None) is built  # the switch off: no check
-    monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
+    monkeypatch.setenv(envs.CHECK_INDICES, "1")
     assert Builder().build(0, None) is built
     built.prefill_state_indices = torch.tensor([2, 10])
     with pytest.raises(RuntimeError, match="prefill_state_indices out of range"):

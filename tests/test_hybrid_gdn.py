@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.interpreter import run_under_interpreter
-from vllm_ddtree import hybrid_gdn
+from vllm_ddtree import envs, hybrid_gdn
 from vllm_ddtree.hybrid_gdn import HybridTreeStep
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import gdn_gates_ref, tree_gated_delta_ref
@@ -316,7 +316,7 @@ def test_index_checks_pass_a_correct_step_and_name_a_bad_block(monkeypatch):
     checks; a state-block index past the cache raises naming the layer and the block instead
     of reaching a gather, and so does a block buffer written over between the forward's GDN
     call and the commit (on the H200 something wrote floats there: the check names where)."""
-    monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
+    monkeypatch.setenv(envs.CHECK_INDICES, "1")
     check_two_tree_steps()
     gen = torch.Generator().manual_seed(1)
     num_reqs, budget, depth = 2, 4, 3
@@ -347,7 +347,7 @@ def test_index_checks_pass_a_correct_step_and_name_a_bad_block(monkeypatch):
 def test_index_checks_name_a_gdn_layer_the_step_did_not_route(monkeypatch):
     """With the checks on, a step whose GDN layers ran eagerly but skipped one layer's tree
     call (its buffers still describe the previous step) raises before the commit reads them."""
-    monkeypatch.setenv(hybrid_gdn.CHECK_INDICES_ENV, "1")
+    monkeypatch.setenv(envs.CHECK_INDICES, "1")
     gen = torch.Generator().manual_seed(2)
     num_reqs, budget, depth = 2, 4, 3
     first, table, step = layer_table_step(num_reqs, budget, gen)

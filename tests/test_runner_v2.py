@@ -104,11 +104,11 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
 
     import numpy as np
 
+    from vllm_ddtree.envs import CHECK_RANKS as RANK_CHECK_ENV
     from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
     from vllm_ddtree.spec_decode import v2_hooks
     from vllm_ddtree.spec_decode.proposal_store import ProposalStore
     from vllm_ddtree.spec_decode.step_state import StepState
-    from vllm_ddtree.spec_decode.tree_step import RANK_CHECK_ENV
     from vllm_ddtree.tree import build_trees
 
     budget, depth, vocab = 6, 4, 40

@@ -227,7 +227,8 @@ def test_builder_treats_cuda_graph_padding_requests_as_causal():
 
 
 def test_the_context_switch_names_its_allowed_values(monkeypatch):
-    from tree_attn_backend.backend import CONTEXT_ENV, context_choice
+    from tree_attn_backend.backend import context_choice
+    from vllm_ddtree.envs import TREE_ATTN_CONTEXT as CONTEXT_ENV
 
     monkeypatch.delenv(CONTEXT_ENV, raising=False)
     assert context_choice() == "auto"

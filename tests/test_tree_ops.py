@@ -319,7 +319,8 @@ def test_a_cut_build_is_the_full_trees_first_nodes():
 
 
 def test_torch_ops_switch_selects_the_references(monkeypatch):
-    from vllm_ddtree.ops import TORCH_OPS_ENV, use_triton
+    from vllm_ddtree.envs import TORCH_OPS as TORCH_OPS_ENV
+    from vllm_ddtree.ops import use_triton
 
     monkeypatch.delenv(TORCH_OPS_ENV, raising=False)
     assert use_triton(torch.device("cuda")) and not use_triton(torch.device("cpu"))

@@ -13,7 +13,6 @@ The four pieces of a vLLM backend (modelled on ``vllm/v1/attention/backends/trit
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -38,6 +37,7 @@ from tree_attn_backend.ops.context_attention import (
 )
 from tree_attn_backend.ops.tree_attention import tree_attention, tree_attention_ref
 from tree_attn_backend.tree_verify import TreeVerifySource
+from vllm_ddtree import envs
 
 logger = init_logger("vllm.tree_attn_backend")
 
@@ -52,21 +52,13 @@ MASK_WORDS = (MAX_TREE_TOKENS + 31) // 32
 # 16-32 nodes over a short context (benchmarks/results/2026-12-04_cd5632b_kernels-context-paths);
 # in the 8B engine it served budget 16 at 16 requests 3-5% faster and one request 4-5% slower
 # (benchmarks/results/2026-12-04_cd5632b_scale-8b-flash-context).
-CONTEXT_ENV = "VLLM_DDTREE_TREE_ATTN_CONTEXT"
-CONTEXT_CHOICES = ("auto", "triton", "flash_attn")
-DEFAULT_CONTEXT = "auto"
+CONTEXT_CHOICES = envs.VARIABLES[envs.TREE_ATTN_CONTEXT].choices
 FLASH_CONTEXT_MIN_TOKENS = 64
 
 
 def context_choice() -> str:
-    value = os.environ.get(CONTEXT_ENV, DEFAULT_CONTEXT).strip().lower() or DEFAULT_CONTEXT
-    if value not in CONTEXT_CHOICES:
-        raise ValueError(
-            f"{CONTEXT_ENV}={os.environ[CONTEXT_ENV]!r}: allowed values are "
-            + ", ".join(repr(choice) for choice in CONTEXT_CHOICES[:-1])
-            + f" or {CONTEXT_CHOICES[-1]!r}"
-        )
-    return value
+    """``VLLM_DDTREE_TREE_ATTN_CONTEXT``: "auto", "triton" or "flash_attn"."""
+    return envs.tree_attn_context()
 
 
 @dataclass

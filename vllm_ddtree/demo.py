@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from vllm_ddtree import envs
 from vllm_ddtree.dflash_drafter import DFlashDrafter, DFlashDrafterConfig, random_drafter
 from vllm_ddtree.reference import DDTreeReference, DFlashDraftSource, autoregressive_generate
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a DFlash checkpoint (default: the project's SmolLM2 drafter when present, else "
         "an untrained one); 'untrained' forces the untrained drafter",
     )
-    parser.add_argument("--cache-dir", default=os.environ.get("VLLM_DDTREE_CACHE", DEFAULT_CACHE))
+    parser.add_argument("--cache-dir", default=envs.cache_dir(DEFAULT_CACHE))
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

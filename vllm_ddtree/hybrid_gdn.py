@@ -35,11 +35,11 @@ float32 or bfloat16 (``--mamba-ssm-cache-dtype``).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree import envs
 from vllm_ddtree.compat import seams
 from vllm_ddtree.config import check_align_block_size
 from vllm_ddtree.ops import use_triton
@@ -57,9 +57,6 @@ from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta_packed, tree_gated
 
 logger = logging.getLogger("vllm.ddtree")
 GDN_MODULE = seams.GDN_MODULE
-# A debugging switch: check every state-block index and path length the tree path reads before
-# it reads them, and raise naming the bad one (host syncs; outside CUDA-graph capture only).
-CHECK_INDICES_ENV = "VLLM_DDTREE_CHECK_INDICES"
 
 
 def capturing() -> bool:
@@ -70,7 +67,7 @@ def capturing() -> bool:
 def checking_indices() -> bool:
     """Whether ``VLLM_DDTREE_CHECK_INDICES=1`` and the device is not capturing a CUDA graph (a
     check syncs the host, which a capture forbids)."""
-    if os.environ.get(CHECK_INDICES_ENV) != "1":
+    if not envs.checking_indices():
         return False
     return not capturing()
 
@@ -84,7 +81,7 @@ def check_index_range(name: str, index: torch.Tensor, size: int, rows=None) -> N
         where = torch.nonzero(bad)[:8].tolist()
         raise RuntimeError(
             f"vllm-ddtree: {name} out of range [0, {size}) at {where}: "
-            f"{values[bad][:8].tolist()} ({CHECK_INDICES_ENV}=1)"
+            f"{values[bad][:8].tolist()} ({envs.CHECK_INDICES}=1)"
         )
 
 
@@ -270,7 +267,7 @@ class HybridTreeStep:
                         f"vllm-ddtree: GDN layer {layer.number}'s {name} state blocks were "
                         f"written over {where} (step {self.step_number}, rows {rows}: "
                         f"{found[rows].tolist()} instead of {expected[rows].tolist()}; "
-                        f"{CHECK_INDICES_ENV}=1)"
+                        f"{envs.CHECK_INDICES}=1)"
                     )
 
     def _check_every_layer_called(self) -> None:
@@ -285,7 +282,7 @@ class HybridTreeStep:
         if stale and bool((self.num_tokens > 0).any()):
             raise RuntimeError(
                 f"vllm-ddtree: GDN layers {stale} did not run through the tree path in step "
-                f"{self.step_number}, whose trees the commit applies ({CHECK_INDICES_ENV}=1)"
+                f"{self.step_number}, whose trees the commit applies ({envs.CHECK_INDICES}=1)"
             )
 
     def tree_conv(
@@ -656,5 +653,5 @@ def install(device: torch.device) -> None:
     seams.install(seams.GDN)
     if torch.device(device).type == "cpu":
         seams.install(seams.GDN_CPU)
-    if os.environ.get(CHECK_INDICES_ENV) == "1":
+    if envs.checking_indices():
         seams.install(seams.GDN_CHECKS)

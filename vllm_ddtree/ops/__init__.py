@@ -4,16 +4,14 @@ On CUDA the runner hooks and the proposer use the Triton launchers; on other dev
 ``VLLM_DDTREE_TORCH_OPS=1`` (to rule a kernel out when debugging), the PyTorch references.
 """
 
-import os
-
 import torch
 
-TORCH_OPS_ENV = "VLLM_DDTREE_TORCH_OPS"
+from vllm_ddtree import envs
 
 
 def use_triton(device: torch.device) -> bool:
     """True where the Triton launchers run: CUDA devices, unless ``VLLM_DDTREE_TORCH_OPS=1``."""
-    return device.type == "cuda" and os.environ.get(TORCH_OPS_ENV, "0") in ("", "0")
+    return device.type == "cuda" and not envs.torch_ops()
 
 
 def triton_dtype(dtype: torch.dtype):

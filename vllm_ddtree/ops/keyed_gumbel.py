@@ -27,9 +27,9 @@ Shapes: ``seeds`` int64 ``[R]``; ``keys`` int64 ``[R, K]``; noise float32 ``[R, 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from vllm_ddtree import envs
 
 try:
     import triton
@@ -39,15 +39,12 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-COUPLED_DRAFTS_ENV = "VLLM_DDTREE_COUPLED_DRAFTS"
-
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic on every device).
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
 _MIX_A = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _MIX_B = -7723592293110705685  # 0x94D049BB133111EB
 
 __all__ = [
-    "COUPLED_DRAFTS_ENV",
     "couple_draft_logits",
     "coupled_drafts_enabled",
     "keyed_gumbel_noise",
@@ -59,7 +56,7 @@ __all__ = [
 def coupled_drafts_enabled() -> bool:
     """True unless ``VLLM_DDTREE_COUPLED_DRAFTS=0`` (A/B measurements: trees from the plain
     draft distribution; sampling stays keyed, so output is unchanged either way)."""
-    return os.environ.get(COUPLED_DRAFTS_ENV, "1") not in ("0", "false", "False")
+    return envs.coupled_drafts()
 
 
 def _shift_right(value: torch.Tensor, bits: int) -> torch.Tensor:

@@ -13,13 +13,10 @@ rows that break it:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm_ddtree import envs
 from vllm_ddtree.tree import DDTreeBatch
-
-CHECK_STEPS_ENV = "VLLM_DDTREE_CHECK_STEPS"
 
 
 class StepInvariantError(RuntimeError):
@@ -27,7 +24,7 @@ class StepInvariantError(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get(CHECK_STEPS_ENV) == "1"
+    return envs.checking_steps()
 
 
 def check_tree_tokens(input_ids: torch.Tensor, trees: DDTreeBatch, root_row: torch.Tensor):

@@ -11,13 +11,13 @@ tensor-parallel rank did the same. ``StepTableUpload`` sends a step's per-reques
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tree_attn_backend.tree_verify import TreeVerifyBatch
+from vllm_ddtree import envs
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.kv_commit import (
     PagedKVLayers,
@@ -123,9 +123,6 @@ def set_tree_step_inputs(
     state.publish(TreeVerifyBatch(is_tree=is_tree, tree_mask=tree_mask))
 
 
-RANK_CHECK_ENV = "VLLM_DDTREE_CHECK_RANKS"
-
-
 def step_fingerprint(step: TreeStep) -> torch.Tensor:
     """long ``[4]``: order-sensitive sums of the step's tree tokens, parents, accepted paths
     and accepted counts; equal on two ranks when they built and walked the same trees."""
@@ -166,7 +163,7 @@ def check_ranks_agree(step: TreeStep) -> None:
     """Under ``VLLM_DDTREE_CHECK_RANKS=1`` (a check for tests; one all-gather and one host sync
     per step; off, one environment lookup): every tensor-parallel rank built and walked the same
     trees. Raises otherwise."""
-    if os.environ.get(RANK_CHECK_ENV) != "1":
+    if not envs.checking_ranks():
         return
     from vllm.distributed import (
         get_tensor_model_parallel_rank,
