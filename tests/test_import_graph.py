@@ -1,6 +1,7 @@
-"""The package's import graph (every import, at module level or inside a function, read from
-the source with ``ast``) has no circle, and only ``compat`` reaches into the installer's
-helpers: each module is imported for what it provides, never to break a cycle."""
+"""The package's import graph (every import that runs, at module level or inside a function,
+read from the source with ``ast``; ``if TYPE_CHECKING:`` imports for annotations excepted) has
+no circle, and only ``compat`` reaches into the installer's helpers: each module is imported
+for what it provides, never to break a cycle."""
 
 from __future__ import annotations
 
@@ -29,8 +30,17 @@ def imports_of(path: str, modules: set[str]) -> set[str]:
     """The project modules ``path`` imports (``from package import submodule`` counts as the
     submodule)."""
     tree = ast.parse(open(path).read())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
     targets = set()
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue  # an annotation's import: never runs, so it makes no circle
         if isinstance(node, ast.Import):
             targets |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -149,3 +159,11 @@ def test_no_step_state_in_module_globals():
                     writes_environment.append(f"{name}: {ast.unparse(node)}")
     assert rebinding == {}, rebinding
     assert writes_environment == [], writes_environment
+
+
+def test_annotation_only_imports_make_no_edge(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n    import b\n"
+    )
+    assert imports_of(str(module), {"a", "b"}) == {"a"}

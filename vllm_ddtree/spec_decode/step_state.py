@@ -18,11 +18,19 @@ speculator's ``propose``). Everything one stage leaves for a later one lives in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tree_attn_backend.tree_verify import TreeVerifyBatch, bind_tree_source
+
+if TYPE_CHECKING:
+    from vllm_ddtree.hybrid_gdn import HybridTreeStep
+    from vllm_ddtree.online_acceptance import OnlineAcceptance
+    from vllm_ddtree.spec_decode.request_seeds import RequestSeeds
+    from vllm_ddtree.spec_decode.tree_step import StepTableUpload, TreeStep
+    from vllm_ddtree.spec_decode.tree_thinking_budget import TreeThinkingBudget
+    from vllm_ddtree.step_costs import MeasuredStepCosts
 
 HANDLE = "_ddtree"
 
@@ -34,16 +42,16 @@ class StepState:
     # This step.
     trees: TreeVerifyBatch | None = None  # the ancestor masks TREE_ATTN's builders read
     built_slot_mapping: torch.Tensor | None = None  # int64 [T]: slots TREE_ATTN's builder saw
-    step: Any = None  # tree_step.TreeStep: the trees verified this step
-    logits_indices: Any = None  # V1, long [rows]: the sampled rows (keys of their noise)
+    step: TreeStep | None = None  # the trees verified this step
+    logits_indices: torch.Tensor | None = None  # V1, long [rows]: the sampled rows
     rows_without_drafts: bool = False  # V1: read once by the CUDA-graph dispatch
     # Across steps.
-    hybrid: Any = None  # hybrid_gdn.HybridTreeStep: GDN node states (hybrid targets)
-    upload: Any = None  # tree_step.StepTableUpload: pinned step tables
-    seeds: Any = None  # request_seeds.RequestSeeds: each request's sampling seed (V1)
-    thinking_budget: Any = None  # tree_thinking_budget.TreeThinkingBudget (V1)
-    acceptance: Any = None  # online_acceptance.OnlineAcceptance: an online "auto" engine's
-    step_costs: Any = None  # step_costs.MeasuredStepCosts: an online "auto" V2 engine's
+    hybrid: HybridTreeStep | None = None  # GDN node states (hybrid targets)
+    upload: StepTableUpload | None = None  # pinned step tables
+    seeds: RequestSeeds | None = None  # each request's sampling seed (V1)
+    thinking_budget: TreeThinkingBudget | None = None  # thinking budgets on tree rows (V1)
+    acceptance: OnlineAcceptance | None = None  # an online "auto" engine's acceptance
+    step_costs: MeasuredStepCosts | None = None  # an online "auto" V2 engine's step costs
     tree_layers: tuple | None = None  # (forward context, its size, the TREE_ATTN layers)
     kv_layers: tuple | None = None  # (quick key, the TREE_ATTN caches as launch tables)
     bound_builders: list = field(default_factory=list)  # the TREE_ATTN builders handed self
