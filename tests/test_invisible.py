@@ -86,7 +86,7 @@ def test_serving_without_ddtree_is_vllms_with_the_plugin_installed(tiny_pair, en
     target = tiny_pair["target"]
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target]
     command += ["--chat-template", tiny_pair["template"], "--dtype", "float32"]
-    command += ["--max-model-len", "512", "--max-num-seqs", "2"]
+    command += ["--max-model-len", "512", "--max-num-seqs", "2", "--enforce-eager"]
     if engine == "dflash_chain":
         command += ["--speculative-config", json.dumps(chain_config(tiny_pair["drafter"]))]
     seen = {}

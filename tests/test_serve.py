@@ -17,6 +17,9 @@ import pytest
 pytest.importorskip("vllm")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The environment without the suite's TORCH_COMPILE_DISABLE (tests/conftest.py): vLLM's
+# defaults, torch.compile included.
+COMPILED = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"}
 
 
 def free_port() -> int:
@@ -39,6 +42,7 @@ def test_serve_answers_like_the_target_alone(tmp_path):
             str(tmp_path / "models"),
             "--port",
             str(free_port()),
+            "--server-args=--enforce-eager",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -87,7 +91,7 @@ def test_the_readmes_cpu_serve_command_serves_ddtree(tmp_path):
     make_tokenizer(target, spec.vocab_size)
     drafter = make_tiny_dflash(str(tmp_path / "drafter"), spec)
     words = readme_cpu_serve_command()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**COMPILED, "HF_HUB_OFFLINE": "1"}  # as a user runs it: torch.compile on
     while "=" in words[0]:  # the command's environment settings
         name, _, value = words.pop(0).partition("=")
         env[name] = value
@@ -169,9 +173,10 @@ def test_a_hybrid_serves_with_nothing_but_the_speculative_config(tmp_path, extra
         speculative["tree_budget"] = extra["tree_budget"]
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target]
     command += ["--speculative-config", json.dumps(speculative), "--port", str(port)]
-    if extra.get("prefix_caching"):
-        command.append("--enable-prefix-caching")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = {**COMPILED, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    if extra.get("prefix_caching"):  # (the defaults: compiled)
+        command += ["--enable-prefix-caching", "--enforce-eager"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     log_path = tmp_path / "server.log"
     with served(command, env, port, log_path):
         first = " ".join(f"w{(7 * i) % 900}" for i in range(1400))  # past two state blocks
