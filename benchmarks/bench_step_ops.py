@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from vllm_ddtree.config import DEFAULT_TOP_K_CAP
+from vllm_ddtree.ops.drafter_rows import move_path_rows
 from vllm_ddtree.ops.kv_commit import PagedKVLayers, commit_accepted_kv_at
-from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees, build_trees_triton
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_triton
 from vllm_ddtree.ops.tree_walk import walk_and_emit

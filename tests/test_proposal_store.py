@@ -163,7 +163,7 @@ def test_a_tree_cut_in_place_verifies_as_its_cleaned_selection(seed):
     step's trees (the verify's positions and ancestor rows, the walk, each row's path tokens)
     reads only a tree's first ``num_nodes`` slots, so it gives what the cleaned selection
     (``select_trees``) gives."""
-    from vllm_ddtree.ops.row_paths import row_path_tokens
+    from vllm_ddtree.ops.path_tokens import row_path_tokens
     from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref
     from vllm_ddtree.ops.tree_walk import walk_and_emit_ref
 

@@ -387,7 +387,7 @@ def test_kernel_path_rows_match_reference(case, hidden_widths):
     DFlash drafter's feature layers: five for z-lab's, four for this project's drafter);
     more tensors, or tensors of other widths, in further launches."""
     needs_kernel()
-    from vllm_ddtree.ops.path_rows import move_path_rows_ref, move_path_rows_triton
+    from vllm_ddtree.ops.drafter_rows import move_path_rows_ref, move_path_rows_triton
     from vllm_ddtree.tree import follow_tree
 
     tree, target = walked_batch(*case, seed=3)
@@ -425,7 +425,7 @@ def test_drafter_context_rows_are_the_path_then_fresh_positions():
     the root on has its own position (root, root + 1, ...): other branches' rows, which share
     depths with the path, must not share its positions (the drafter stores context K/V by
     position). Rows of requests without drafts and rows before the first root stay put."""
-    from vllm_ddtree.ops.path_rows import move_path_rows_ref
+    from vllm_ddtree.ops.drafter_rows import move_path_rows_ref
 
     # Request 0: a prefill chunk (rows 0-1) then its root (row 2), no drafts. Request 1: root
     # at row 3 with a tree of 4 nodes in rows 4-7: node 1 and 2 at depth 1, node 3 under 2,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.interpreter import run_under_interpreter
-from vllm_ddtree.ops.row_paths import row_path_tokens, row_requests, tree_path_tokens
+from vllm_ddtree.ops.path_tokens import row_path_tokens, row_requests, tree_path_tokens
 from vllm_ddtree.ops.tree_bad_words import apply_tree_bad_words_ref
 from vllm_ddtree.ops.tree_penalties import apply_tree_penalties_ref
 from vllm_ddtree.spec_decode.tree_logits_processors import tree_row_outputs

@@ -270,7 +270,7 @@ def case_kv_commit(model: str) -> None:
 def case_tree_step(budget: int) -> None:
     """A step's small kernels around the verify: the inputs (depth positions, ancestor
     masks), the walk in V2's sampler format, the accepted path's drafter rows."""
-    from vllm_ddtree.ops.path_rows import move_path_rows_triton
+    from vllm_ddtree.ops.drafter_rows import move_path_rows_triton
     from vllm_ddtree.ops.tree_inputs import tree_step_inputs_triton
     from vllm_ddtree.ops.tree_walk import walk_and_emit_triton
 

@@ -2,7 +2,7 @@
 
 A bad word's last token is banned at a row whose past ends with the word's other tokens. A
 tree row's past is its request's outputs (``all_token_ids[state, prompt_len:total_len]``, the
-root's token the last of them) followed by the row's path tokens (``row_paths.py``): what
+root's token the last of them) followed by the row's path tokens (``path_tokens.py``): what
 target-alone decoding has seen when it reaches that node. The words are vLLM's V2 layout
 (``BadWordsState``): per request state the words' tokens back to back and their offsets.
 

@@ -4,7 +4,7 @@ and PyTorch reference.
 vLLM's V2 sampler penalises a chain's ``k``-th row with the request's output counts plus its
 ``k`` drafts (``PenaltiesState``). A tree row continues its own path, so its counts are the
 request's output counts (``output_bin_counts``, the root's token included) plus its path tokens
-(``row_paths.py``). The arithmetic is vLLM's, in the same order and float32, so each row's
+(``path_tokens.py``). The arithmetic is vLLM's, in the same order and float32, so each row's
 logits are bit for bit the ones target-alone decoding penalises at that point:
 
 * repetition ``p`` on tokens of the prompt or the counts: a positive logit divided by ``p``

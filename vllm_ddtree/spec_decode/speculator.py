@@ -4,7 +4,7 @@
 ``sample_draft`` (inside the speculator's FULL CUDA graph) builds the trees from the mask rows'
 full-vocabulary logits (``ops/tree_build.py``, no host synchronisation) and keeps them per
 request state (``ProposalStore``); ``propose`` first puts the accepted path's rows first with
-fresh positions (``ops/path_rows.py``), then returns the node tokens ``[R, budget]`` vLLM
+fresh positions (``ops/drafter_rows.py``), then returns the node tokens ``[R, budget]`` vLLM
 schedules next. It owns the worker's ``StepState``, which the V2 runner hooks
 (``v2_hooks.py``) fill and read.
 """
@@ -19,8 +19,8 @@ from vllm_ddtree.compat import bind_arguments, get_ddtree_config
 from vllm_ddtree.config import oracle_path
 from vllm_ddtree.hybrid_gdn import hybrid_tree_step
 from vllm_ddtree.online_budget import make_tracker
+from vllm_ddtree.ops.drafter_rows import move_path_rows
 from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
-from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode.proposal_store import ProposalStore

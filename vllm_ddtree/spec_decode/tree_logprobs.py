@@ -128,7 +128,7 @@ def tree_step_logprobs_v2(
     ``logprobs_mode`` (raw: ``logits`` as the model gave them, the grammar bitmask applied;
     processed: ``processed_logits`` after every sampling parameter), its top ``logprobs`` and
     each request's own ``logprob_token_ids``. ``requests``, ``local`` long ``[rows]``: each
-    logits row's request and its place among that request's rows (``ops/row_paths.row_layout``);
+    logits row's request and its place among that request's rows (``ops/path_tokens.row_layout``);
     ``sampled`` ``[R, W]``: the emitted tokens, then -1.
     """
     from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores

@@ -8,7 +8,7 @@ for a chain's ``k``-th row that is the ``k`` rows before it; a tree node's past 
 path. So for the tree step's sample, DDTree's stand-ins for the sampler's
 ``penalties_state`` and ``bad_words_state`` (``PathPenalties``, ``PathBadWords``, installed
 once by ``install_path_states``) apply them from each row's path tokens
-(``ops/row_paths.py``, ``ops/tree_penalties.py``, ``ops/tree_bad_words.py``); everything
+(``ops/path_tokens.py``, ``ops/tree_penalties.py``, ``ops/tree_bad_words.py``); everything
 else, vLLM's order and its states included, stays vLLM's. Outside a tree step (``rows`` not
 set) they are vLLM's own.
 """

@@ -29,8 +29,8 @@ import torch
 from vllm_ddtree import compat
 from vllm_ddtree.compat import bind_arguments
 from vllm_ddtree.hybrid_gdn import prepare_before_capture
+from vllm_ddtree.ops.drafter_rows import move_path_rows
 from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
-from vllm_ddtree.ops.path_rows import move_path_rows
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode import step_checks
@@ -522,7 +522,7 @@ def _move_path_rows_first(runner, step: TreeStep, aux_hidden_states) -> None:
     """Rows root + accepted[j] of each request move to rows root + j (j = 0..num_accepted) in
     the token ids and feature-layer hidden states the drafter reads next, and every row after
     the root gets the next position in turn, so that no other branch's row shares a path row's
-    position (and drafter KV slot) (``ops/path_rows.py``; no host synchronisation)."""
+    position (and drafter KV slot) (``ops/drafter_rows.py``; no host synchronisation)."""
     move_path_rows(
         runner.input_ids.gpu,
         runner.positions,

