@@ -453,7 +453,7 @@ def auto_choice_rows(summary: dict) -> list[dict]:
     batch, and that engine's measured tok/s
     beside the chain's (one dict per chain row; ``auto_tok_per_s`` None when the chosen budget
     was not measured in this run)."""
-    from vllm_ddtree.cost_model import choose_automatic
+    from vllm_ddtree.budget.cost_model import choose_automatic
 
     engines = summary["engines"]
     on_v2 = any(name.startswith("ddtree_v2_b") for name in engines)

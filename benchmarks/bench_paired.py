@@ -9,7 +9,7 @@ ratio to the chain compares runs seconds apart. Reported per row: each engine's 
 and acceptance length, and per engine the median (and range) of its per-repeat ratio to the
 chain; what ``"tree_budget": "auto"`` serves at ``max_num_seqs`` = batch (the packaged profile
 of DDTree's runner, or ``--cost-profile``) is marked. With ``--online-auto`` the marked engine is
-"auto" itself, an engine of its own that moves its budget online (``online_budget.py``), held
+"auto" itself, an engine of its own that moves its budget online (``budget/online.py``), held
 against the chain and each row's fastest fixed budget.
 
 Engines: ``ar``, ``dflash`` and DDTree on the V2 runner at every budget ``"auto"`` picks over
@@ -106,7 +106,7 @@ def auto_job(drafter: str, depth: int, max_seqs: int, runner: str) -> dict:
     CUDA graphs sized by the plugin (``cudagraph_capture_sizes`` None), its width the widest
     budget "auto" may serve. It starts alone, after the other engines: it times its graphs
     as it captures them."""
-    from vllm_ddtree.cost_model import load_profile
+    from vllm_ddtree.budget.cost_model import load_profile
 
     widest = load_profile(runner=runner.upper()).measured_range()[1]
     return {
@@ -222,7 +222,7 @@ def engine_worker(job: dict, args: dict, conn, engine_core_process: bool = True)
 def start_groups(jobs: list[dict]) -> list[list[dict]]:
     """The order ``Engines`` starts ``jobs`` in: every job side by side, then each job marked
     ``"start_alone"`` on its own once the others are ready. An online "auto" engine times its
-    CUDA graphs as it captures them (``vllm_ddtree/step_costs.py``): beside other engines
+    CUDA graphs as it captures them (``vllm_ddtree/budget/step_costs.py``): beside other engines
     capturing theirs on the same GPU, its timings came out up to twice the graphs' cost."""
     together = [job for job in jobs if not job.get("start_alone")]
     alone = [[job] for job in jobs if job.get("start_alone")]
@@ -386,7 +386,7 @@ def auto_budget(batch: int, runner: str = "v2", profile: str | None = None) -> i
     """The budget ``"tree_budget": "auto"`` serves at ``max_num_seqs`` = ``batch`` with the
     cost profile at ``profile`` (default: the packaged one of ``runner``; None: the DFlash
     chain)."""
-    from vllm_ddtree.cost_model import choose_automatic
+    from vllm_ddtree.budget.cost_model import choose_automatic
 
     return choose_automatic(batch, runner.upper(), path=profile)[0]
 
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="", help="DDTree budgets besides auto's choices")
     parser.add_argument(
         "--cost-profile",
-        help='judge what "auto" serves by this cost profile (JSON of vllm_ddtree.cost_model)'
+        help='judge what "auto" serves by this cost profile (JSON of vllm_ddtree.budget.cost_model)'
         " instead of the packaged one of the runner",
     )
     parser.add_argument(
@@ -611,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from benchmarks.train_dflash import chat_ids
-    from vllm_ddtree.cost_model import load_profile
+    from vllm_ddtree.budget.cost_model import load_profile
 
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]

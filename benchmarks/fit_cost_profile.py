@@ -1,10 +1,10 @@
-"""Fit a step-cost profile (``vllm_ddtree.cost_model.CostProfile``) from a bench run.
+"""Fit a step-cost profile (``vllm_ddtree.budget.cost_model.CostProfile``) from a bench run.
 
 ``python -m benchmarks fit-profile BENCH_JSON [--out profile.json]`` reads a
 ``bench_e2e.json`` or a ``bench_paired.json`` (through its per-round ratios to the chain),
 fits the step costs of the chain and of DDTree (``cost_model``'s docstring says the model) and
 the acceptance per budget, and prints what ``"tree_budget": "auto"`` would serve at each batch
-size. A packaged profile (``vllm_ddtree/cost_profiles/``) is such a fit.
+size. A packaged profile (``vllm_ddtree/budget/cost_profiles/``) is such a fit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 
 import numpy as np
 
-from vllm_ddtree.cost_model import CostProfile, StepCost, choose_budget
+from vllm_ddtree.budget.cost_model import CostProfile, StepCost, choose_budget
 
 FIT_TIE_TOLERANCE = 1e-9  # relative: fits whose errors differ less than this are tied
 

@@ -63,7 +63,7 @@ def run_engine(job: dict) -> dict:
     kwargs = dict(job["kwargs"])
     budget = (kwargs.get("speculative_config") or {}).get("tree_budget", 0)
     if budget == "auto":  # its widest verify: the cost profile's largest measured budget
-        from vllm_ddtree.cost_model import load_profile
+        from vllm_ddtree.budget.cost_model import load_profile
 
         path = kwargs["speculative_config"].get("cost_profile")
         budget = load_profile(path).measured_range()[1]

@@ -2,7 +2,7 @@
 
 import json
 
-from vllm_ddtree.cost_model import CostProfile, StepCost
+from vllm_ddtree.budget.cost_model import CostProfile, StepCost
 
 
 def cheap_tree_profile() -> CostProfile:

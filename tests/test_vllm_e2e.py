@@ -683,7 +683,7 @@ def test_auto_moves_its_budget_online_and_stays_the_target_alones(
     nothing, so after a refresh the engine serves budget 4 (fewer nodes verified per step than
     16), the oracle drafter's deep trees keep it larger; both outputs are the target alone's."""
     from tests.profiles import write_cheap_tree_profile
-    from vllm_ddtree import online_budget
+    from vllm_ddtree.budget import online as online_budget
 
     spec = {"cost_profile": write_cheap_tree_profile(tmp_path)}
     runs = [

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_ddtree import envs
-from vllm_ddtree.cost_model import VERIFY_GRAPH_TOKENS
+from vllm_ddtree.budget.cost_model import VERIFY_GRAPH_TOKENS
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -41,7 +41,7 @@ DDTREE_KEYS: dict[str, str] = {
     "tree_budget": f"int in {MIN_TREE_BUDGET}..{MAX_TREE_BUDGET}: draft tree nodes verified per"
     " step, root excluded; or 'auto' (the default): the budget a measured cost profile predicts"
     " fastest at max_num_seqs concurrent requests, or the DFlash chain where it predicts the"
-    " chain faster (vllm_ddtree.cost_model)",
+    " chain faster (vllm_ddtree.budget.cost_model)",
     "cost_profile": "path of a cost profile JSON for tree_budget 'auto' (default: the packaged"
     " H200 SmolLM2-135M profile of the model runner DDTree runs on)",
     "tree_top_k": f"int in 1..tree_budget (default min(tree_budget, {DEFAULT_TOP_K_CAP})):"
@@ -65,7 +65,7 @@ class DDTreeConfig:
         runner: the vLLM model runner the engine runs DDTree on, "v1" or "v2"
             (``choose_runner``'s choice, carried with the config to the engine's processes).
         online_budgets: ``"tree_budget": "auto"`` that chose trees: the budgets it may move
-            between as it learns this engine's acceptance (``online_budget.py``; V1: up to its
+            between as it learns this engine's acceptance (``budget/online.py``; V1: up to its
             choice, V2: those of its per-batch-size schedule); empty for a fixed budget.
         cost_profile: the cost profile "auto" read (None: the runner's packaged one).
     """
@@ -395,9 +395,9 @@ def _automatic_budget(
 
     A profile measured on another target than ``target`` (the served model, when known) does
     not choose the chain on the V2 runner (``cost_model.chain_considered``): there "auto" serves
-    the profile's tree and learns this engine's budgets online (``online_budget.py``), where a
+    the profile's tree and learns this engine's budgets online (``budget/online.py``), where a
     chain engine could never learn that trees pay."""
-    from vllm_ddtree.cost_model import chain_considered, choose_automatic
+    from vllm_ddtree.budget.cost_model import chain_considered, choose_automatic
 
     if profile_path is not None and not os.path.isfile(str(profile_path)):
         raise DDTreeConfigError(
@@ -442,7 +442,7 @@ def _automatic_schedule(profile, max_num_seqs: int | None) -> list[tuple[int, in
     for every batch size up to ``max_num_seqs`` (1 when unset), each verify batch within
     ``VERIFY_GRAPH_TOKENS`` (``cost_model.choose_schedule``), as vLLM's per-batch-size
     schedule (its V2 graph manager captures FULL graphs for each width of it); logged."""
-    from vllm_ddtree.cost_model import choose_schedule, format_schedule
+    from vllm_ddtree.budget.cost_model import choose_schedule, format_schedule
 
     schedule = choose_schedule(profile, max_num_seqs or 1, VERIFY_GRAPH_TOKENS)
     logger.warning(
@@ -568,7 +568,7 @@ def split_speculative_config(
                 data_parallel_size,
             )
         elif runner == "v2" and not gives_batch_size_schedule(config):
-            from vllm_ddtree.cost_model import online_schedule
+            from vllm_ddtree.budget.cost_model import online_schedule
 
             schedule = _automatic_schedule(profile, max_num_seqs)
             scheduled = sorted({budget for _, _, budget in schedule if budget > 0})
@@ -581,7 +581,7 @@ def split_speculative_config(
                 online_budgets = budgets
             tree_budget = scheduled[-1]
         elif runner == "v1":
-            from vllm_ddtree.cost_model import online_candidates
+            from vllm_ddtree.budget.cost_model import online_candidates
 
             online_budgets = online_candidates(tree_budget)
     tree_budget = _check_int("tree_budget", tree_budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm_ddtree import budget_metrics
+from vllm_ddtree.budget import metrics as budget_metrics
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
 from vllm_ddtree.request_options import stats_book
 
@@ -115,7 +115,7 @@ def _tree_logging_class():
         """vLLM's periodic ``SpecDecoding metrics`` line, ending with the mean tree nodes
         verified per request and step (draft tokens over drafts) in the interval and, where
         "auto" moved its budget, the tokens per verify step it predicted (beside vLLM's mean
-        acceptance length, the realised ones; ``budget_metrics.py``)."""
+        acceptance length, the realised ones; ``budget/metrics.py``)."""
 
         predicted_tokens = 0.0
         predicted_steps = 0

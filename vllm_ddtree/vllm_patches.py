@@ -426,7 +426,7 @@ def schedule_within_graphs(
     the target alone does with those sizes)."""
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    from vllm_ddtree.cost_model import ONLINE_CANDIDATES
+    from vllm_ddtree.budget.cost_model import ONLINE_CANDIDATES
 
     if schedule:
         lookup = build_dynamic_sd_schedule_lookup(schedule, max_num_seqs, tree_budget)
@@ -451,7 +451,7 @@ def fit_schedule_to_users_graphs(vllm_config, ddtree: DDTreeConfig, given: list[
     widths may have no graph). Said in one line at start."""
     from dataclasses import replace
 
-    from vllm_ddtree.cost_model import format_schedule
+    from vllm_ddtree.budget.cost_model import format_schedule
 
     speculative = vllm_config.speculative_config
     sizes = list(vllm_config.compilation_config.cudagraph_capture_sizes or given)
@@ -517,7 +517,7 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None, data_parallel
     widths = sorted({1 + nodes[b] for b in exceeding})
     fits_by_schedule = ddtree.runner == "v2" and not schedule and data_parallel_size == 1
     if fits_by_schedule and not getattr(engine_args, "enforce_eager", False):
-        from vllm_ddtree.cost_model import fitting_schedule, format_schedule
+        from vllm_ddtree.budget.cost_model import fitting_schedule, format_schedule
 
         fitted = fitting_schedule(max_num_seqs, ddtree.tree_budget, largest)
         logger.warning(

@@ -19,7 +19,7 @@ variables set for that run only, and ``"phases": [n1, n2, ...]``: the prompts in
 groups, each generated after the last in the same engine (the counters after each phase in
 ``"phase_metrics"``). An oracle's ``"skip_first": n`` leaves the first ``n`` prompts out of
 its sequences (the drafter's logits are noise for them). ``"online_budget": {NAME: value}``
-sets constants of ``vllm_ddtree.online_budget`` for that run (its refresh cadence).
+sets constants of ``vllm_ddtree.budget.online`` for that run (its refresh cadence).
 Prints one line
 ``RESULT {name: {"tokens": [...], "logprobs": [...], "metrics": {...}, "ddtree": {...},
 "backend": ...}}``.
@@ -195,7 +195,7 @@ if __name__ == "__main__":
         os.environ.update(run_env)
         # The engine core runs in this process: an online "auto" engine's cadence, scaled
         # down so that a short run sees several refreshes (online_budget's constants).
-        from vllm_ddtree import online_budget
+        from vllm_ddtree.budget import online as online_budget
 
         cadence = run.get("online_budget", {})
         saved_cadence = {name: getattr(online_budget, name) for name in cadence}

@@ -71,8 +71,8 @@ _GDN_METADATA = "vllm_ddtree.gdn_metadata"
 _METRICS = "vllm_ddtree.spec_metrics"
 _REQUESTS = "vllm_ddtree.request_options"
 _GRAMMAR = "vllm_ddtree.structured_outputs"
-_ONLINE = "vllm_ddtree.online_budget"
-_BUDGET_METRICS = "vllm_ddtree.budget_metrics"
+_ENGINE_STEP = "vllm_ddtree.spec_decode.engine_step"
+_BUDGET_METRICS = "vllm_ddtree.budget.metrics"
 # vLLM's GDN metadata build, bound by name (gdn_metadata.build_wrapper).
 _GDN_BUILD = (
     "self",
@@ -190,12 +190,17 @@ SEAMS: tuple[Seam, ...] = (
         expected=("self", "request"),
         kind=BUILDS_ON,
     ),
-    # "auto" moving its budgets online (online_budget.py): the engine core's two step loops.
-    Seam("vllm.v1.engine.core:EngineCore.step", ENGINE, f"{_ONLINE}:_wrap_engine_step", ("self",)),
+    # "auto" moving its budgets online (budget/online.py): the engine core's two step loops.
+    Seam(
+        "vllm.v1.engine.core:EngineCore.step",
+        ENGINE,
+        f"{_ENGINE_STEP}:_wrap_engine_step",
+        ("self",),
+    ),
     Seam(
         "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
         ENGINE,
-        f"{_ONLINE}:_wrap_engine_step",
+        f"{_ENGINE_STEP}:_wrap_engine_step",
         ("self",),
     ),
     Seam(
@@ -235,7 +240,7 @@ SEAMS: tuple[Seam, ...] = (
         f"{_METRICS}:_wrap_logging_stat_logger_init",
         ("self", "vllm_config"),
     ),
-    # What "auto" predicted, beside what was realised (budget_metrics.py).
+    # What "auto" predicted, beside what was realised (budget/metrics.py).
     Seam(
         "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
         ENGINE,

@@ -4,7 +4,9 @@
   one tree per request); ``speculator.py``: ``DDTreeSpeculator``, the same for the V2 runner.
 * ``tree_step.py``: the verify step both runners share (``TreeStep``, tree inputs, KV commit).
 * ``v1_hooks.py`` / ``v2_hooks.py``: where each runner is wrapped to run that step.
-* ``step_state.py``: ``StepState``, everything a step hands from one stage to the next.
+* ``step_state.py``: ``StepState``, everything a step hands from one stage to the next, and
+  the readers the engine core runs in a worker; ``engine_step.py``: the engine core's step
+  loops, where an online ``"auto"`` (``budget/``) refreshes its budgets.
 * ``proposal_store.py``: each request's last tree, good for its next scheduled step only.
 * ``request_seeds.py``: per-request sampling seeds (V1); ``step_checks.py``: invariant
   checks behind ``VLLM_DDTREE_CHECK_STEPS=1``.

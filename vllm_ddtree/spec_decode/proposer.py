@@ -18,10 +18,10 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import hybrid_gdn
+from vllm_ddtree.budget.online import make_tracker
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.compat.cpu_dflash import use_per_layer_k_norm
 from vllm_ddtree.config import DDTreeConfig, oracle_path
-from vllm_ddtree.online_budget import make_tracker
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.profiling import step_range

@@ -15,10 +15,10 @@ import copy
 
 import torch
 
+from vllm_ddtree.budget.online import make_tracker
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
 from vllm_ddtree.config import oracle_path
 from vllm_ddtree.hybrid_gdn import hybrid_tree_step
-from vllm_ddtree.online_budget import make_tracker
 from vllm_ddtree.ops.drafter_rows import move_path_rows
 from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
 from vllm_ddtree.ops.tree_build import build_draft_trees

@@ -25,12 +25,12 @@ import torch
 from tree_attn_backend.tree_verify import TreeVerifyBatch, bind_tree_source
 
 if TYPE_CHECKING:
+    from vllm_ddtree.budget.acceptance import OnlineAcceptance
+    from vllm_ddtree.budget.step_costs import MeasuredStepCosts
     from vllm_ddtree.hybrid_gdn import HybridTreeStep
-    from vllm_ddtree.online_acceptance import OnlineAcceptance
     from vllm_ddtree.spec_decode.request_seeds import RequestSeeds
     from vllm_ddtree.spec_decode.tree_step import StepTableUpload, TreeStep
     from vllm_ddtree.spec_decode.tree_thinking_budget import TreeThinkingBudget
-    from vllm_ddtree.step_costs import MeasuredStepCosts
 
 HANDLE = "_ddtree"
 
@@ -90,3 +90,26 @@ def runner_step_state(runner, state: StepState | None = None) -> StepState:
         held = StepState()
         setattr(runner, HANDLE, held)
     return held
+
+
+def worker_step_state(worker) -> StepState | None:
+    """A worker's ``StepState`` (V1: the runner's handle; V2: the speculator's), or None."""
+    worker = getattr(worker, "worker", worker)  # vLLM's wrapper around the worker
+    runner = getattr(worker, "model_runner", None)
+    state = getattr(runner, HANDLE, None)
+    if state is None:
+        state = getattr(getattr(runner, "speculator", None), "state", None)
+    return state
+
+
+def worker_acceptance(worker) -> dict[int, tuple[float, float]] | None:
+    """Run in each worker (``collective_rpc``): its ``OnlineAcceptance`` snapshot, or None
+    when it keeps none."""
+    tracker = getattr(worker_step_state(worker), "acceptance", None)
+    return tracker.snapshot() if tracker is not None else None
+
+
+def worker_step_costs(worker) -> MeasuredStepCosts | None:
+    """Run in each worker (``collective_rpc``): the ``MeasuredStepCosts`` it timed at start, or
+    None (V1, no graphs, or the timing failed)."""
+    return getattr(worker_step_state(worker), "step_costs", None)

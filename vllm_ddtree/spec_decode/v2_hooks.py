@@ -33,6 +33,11 @@ import logging
 import numpy as np
 import torch
 
+from vllm_ddtree.budget.step_costs import (
+    measured_step_costs,
+    time_graphs_as_captured,
+    times_graphs_at_capture,
+)
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.config import oracle_path
 from vllm_ddtree.hybrid_gdn import prepare_before_capture
@@ -54,11 +59,6 @@ from vllm_ddtree.spec_decode.tree_step import (
     commit_step_kv,
     observe_acceptance,
     set_tree_step_inputs,
-)
-from vllm_ddtree.step_costs import (
-    measured_step_costs,
-    time_graphs_as_captured,
-    times_graphs_at_capture,
 )
 from vllm_ddtree.structured_outputs import with_tree_parents
 from vllm_ddtree.tree import DDTreeBatch

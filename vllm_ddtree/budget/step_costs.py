@@ -12,7 +12,7 @@ all point nowhere (vLLM's ``PAD_SLOT_ID``), so they write no KV cache. A graph's
 fastest replay, and no graph is costed above a larger one (``measured_step_costs``): timings
 taken while other processes use the device only overstate.
 
-``TreeStepCost`` is the step cost ``online_budget.py`` then judges budgets by: the profile's
+``TreeStepCost`` is the step cost ``budget/online.py`` then judges budgets by: the profile's
 step cost for the host's work (on the profiled 135M pair the device is a small part of a
 step), plus the device time measured here for the verify width and the drafter pass at that
 batch size (an upper bound: vLLM's asynchronous scheduling overlaps part of the two). Where a
@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from vllm_ddtree.cost_model import StepCost
+from vllm_ddtree.budget.cost_model import StepCost
 
 REPLAYS = 3  # timed replays per graph, after one untimed
 

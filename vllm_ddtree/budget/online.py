@@ -2,7 +2,7 @@
 
 At start, "auto" picks a budget from a cost profile measured on another pair
 (``config._automatic_budget``). Once trees run, every verified tree tells the acceptance of every
-smaller budget (``online_acceptance.py``, kept by each worker; a budget judged by its gain over the
+smaller budget (``budget/acceptance.py``, kept by each worker; a budget judged by its gain over the
 next narrower one on the trees both saw). Every ``REFRESH_STEPS`` engine steps
 the engine core reads the first worker's estimates and sets vLLM's per-batch-size budget lookup (the
 scheduler's ``dynamic_sd_lookup``, what ``num_speculative_tokens_per_batch_size`` configures) to the
@@ -35,18 +35,23 @@ widths; a verify batch is never given more tokens than the largest graph), on th
 the candidates up to "auto"'s choice when its verify batches run without CUDA graphs (a V1
 engine's graphs have one verify width). Every change goes to the log; the tokens per verify step it
 predicts, beside those realised, to vLLM's spec-decode log line and /metrics
-(``budget_metrics.py``).
+(``budget/metrics.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_ddtree.budget_metrics import set_predictions
+from vllm_ddtree.budget.metrics import set_predictions
 from vllm_ddtree.compat import get_ddtree_config
+
+if TYPE_CHECKING:
+    from vllm_ddtree.budget.step_costs import MeasuredStepCosts
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -66,29 +71,16 @@ SNAPSHOT_LAG_STEPS = 2
 ENGINE_ATTR = "_ddtree_online_budget"  # on vLLM's EngineCore: its OnlineBudget or None
 
 
-def _worker_step_state(worker):
-    """A worker's ``StepState`` (V1: the runner's handle; V2: the speculator's), or None."""
-    from vllm_ddtree.spec_decode.step_state import HANDLE
+@dataclass(frozen=True)
+class WorkerReaders:
+    """What the engine core reads from its first worker (each function runs there, through
+    ``collective_rpc``): ``acceptance``, the worker's ``OnlineAcceptance`` snapshot (None
+    when it keeps none); ``step_costs``, the ``MeasuredStepCosts`` it timed at start (None:
+    V1, no graphs, or the timing failed). The step hands them in
+    (``spec_decode/engine_step.py``): this package never reads the step's state itself."""
 
-    worker = getattr(worker, "worker", worker)  # vLLM's wrapper around the worker
-    runner = getattr(worker, "model_runner", None)
-    state = getattr(runner, HANDLE, None)
-    if state is None:
-        state = getattr(getattr(runner, "speculator", None), "state", None)
-    return state
-
-
-def worker_acceptance(worker) -> dict[int, tuple[float, float]] | None:
-    """Run in each worker (``collective_rpc``): its ``OnlineAcceptance`` snapshot, or None
-    when it keeps none."""
-    tracker = getattr(_worker_step_state(worker), "acceptance", None)
-    return tracker.snapshot() if tracker is not None else None
-
-
-def worker_step_costs(worker):
-    """Run in each worker (``collective_rpc``): the ``step_costs.MeasuredStepCosts`` it timed
-    at start, or None (V1, no graphs, or the timing failed)."""
-    return getattr(_worker_step_state(worker), "step_costs", None)
+    acceptance: Callable[[Any], dict[int, tuple[float, float]] | None]
+    step_costs: Callable[[Any], MeasuredStepCosts | None]
 
 
 def moves_online(vllm_config) -> bool:
@@ -125,7 +117,7 @@ def make_tracker(vllm_config, device: torch.device):
     None."""
     if not moves_online(vllm_config):
         return None
-    from vllm_ddtree.online_acceptance import OnlineAcceptance
+    from vllm_ddtree.budget.acceptance import OnlineAcceptance
 
     ddtree = get_ddtree_config(vllm_config.speculative_config)
     return OnlineAcceptance(list(ddtree.online_budgets), HALF_LIFE_STEPS, device)
@@ -161,14 +153,15 @@ class OnlineBudget:
     """One engine core's online budget: reads the workers' acceptance, sets the scheduler's
     per-batch-size budgets."""
 
-    def __init__(self, engine_core, ddtree, profile, measured=None):
+    def __init__(self, engine_core, ddtree, profile, readers: WorkerReaders, measured=None):
         self.engine_core = engine_core
+        self.readers = readers
         self.candidates = list(ddtree.online_budgets)
         # The profile's step costs for the host, plus what this engine's device measured at
         # start (step_costs.py) where it did.
         self.profile = profile
         if measured is not None:
-            from vllm_ddtree.step_costs import TreeStepCost
+            from vllm_ddtree.budget.step_costs import TreeStepCost
 
             self.profile = replace(profile, tree=TreeStepCost(profile.tree, measured))
         config = engine_core.vllm_config
@@ -178,7 +171,7 @@ class OnlineBudget:
         self.refreshes = 0
         self.next_refresh = REFRESH_STEPS  # the engine step of the next refresh
         self.schedule: list[tuple[int, int, int]] | None = None
-        from vllm_ddtree.step_costs import RealisedStepTimes
+        from vllm_ddtree.budget.step_costs import RealisedStepTimes
 
         self.realised = RealisedStepTimes(
             REALISED_HALF_LIFE_STEPS, MIN_REALISED_STEPS, settle_steps=SETTLE_STEPS
@@ -253,11 +246,11 @@ class OnlineBudget:
         """Read the first worker's acceptance and set the scheduler's budgets from it."""
         from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-        from vllm_ddtree.cost_model import choose_live_schedule, format_schedule
-        from vllm_ddtree.step_costs import CorrectedStepCost
+        from vllm_ddtree.budget.cost_model import choose_live_schedule, format_schedule
+        from vllm_ddtree.budget.step_costs import CorrectedStepCost
 
         self.next_refresh = self.steps + REFRESH_STEPS
-        live = self.engine_core.model_executor.collective_rpc(worker_acceptance)[0]
+        live = self.engine_core.model_executor.collective_rpc(self.readers.acceptance)[0]
         if not live:
             return
         self.refreshes += 1
@@ -303,21 +296,21 @@ class OnlineBudget:
         )
 
 
-def online_budget(engine_core) -> OnlineBudget | None:
-    """The engine core's ``OnlineBudget`` (made on its first step), or None when its budget
-    is fixed."""
+def online_budget(engine_core, readers: WorkerReaders) -> OnlineBudget | None:
+    """The engine core's ``OnlineBudget`` (made on its first step, reading its workers with
+    ``readers``), or None when its budget is fixed."""
     held = getattr(engine_core, ENGINE_ATTR, False)
     if held is not False:
         return held
     made = None
     config = engine_core.vllm_config
     if moves_online(config):
-        from vllm_ddtree.cost_model import load_profile
+        from vllm_ddtree.budget.cost_model import load_profile
 
         ddtree = get_ddtree_config(config.speculative_config)
         profile = load_profile(ddtree.cost_profile, runner=ddtree.runner.upper())
-        measured = engine_core.model_executor.collective_rpc(worker_step_costs)[0]
-        made = OnlineBudget(engine_core, ddtree, profile, measured)
+        measured = engine_core.model_executor.collective_rpc(readers.step_costs)[0]
+        made = OnlineBudget(engine_core, ddtree, profile, readers, measured)
         logger.info(
             "vllm-ddtree: tree_budget 'auto' moves between budgets %s as it learns this "
             "engine's acceptance, judging step costs by %s",
@@ -328,16 +321,3 @@ def online_budget(engine_core) -> OnlineBudget | None:
         )
     setattr(engine_core, ENGINE_ATTR, made)
     return made
-
-
-def _wrap_engine_step(original):
-    """``EngineCore.step`` / ``step_with_batch_queue``: an online "auto" engine refreshes its
-    budgets every ``REFRESH_STEPS`` steps first."""
-
-    def step(self, *args, **kwargs):
-        controller = online_budget(self)
-        if controller is not None:
-            controller.before_step()
-        return original(self, *args, **kwargs)
-
-    return step

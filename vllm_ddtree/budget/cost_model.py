@@ -301,7 +301,7 @@ def fitting_schedule(
 def online_candidates(tree_budget: int) -> tuple[int, ...]:
     """The budgets an online "auto" engine of ``tree_budget`` on the V1 runner moves between:
     the cost model's candidates below it, and itself (its verify batches have one CUDA-graph
-    width: ``online_budget.py`` moves a V1 engine only without graphs). On the V2 runner
+    width: ``budget/online.py`` moves a V1 engine only without graphs). On the V2 runner
     "auto" moves among ``online_schedule``'s budgets, whose widths all have graphs."""
     return tuple(sorted({b for b in BUDGET_CANDIDATES if b < tree_budget} | {tree_budget}))
 
