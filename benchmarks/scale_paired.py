@@ -605,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="every engine sized for at least this many requests, as a server is (its "
         "max_num_seqs, CUDA graphs and KV cache), the rows still at --batches (0: each engine "
-        "sized for the largest batch it serves)",
+        "sized for the largest batch it serves; sized for one request the chain's CUDA graphs "
+        "hold its verify alone and its other forwards cost host time: compare speed with 16)",
     )
     parser.add_argument(
         "--prefix-caching",
