@@ -173,10 +173,11 @@ def test_a_hybrid_serves_with_nothing_but_the_speculative_config(tmp_path, extra
         speculative["tree_budget"] = extra["tree_budget"]
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target]
     command += ["--speculative-config", json.dumps(speculative), "--port", str(port)]
-    env = {**COMPILED, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    if extra.get("prefix_caching"):  # (the defaults: compiled)
+    base = COMPILED  # vLLM's defaults, torch.compile included
+    if extra.get("prefix_caching"):
         command += ["--enable-prefix-caching", "--enforce-eager"]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        base = os.environ
+    env = {**base, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     log_path = tmp_path / "server.log"
     with served(command, env, port, log_path):
         first = " ".join(f"w{(7 * i) % 900}" for i in range(1400))  # past two state blocks

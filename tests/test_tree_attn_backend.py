@@ -227,8 +227,8 @@ def test_builder_treats_cuda_graph_padding_requests_as_causal():
 
 
 def test_the_context_switch_names_its_allowed_values(monkeypatch):
-    from tree_attn_backend.backend import context_choice
     from vllm_ddtree.envs import TREE_ATTN_CONTEXT as CONTEXT_ENV
+    from vllm_ddtree.envs import tree_attn_context as context_choice
 
     monkeypatch.delenv(CONTEXT_ENV, raising=False)
     assert context_choice() == "auto"

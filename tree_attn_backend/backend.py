@@ -56,11 +56,6 @@ CONTEXT_CHOICES = envs.VARIABLES[envs.TREE_ATTN_CONTEXT].choices
 FLASH_CONTEXT_MIN_TOKENS = 64
 
 
-def context_choice() -> str:
-    """``VLLM_DDTREE_TREE_ATTN_CONTEXT``: "auto", "triton" or "flash_attn"."""
-    return envs.tree_attn_context()
-
-
 @dataclass
 class TreeAttentionMetadata:
     """One step's attention inputs.
@@ -109,7 +104,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         self._is_tree = torch.zeros(scheduler.max_num_seqs, dtype=torch.int32, device=device)
         self._tree_mask = torch.zeros((max_tokens, MASK_WORDS), dtype=torch.int32, device=device)
         self._context_lens = torch.zeros(scheduler.max_num_seqs, dtype=torch.int32, device=device)
-        choice = context_choice()
+        choice = envs.tree_attn_context()
         if choice != "triton":
             self.context_fa_version = flash_attention_version(
                 kv_cache_spec.head_size, kv_cache_spec.dtype, torch.device(device)

@@ -173,17 +173,6 @@ GDN_CACHE_MODES = ("none", "align")
 GDN_STATE_DTYPES = ("float32", "bfloat16")
 
 
-def oracle_path() -> str | None:
-    """The test kit's oracle file (``VLLM_DDTREE_TEST_ORACLE``, ``testing/oracle.py``), or None
-    (the normal case): production code imports ``vllm_ddtree/testing/`` only when it is set."""
-    return envs.test_oracle()
-
-
-def float32_gdn_prefill_requested() -> bool:
-    """``VLLM_DDTREE_TEST_FLOAT32_GDN=1``: the test kit's float32 GDN prefill on vLLM-CPU."""
-    return envs.test_float32_gdn()
-
-
 def requested_runner() -> str | None:
     """The user's ``VLLM_DDTREE_RUNNER`` ("v1" or "v2"; None when unset or empty); any other
     value raises ``DDTreeConfigError`` naming the allowed ones."""

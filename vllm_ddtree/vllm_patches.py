@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import os
 
+from vllm_ddtree import envs
 from vllm_ddtree.compat import (
     DDTREE_ATTR,
     DDTREE_CHAIN_ATTR,
@@ -64,7 +65,6 @@ from vllm_ddtree.config import (
     check_sampling_params,
     check_target_is_supported,
     choose_runner,
-    float32_gdn_prefill_requested,
     gives_batch_size_schedule,
     split_speculative_config,
 )
@@ -621,5 +621,5 @@ def apply() -> None:
     # The V2 hooks are inert unless the engine's speculator is DDTree's (the runner choice
     # travels with the engine's config, ``DDTreeConfig.runner``).
     seams.install_when_imported(seams.V2_RUNNER, seams.V2_RUNNER_MODULE)
-    if float32_gdn_prefill_requested():  # a test switch, see testing/float32_gdn_prefill.py
+    if envs.test_float32_gdn():  # a test switch, see testing/float32_gdn_prefill.py
         seams.install_when_imported(seams.FLOAT32_GDN, seams.GDN_MODULE)

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree import envs
-
 try:
     import triton
     import triton.language as tl
@@ -46,17 +44,10 @@ _MIX_B = -7723592293110705685  # 0x94D049BB133111EB
 
 __all__ = [
     "couple_draft_logits",
-    "coupled_drafts_enabled",
     "keyed_gumbel_noise",
     "keyed_uniform",
     "perturb_like_vllm_v2",
 ]
-
-
-def coupled_drafts_enabled() -> bool:
-    """True unless ``VLLM_DDTREE_COUPLED_DRAFTS=0`` (A/B measurements: trees from the plain
-    draft distribution; sampling stays keyed, so output is unchanged either way)."""
-    return envs.coupled_drafts()
 
 
 def _shift_right(value: torch.Tensor, bits: int) -> torch.Tensor:

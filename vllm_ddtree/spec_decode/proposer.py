@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree import hybrid_gdn
+from vllm_ddtree import envs, hybrid_gdn
 from vllm_ddtree.budget.online import make_tracker
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.compat.cpu_dflash import use_per_layer_k_norm
-from vllm_ddtree.config import DDTreeConfig, oracle_path
-from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits, coupled_drafts_enabled
+from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode import step_checks
@@ -52,11 +52,11 @@ class DDTreeProposer(DFlashProposer):
             if runner is not None:
                 runner_step_state(runner, self.state)
         self._oracle = None
-        if oracle_path():  # a test switch (testing/oracle.py), for trees and for the chain
+        if envs.test_oracle():  # a test switch (testing/oracle.py), for trees and for the chain
             from vllm_ddtree.testing.oracle import DeviceOracle
 
             self._oracle = DeviceOracle(
-                oracle_path(),
+                envs.test_oracle(),
                 vllm_config.model_config.get_vocab_size(),
                 vllm_config.scheduler_config.max_num_seqs,
                 torch.device(device),
@@ -97,7 +97,7 @@ class DDTreeProposer(DFlashProposer):
             super().propose(self.ddtree.depth, *args, **kwargs)
         tokens, parents = self._tree_tokens, self._tree_parents
         self._tree_tokens = self._tree_parents = None
-        if step_checks.enabled():
+        if envs.checking_steps():
             self._check_query_slots(tokens.shape[0])
         width = min(num_speculative_tokens, tokens.shape[1])
         self.proposed_parents = parents[:, :width]
@@ -154,7 +154,7 @@ class DDTreeProposer(DFlashProposer):
         """Sampled requests' draft logits ``[R, depth, V]`` plus the target's keyed noise
         (``ops/keyed_gumbel.py``): depth ``j + 1``'s token is chosen by the target row at the
         bonus position + ``j``, the key of its noise."""
-        if not coupled_drafts_enabled():
+        if not envs.coupled_drafts():
             return logits
         bonus_positions = self._bonus_positions(num_reqs, depth).long()
         keys = bonus_positions.unsqueeze(1) + torch.arange(depth, device=logits.device)

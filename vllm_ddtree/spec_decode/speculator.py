@@ -15,12 +15,12 @@ import copy
 
 import torch
 
+from vllm_ddtree import envs
 from vllm_ddtree.budget.online import make_tracker
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
-from vllm_ddtree.config import oracle_path
 from vllm_ddtree.hybrid_gdn import hybrid_tree_step
 from vllm_ddtree.ops.drafter_rows import move_path_rows
-from vllm_ddtree.ops.keyed_gumbel import coupled_drafts_enabled, perturb_like_vllm_v2
+from vllm_ddtree.ops.keyed_gumbel import perturb_like_vllm_v2
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.profiling import step_range
 from vllm_ddtree.spec_decode.proposal_store import ProposalStore
@@ -85,11 +85,11 @@ def ddtree_speculator_class():
             # The parents of the trees just proposed, for the scheduler's grammar bitmask.
             self.parents_to_host = ParentsToHost()
             self.oracle = None
-            if oracle_path():  # a test switch (testing/oracle.py)
+            if envs.test_oracle():  # a test switch (testing/oracle.py)
                 from vllm_ddtree.testing.oracle import DeviceOracle
 
                 vocab_size = vllm_config.model_config.get_vocab_size()
-                self.oracle = DeviceOracle(oracle_path(), vocab_size, rows, device)
+                self.oracle = DeviceOracle(envs.test_oracle(), vocab_size, rows, device)
 
         def sample_draft(
             self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs
@@ -106,7 +106,7 @@ def ddtree_speculator_class():
             logits = self.model.compute_logits(hidden_states)
             if self.oracle is not None:  # its logits replace the drafter's, after their cost
                 logits = self.oracle.logits(positions + 2, idx_mapping, depth)
-            if coupled_drafts_enabled() and logits.is_cuda:  # (V2 runs on CUDA only)
+            if envs.coupled_drafts() and logits.is_cuda:  # (V2 runs on CUDA only)
                 logits = logits.float().contiguous()
                 # The target row choosing the predicted token sits one position before it.
                 perturb_like_vllm_v2(
@@ -186,7 +186,7 @@ def chain_oracle_speculator_class():
         def __init__(self, vllm_config, device: torch.device):
             super().__init__(vllm_config, device)
             vocab_size = vllm_config.model_config.get_vocab_size()
-            self.oracle = DeviceOracle(oracle_path(), vocab_size, self.max_num_reqs, device)
+            self.oracle = DeviceOracle(envs.test_oracle(), vocab_size, self.max_num_reqs, device)
 
         def sample_draft(
             self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs

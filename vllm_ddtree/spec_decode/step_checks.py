@@ -23,14 +23,10 @@ class StepInvariantError(RuntimeError):
     """A DDTree step broke an invariant its exactness or memory safety rests on."""
 
 
-def enabled() -> bool:
-    return envs.checking_steps()
-
-
 def check_tree_tokens(input_ids: torch.Tensor, trees: DDTreeBatch, root_row: torch.Tensor):
     """``input_ids`` ``[T]`` of the step, ``trees`` ``[R, N]`` it verifies, ``root_row`` long
     ``[R]``: node ``i`` of request ``r`` is row ``root_row[r] + 1 + i``."""
-    if not enabled() or trees.num_requests == 0:
+    if not envs.checking_steps() or trees.num_requests == 0:
         return
     rows = (
         root_row.long().unsqueeze(1) + 1 + torch.arange(trees.tree_budget, device=root_row.device)
@@ -49,7 +45,7 @@ def check_tree_tokens(input_ids: torch.Tensor, trees: DDTreeBatch, root_row: tor
 def check_slots_allocated(what: str, last_position: torch.Tensor, allocated_tokens) -> None:
     """``last_position`` long ``[R]``: the last position each request writes K/V at;
     ``allocated_tokens`` int ``[R]`` (host): the token slots its blocks hold."""
-    if not enabled():
+    if not envs.checking_steps():
         return
     last = last_position.long().cpu()
     allocated = torch.as_tensor(allocated_tokens, dtype=torch.long)[: last.shape[0]]

@@ -33,13 +33,13 @@ import logging
 import numpy as np
 import torch
 
+from vllm_ddtree import envs
 from vllm_ddtree.budget.step_costs import (
     measured_step_costs,
     time_graphs_as_captured,
     times_graphs_at_capture,
 )
 from vllm_ddtree.compat import get_ddtree_config
-from vllm_ddtree.config import oracle_path
 from vllm_ddtree.hybrid_gdn import prepare_before_capture
 from vllm_ddtree.ops.path_tokens import row_layout, row_path_tokens
 from vllm_ddtree.ops.tree_walk import walk_and_emit
@@ -101,7 +101,7 @@ def _wrap_init_speculator(original):
         spec = vllm_config.speculative_config
         if get_ddtree_config(spec) is not None:
             return ddtree_speculator_class()(vllm_config, device)
-        if oracle_path() and getattr(spec, "method", None) == "dflash":  # a test switch
+        if envs.test_oracle() and getattr(spec, "method", None) == "dflash":  # a test switch
             return chain_oracle_speculator_class()(vllm_config, device)
         return original(vllm_config, device)
 
