@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import git_commit, timed_ms
-from vllm_ddtree.hybrid_state import GDNStateShapes
+from vllm_ddtree.hybrid.gdn_state import GDNStateShapes
 from vllm_ddtree.ops.gdn_commit import GDNStateLayers, commit_gdn_states, commit_gdn_states_ref
 from vllm_ddtree.ops.tree_causal_conv import (
     tree_causal_conv1d_packed,

@@ -174,7 +174,7 @@ def align_block_tokens(target: str, widest_budget: int, dtype_bytes: int) -> int
     engine of a prefix-caching grid, so that all see the same cached blocks."""
     from transformers import AutoConfig
 
-    from vllm_ddtree.hybrid_state import GDNStateShapes, ssm_state_bytes
+    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, ssm_state_bytes
 
     config = AutoConfig.from_pretrained(target)
     text = getattr(config, "text_config", None) or config

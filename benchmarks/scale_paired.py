@@ -193,7 +193,7 @@ def kv_cache_bytes(
 ) -> int:
     """The KV cache an engine of the run gets: ``base_gb``, plus for a hybrid the state blocks
     vLLM keeps per request, one per verified token, each with its conv window (the plugin's
-    ``hybrid_state.slot_layout_bytes``: the chain's 1 + 15, a tree's 1 + budget; one more
+    ``gdn_state.slot_layout_bytes``: the chain's 1 + 15, a tree's 1 + budget; one more
     with ``prefix_caching``, vLLM's align layout), for ``batch`` requests with 10% to spare.
     The first Qwen3.6-27B runs gave the chain 1 GiB where its start asked for 2.72, and then
     DDTree b64 11.1 GiB where the plugin's state check asked for 13.1 (the bench had left out
@@ -201,7 +201,7 @@ def kv_cache_bytes(
     base = int(base_gb * (1 << 30))
     if not model.hybrid or job["width"] <= 1:
         return base
-    from vllm_ddtree.hybrid_state import GDNStateShapes, slot_layout_bytes
+    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, slot_layout_bytes
     from vllm_ddtree.testing.scale_models import target_config
 
     shapes = GDNStateShapes.from_hf_config(target_config(model)[0])

@@ -1,9 +1,9 @@
 """Where a decode step's time goes, in the end-to-end bench: host timers and torch.profiler.
 
-DDTree's step opens ``ddtree::*`` profiler ranges (``vllm_ddtree/profiling.py``; free when no
-profiler records): ``ddtree::draft`` (the drafter pass and the tree build; on the V2 runner one
-CUDA graph holds both), ``ddtree::build_trees`` (the tree build, inside ``draft``; V1 only),
-``ddtree::prepare_tree_inputs`` (positions, ancestor masks, slots), ``ddtree::target_tokens``
+DDTree's step opens ``ddtree::*`` profiler ranges (``vllm_ddtree/metrics/step_ranges.py``;
+free when no profiler records): ``ddtree::draft`` (the drafter pass and the tree build; on the V2
+runner one CUDA graph holds both), ``ddtree::build_trees`` (the tree build, inside ``draft``; V1
+only), ``ddtree::prepare_tree_inputs`` (positions, ancestor masks, slots), ``ddtree::target_tokens``
 and ``ddtree::follow_tree`` (the walk), ``ddtree::commit_kv`` (the accepted nodes' K/V). What
 no range covers, the wall time per target forward minus the top-level phases' host time, is
 the target's verify forward and vLLM's own step (scheduler, sampler, outputs).
@@ -150,10 +150,10 @@ def host_phase_split(
     llm, prompts: list[list[int]], max_tokens: int, counters, temperature: float = 0.0
 ) -> dict:
     """The same requests as ``profiled_step_split`` without the profiler: each phase's host ms
-    per target forward from the ranges' own timers (``vllm_ddtree.profiling.time_phases``;
+    per target forward from the ranges' own timers (``vllm_ddtree.metrics.step_ranges.time_phases``;
     ``llm`` must run in this process), the wall ms per forward and the uncovered rest, with
     ``batch`` and ``temperature``."""
-    from vllm_ddtree.profiling import phase_times, time_phases
+    from vllm_ddtree.metrics.step_ranges import phase_times, time_phases
 
     time_phases(True)
     try:

@@ -45,7 +45,7 @@ def test_only_envs_reads_the_environment():
     offline hub for the engines it starts."""
     allowed = {
         "vllm_ddtree/envs.py",
-        "vllm_ddtree/vllm_patches.py:VLLM_USE_V2_MODEL_RUNNER",
+        "vllm_ddtree/compat/installer.py:VLLM_USE_V2_MODEL_RUNNER",
         "vllm_ddtree/demo.py:HF_HUB_OFFLINE",
     }
     found = []

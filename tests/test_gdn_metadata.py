@@ -1,4 +1,4 @@
-"""vLLM's GatedDeltaNet metadata in DDTree engines (``vllm_ddtree/gdn_metadata.py``): a tree
+"""vLLM's GatedDeltaNet metadata in DDTree engines (``vllm_ddtree/hybrid/gdn_metadata.py``): a tree
 step's built with slices equals vLLM's own build field for field; every other step is vLLM's."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from vllm.v1.attention.backends.gdn_attn import (  # noqa: E402
     GDNAttentionMetadataBuilder,
 )
 
-from vllm_ddtree import envs, gdn_metadata  # noqa: E402
+from vllm_ddtree import envs  # noqa: E402
 from vllm_ddtree.compat import DDTREE_ATTR  # noqa: E402
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
+from vllm_ddtree.hybrid import gdn_metadata
 
 NUM_SPEC = 5  # the tree budget: vLLM's num_speculative_tokens in a DDTree engine
 BLOCKS_PER_ROW = 8

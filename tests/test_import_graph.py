@@ -90,11 +90,11 @@ def test_no_import_circle_in_the_package():
 
 
 def test_only_the_package_entry_point_imports_the_installer():
-    """``vllm_patches`` installs everything; nothing it installs imports it back (they share
+    """``compat.installer`` installs everything; nothing it installs imports it back (they share
     what they need through ``compat``)."""
     graph = import_graph()
     importers = sorted(
-        name for name, targets in graph.items() if "vllm_ddtree.vllm_patches" in targets
+        name for name, targets in graph.items() if "vllm_ddtree.compat.installer" in targets
     )
     assert importers == ["vllm_ddtree"], importers
 
@@ -138,7 +138,7 @@ def test_production_modules_load_no_test_kit():
 
 # Process-wide by nature: the plugin registers once per process; the phase timer is a
 # benchmark's switch for the whole process (``benchmarks/step_split.py``).
-PROCESS_WIDE = {"vllm_ddtree": {"_registered"}, "vllm_ddtree.profiling": {"_PHASE_TIMES"}}
+PROCESS_WIDE = {"vllm_ddtree": {"_registered"}, "vllm_ddtree.metrics.step_ranges": {"_PHASE_TIMES"}}
 
 
 def test_no_step_state_in_module_globals():
@@ -181,3 +181,36 @@ def test_the_budget_package_never_reaches_into_the_step():
         if target.startswith("vllm_ddtree.spec_decode")
     }
     assert reaching == set()
+
+
+# What each subpackage may import of the rest of the project (its ``__init__`` docstring says
+# the same); the root modules ``config``, ``envs`` and ``tree`` are open to all.
+MAY_IMPORT = {
+    "vllm_ddtree.hybrid": ("vllm_ddtree.compat", "vllm_ddtree.ops"),
+    "vllm_ddtree.requests": ("vllm_ddtree.compat",),
+    "vllm_ddtree.metrics": ("vllm_ddtree.compat", "vllm_ddtree.requests", "vllm_ddtree.budget"),
+    "vllm_ddtree.budget": ("vllm_ddtree.compat",),
+    "vllm_ddtree.ops": ("tree_attn_backend.ops",),
+}
+OPEN_TO_ALL = ("vllm_ddtree.config", "vllm_ddtree.envs", "vllm_ddtree.tree")
+
+
+def test_each_subpackage_imports_only_what_its_docstring_allows():
+    graph = import_graph()
+    outside = {
+        (module, target)
+        for package, allowed in MAY_IMPORT.items()
+        for module, targets in graph.items()
+        if module == package or module.startswith(package + ".")
+        for target in targets
+        if not target.startswith(package)
+        and not target.startswith(allowed + OPEN_TO_ALL)
+        and target not in ("vllm_ddtree",)
+    }
+    assert outside == set(), sorted(outside)
+    for package in MAY_IMPORT:
+        assert import_graph_has(graph, package), package
+
+
+def import_graph_has(graph: dict[str, set[str]], package: str) -> bool:
+    return any(module.startswith(package + ".") for module in graph)

@@ -6,7 +6,7 @@ import torch
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-from vllm_ddtree.kv_specs import one_block_stride_indexing
+from vllm_ddtree.compat.kv_specs import one_block_stride_indexing
 
 
 def _attention(indexes_kv_by_block_stride: bool) -> FullAttentionSpec:
@@ -71,10 +71,10 @@ def test_uniform_flags_are_left_alone():
 
 
 def test_both_runners_get_the_wrapper():
-    from vllm_ddtree import compat, vllm_patches
-    from vllm_ddtree.compat import seams
+    from vllm_ddtree import compat
+    from vllm_ddtree.compat import installer, seams
 
-    vllm_patches.apply()
+    installer.apply()
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.gpu import model_runner
 
@@ -86,7 +86,7 @@ def test_both_runners_get_the_wrapper():
 def test_engines_without_ddtree_keep_vllms_specs():
     from types import SimpleNamespace
 
-    from vllm_ddtree.kv_specs import wrap_get_kv_cache_spec
+    from vllm_ddtree.compat.kv_specs import wrap_get_kv_cache_spec
 
     specs = _hybrid_specs()
     get_kv_cache_spec = wrap_get_kv_cache_spec(lambda self: specs)

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from vllm_ddtree.profiling import step_range
+from vllm_ddtree.metrics.step_ranges import step_range
 
 
 def test_a_step_range_is_recorded_only_while_a_profiler_runs():
@@ -18,7 +18,7 @@ def test_a_step_range_is_recorded_only_while_a_profiler_runs():
 
 
 def test_host_timers_add_up_each_range_between_time_phases_on_and_off():
-    from vllm_ddtree.profiling import phase_times, time_phases
+    from vllm_ddtree.metrics.step_ranges import phase_times, time_phases
 
     time_phases(True)
     try:

@@ -1,4 +1,4 @@
-"""A request's own DDTree options (``vllm_ddtree/request_options.py``): checked values, the
+"""A request's own DDTree options (``vllm_ddtree/requests/options.py``): checked values, the
 scheduler's cut of its draft tokens, and its tree statistics."""
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_ddtree.config import DDTreeConfigError
-from vllm_ddtree.request_options import (
+from vllm_ddtree.requests.options import (
     RequestStatsBook,
     RequestTreeStats,
     cap_request_budgets,
@@ -99,7 +99,7 @@ def test_an_engine_serving_the_chain_checks_the_options_and_says_what_it_served(
     logged saying the chain was served."""
     import logging
 
-    from vllm_ddtree.request_options import _wrap_free_request, install_stats_book, stats_book
+    from vllm_ddtree.requests.options import _wrap_free_request, install_stats_book, stats_book
 
     for value in (1, 64, "auto"):
         check_request_options(params(tree_budget=value), engine_budget=None)

@@ -342,8 +342,8 @@ def test_the_v2_drafts_for_the_scheduler_carry_the_trees_parents():
     bitmask of each node's own path, and nothing is attached when none were proposed."""
     from types import SimpleNamespace
 
+    from vllm_ddtree.requests.structured_outputs import TREE_PARENTS_ATTR, ParentsToHost
     from vllm_ddtree.spec_decode import v2_hooks
-    from vllm_ddtree.structured_outputs import TREE_PARENTS_ATTR, ParentsToHost
 
     parents = ParentsToHost()
     speculator = SimpleNamespace(ddtree=object(), parents_to_host=parents)

@@ -438,11 +438,11 @@ def test_a_hybrid_engines_kv_cache_holds_a_state_block_per_verified_token():
 
 def test_a_hybrid_tree_engines_kv_cache_passes_the_plugins_state_check():
     """The first 27B DDTree engine (b64, batch 1) was refused at start: the plugin's state
-    check counts each block's conv window too (``hybrid_state.slot_layout_bytes``), 13.1 GiB
+    check counts each block's conv window too (``gdn_state.slot_layout_bytes``), 13.1 GiB
     against the 11.1 the bench gave. The bench sizes from the plugin's own layout."""
     from benchmarks.bench_paired import engine_jobs
     from benchmarks.scale_paired import kv_cache_bytes
-    from vllm_ddtree.hybrid_state import GDNStateShapes, check_slot_layout_fits
+    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, check_slot_layout_fits
 
     h = QWEN3_6_27B.hybrid
     shapes = GDNStateShapes(

@@ -9,7 +9,7 @@ import torch
 
 from tests.benchmark_modules import load_benchmark
 from tests.vllm_runs import run_helper
-from vllm_ddtree.profiling import step_range
+from vllm_ddtree.metrics.step_ranges import step_range
 
 step_split_module = load_benchmark("step_split")
 

@@ -10,7 +10,7 @@ import pytest
 xgr = pytest.importorskip("xgrammar")
 torch = pytest.importorskip("torch")
 
-from vllm_ddtree.structured_outputs import (  # noqa: E402
+from vllm_ddtree.requests.structured_outputs import (  # noqa: E402
     REQUEST_PARENTS_ATTR,
     chain_parents,
     tree_grammar_bitmask,
@@ -175,7 +175,7 @@ def test_while_reasoning_a_path_is_constrained_after_its_end_marker():
 def test_engines_without_ddtree_keep_vllms_draft_update(in_output):
     """The wrapped draft updates of an engine without DDTree do what vLLM's do, and nothing
     more: rows zipped as vLLM zips them (no strict length check), requests untouched."""
-    from vllm_ddtree.structured_outputs import (
+    from vllm_ddtree.requests.structured_outputs import (
         REQUEST_PARENTS_ATTR,
         _wrap_update_draft_token_ids,
         _wrap_update_draft_token_ids_in_output,

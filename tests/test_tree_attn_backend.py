@@ -49,9 +49,9 @@ def empty_custom_slot():
 
 
 def test_loading_the_plugin_names_tree_attn_and_leaves_the_custom_slot_empty(empty_custom_slot):
-    from vllm_ddtree import vllm_patches
+    from vllm_ddtree.compat import installer
 
-    vllm_patches.apply()  # what the plugin's register() does in every process
+    installer.apply()  # what the plugin's register() does in every process
     member = AttentionBackendEnum["TREE_ATTN"]
     assert member is AttentionBackendEnum.CUSTOM
     assert pickle.loads(pickle.dumps(member)) is member
@@ -84,11 +84,11 @@ def test_another_plugins_custom_backend_stops_only_engines_using_tree_attn(
 ):
     """Another plugin registered CUSTOM first: loading vllm-ddtree still works and leaves it
     there, a plain engine's config is made, and a DDTree engine is refused naming both."""
-    from vllm_ddtree import vllm_patches
+    from vllm_ddtree.compat import installer
 
     other = "other_plugin.attention.OtherBackend"
     empty_custom_slot[AttentionBackendEnum.CUSTOM] = other
-    vllm_patches.apply()
+    installer.apply()
     assert empty_custom_slot[AttentionBackendEnum.CUSTOM] == other
     plain = engine_config(tiny_target_path, None, attention_backend="CUSTOM")
     assert plain.attention_config.backend is AttentionBackendEnum.CUSTOM

@@ -52,9 +52,9 @@ def test_register_is_idempotent():
     vllm_ddtree.register()
     patched = EngineArgs.create_speculative_config
     vllm_ddtree.register()
-    from vllm_ddtree import vllm_patches
+    from vllm_ddtree.compat import installer
 
-    vllm_patches.apply()
+    installer.apply()
     assert EngineArgs.create_speculative_config is patched
 
 
@@ -448,7 +448,7 @@ def test_a_hybrid_tree_whose_states_cannot_fit_is_refused_naming_what_fits(
     """The GDN tree path keeps 1 + tree_budget state blocks per request (vLLM's layout). When
     those alone exceed the memory vLLM may use, the engine is refused before it starts, and the
     message names a tree_budget and a max_num_seqs that fit (checked here to fit)."""
-    from vllm_ddtree.hybrid_state import GDNStateShapes, slot_layout_bytes
+    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, slot_layout_bytes
 
     target = tiny_qwen3_next(tmp_path)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 64}
@@ -507,7 +507,7 @@ def test_every_verify_batch_an_engine_can_run_replays_a_full_graph(
     the V1 dispatcher's own ``dispatch``: every uniform verify batch up to ``max_num_seqs``
     trees lands on a FULL graph on either runner. With vLLM's default (at most 512 tokens) 16
     trees of budget 32 (528 tokens) ran without one (0.36x the chain on an H200)."""
-    from vllm_ddtree.vllm_patches import VERIFY_GRAPH_TOKENS
+    from vllm_ddtree.compat.installer import VERIFY_GRAPH_TOKENS
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": budget}
     args = engine_args(tiny_target_path, spec, max_num_seqs=max_num_seqs)
@@ -534,7 +534,7 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
     fits the largest graph: also at 4 requests, whose schedule has one budget (the others
     have entries past ``max_num_seqs`` for their graphs)."""
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
-    from vllm_ddtree.vllm_patches import verify_graph_sizes
+    from vllm_ddtree.compat.installer import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path}
@@ -613,7 +613,7 @@ def test_narrow_trees_get_a_full_graph_at_every_batch_size_on_v2(max_num_seqs, b
     3 requests; budget 8 from 30 requests up). The plugin adds ``requests x width`` for each
     such batch, so every uniform verify batch within the largest graph lands on a FULL graph
     (vLLM's own ``_init_candidates`` and ``dispatch``); widths of 17 and more add nothing."""
-    from vllm_ddtree.vllm_patches import largest_graph_for, verify_graph_sizes
+    from vllm_ddtree.compat.installer import largest_graph_for, verify_graph_sizes
 
     width = 1 + budget
     defaults = vllm_default_sizes(max_num_seqs, budget, largest_graph_for(max_num_seqs, budget, 15))
@@ -640,8 +640,8 @@ def test_a_v2_engine_s_capture_sizes_cover_every_width_it_can_serve():
     sizes to the width)."""
     from types import SimpleNamespace
 
+    from vllm_ddtree.compat.installer import complete_verify_graph_sizes
     from vllm_ddtree.config import DDTreeConfig
-    from vllm_ddtree.vllm_patches import complete_verify_graph_sizes
 
     def config(runner, online=()):
         posted = []
@@ -793,7 +793,7 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
     from vllm_ddtree.budget.cost_model import choose_live_schedule, load_profile
     from vllm_ddtree.budget.online import max_verify_tokens, moves_online
-    from vllm_ddtree.vllm_patches import verify_graph_sizes
+    from vllm_ddtree.compat.installer import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path}

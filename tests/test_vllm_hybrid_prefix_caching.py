@@ -3,7 +3,7 @@
 With prefix caching vLLM keeps a GatedDeltaNet target's states in its ``align`` layout: the
 state at the end of every block of tokens is kept for later requests whose prompts start with
 those tokens, and each step's speculative state blocks move along with the request. The tree
-path leaves each step's accepted path where vLLM's chain would (``hybrid_gdn``), so vLLM's own
+path leaves each step's accepted path where vLLM's chain would (``gdn_layer``), so vLLM's own
 copies serve it.
 
 The reference is the tree path with nothing accepted (budget 1, the random drafter), with the

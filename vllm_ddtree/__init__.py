@@ -22,9 +22,9 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        from vllm_ddtree import vllm_patches
+        from vllm_ddtree.compat import installer
 
-        vllm_patches.apply()
+        installer.apply()
         _registered = True
 
 

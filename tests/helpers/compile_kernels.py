@@ -131,7 +131,7 @@ def _gdn_packed(budget: int, rows: int = 4):
 
 
 def case_gdn_tree_verify(budget: int) -> None:
-    """A GDN layer's two launches in the tree verify (``hybrid_gdn.tree_conv`` and
+    """A GDN layer's two launches in the tree verify (``gdn_layer.tree_conv`` and
     ``tree_recurrence``)."""
     from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d_packed
     from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta_packed

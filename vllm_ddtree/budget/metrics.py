@@ -169,7 +169,7 @@ def take_payload(scheduler_stats) -> dict[str, Any] | None:
 
 def _wrap_logging_record(original):
     """``LoggingStatLogger.record`` (front end): the predictions go to the spec-decode log
-    line (``spec_metrics.TreeSpecDecodingLogging``)."""
+    line (``spec_counters.TreeSpecDecodingLogging``)."""
 
     def record(self, scheduler_stats, *args, **kwargs):
         payload = take_payload(scheduler_stats)

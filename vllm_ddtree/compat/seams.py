@@ -5,7 +5,7 @@ a function or method, a classmethod or a property; replace a class; or build on 
 touching it: a subclassed method or a called function), the leading parameters it binds by
 name, and where its wrapper lives. Seams install by group, when their moment comes:
 
-* ``ENGINE``: in every process vLLM starts, at plugin load (``vllm_patches.apply``);
+* ``ENGINE``: in every process vLLM starts, at plugin load (``installer.apply``);
 * ``V1_RUNNER``, ``CPU_RUNNER``, ``V2_RUNNER``: when vLLM imports that model runner (worker
   processes import it late; importing it eagerly would slow every API-server start);
 * ``GDN``, ``GDN_CPU``: in a worker serving a hybrid target with DDTree (the proposer);
@@ -64,13 +64,13 @@ GDN_METADATA_MODULE = "vllm.v1.attention.backends.gdn_attn"
 
 _V1 = "vllm_ddtree.spec_decode.v1_hooks"
 _V2 = "vllm_ddtree.spec_decode.v2_hooks"
-_ENGINE = "vllm_ddtree.vllm_patches"
-_KV = "vllm_ddtree.kv_specs"
-_GDN = "vllm_ddtree.hybrid_gdn"
-_GDN_METADATA = "vllm_ddtree.gdn_metadata"
-_METRICS = "vllm_ddtree.spec_metrics"
-_REQUESTS = "vllm_ddtree.request_options"
-_GRAMMAR = "vllm_ddtree.structured_outputs"
+_ENGINE = "vllm_ddtree.compat.installer"
+_KV = "vllm_ddtree.compat.kv_specs"
+_GDN = "vllm_ddtree.hybrid.gdn_layer"
+_GDN_METADATA = "vllm_ddtree.hybrid.gdn_metadata"
+_METRICS = "vllm_ddtree.metrics.spec_counters"
+_REQUESTS = "vllm_ddtree.requests.options"
+_GRAMMAR = "vllm_ddtree.requests.structured_outputs"
 _ENGINE_STEP = "vllm_ddtree.spec_decode.engine_step"
 _BUDGET_METRICS = "vllm_ddtree.budget.metrics"
 # vLLM's GDN metadata build, bound by name (gdn_metadata.build_wrapper).

@@ -11,7 +11,7 @@ through the helpers here (called by ``seams.install``), so that all of them shar
 
 It also holds what the plugin's modules share about the engine's config (the ``DDTreeConfig``
 carried on vLLM's ``SpeculativeConfig``), so that no module has to import the installer
-(``vllm_patches``) to read it. Nothing here imports vLLM at module level.
+(``compat.installer``) to read it. Nothing here imports vLLM at module level.
 """
 
 from __future__ import annotations

@@ -17,19 +17,20 @@ from __future__ import annotations
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree import envs, hybrid_gdn
+from vllm_ddtree import envs
 from vllm_ddtree.budget.online import make_tracker
 from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.compat.cpu_dflash import use_per_layer_k_norm
 from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.hybrid import gdn_layer
+from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits
 from vllm_ddtree.ops.tree_build import build_draft_trees
-from vllm_ddtree.profiling import step_range
+from vllm_ddtree.requests.structured_outputs import ParentsToHost
 from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.proposal_store import RequestTrees
 from vllm_ddtree.spec_decode.request_seeds import batch_seeds
 from vllm_ddtree.spec_decode.step_state import StepState, runner_step_state
-from vllm_ddtree.structured_outputs import ParentsToHost
 
 
 class DDTreeProposer(DFlashProposer):
@@ -64,7 +65,7 @@ class DDTreeProposer(DFlashProposer):
         if self.ddtree is not None and vllm_config.model_config.is_hybrid:
             # GatedDeltaNet layers verify trees (the state dtypes and layouts it serves were
             # checked before the engine started: config.check_target_is_supported).
-            self.state.hybrid = hybrid_gdn.hybrid_tree_step(
+            self.state.hybrid = gdn_layer.hybrid_tree_step(
                 vllm_config, self.ddtree.tree_budget, device
             )
 

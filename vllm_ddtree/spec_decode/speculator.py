@@ -18,14 +18,14 @@ import torch
 from vllm_ddtree import envs
 from vllm_ddtree.budget.online import make_tracker
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
-from vllm_ddtree.hybrid_gdn import hybrid_tree_step
+from vllm_ddtree.hybrid.gdn_layer import hybrid_tree_step
+from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.drafter_rows import move_path_rows
 from vllm_ddtree.ops.keyed_gumbel import perturb_like_vllm_v2
 from vllm_ddtree.ops.tree_build import build_draft_trees
-from vllm_ddtree.profiling import step_range
+from vllm_ddtree.requests.structured_outputs import ParentsToHost
 from vllm_ddtree.spec_decode.proposal_store import ProposalStore
 from vllm_ddtree.spec_decode.step_state import StepState
-from vllm_ddtree.structured_outputs import ParentsToHost
 
 
 def drafter_vllm_config(vllm_config, depth: int):

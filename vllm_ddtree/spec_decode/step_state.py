@@ -9,7 +9,7 @@ speculator's ``propose``). Everything one stage leaves for a later one lives in 
 * vLLM's TREE_ATTN metadata builders are handed it (``bind_tree_attention``) and read the
   step's trees from it, and report the slots they built back to it;
 * the GatedDeltaNet layers of a hybrid target reach it through the TREE_ATTN metadata of the
-  forward they run in (``hybrid_gdn``);
+  forward they run in (``gdn_layer``);
 * the V1 runner keeps one handle to it (``runner._ddtree``, ``runner_step_state``): its
   CUDA-graph dispatch needs it where no proposer is asked, and an engine whose ``"auto"`` chose
   vLLM's chain keeps one too. Nothing else is added to vLLM's objects.
@@ -27,7 +27,7 @@ from tree_attn_backend.tree_verify import TreeVerifyBatch, bind_tree_source
 if TYPE_CHECKING:
     from vllm_ddtree.budget.acceptance import OnlineAcceptance
     from vllm_ddtree.budget.step_costs import MeasuredStepCosts
-    from vllm_ddtree.hybrid_gdn import HybridTreeStep
+    from vllm_ddtree.hybrid.gdn_layer import HybridTreeStep
     from vllm_ddtree.spec_decode.request_seeds import RequestSeeds
     from vllm_ddtree.spec_decode.tree_step import StepTableUpload, TreeStep
     from vllm_ddtree.spec_decode.tree_thinking_budget import TreeThinkingBudget

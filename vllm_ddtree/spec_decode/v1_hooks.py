@@ -28,11 +28,12 @@ import torch
 
 from vllm_ddtree import compat
 from vllm_ddtree.compat import bind_arguments
-from vllm_ddtree.hybrid_gdn import prepare_before_capture
+from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
+from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.drafter_rows import move_path_rows
 from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
 from vllm_ddtree.ops.tree_walk import walk_and_emit
-from vllm_ddtree.profiling import step_range
+from vllm_ddtree.requests.structured_outputs import with_tree_parents
 from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.proposer import DDTreeProposer
 from vllm_ddtree.spec_decode.request_seeds import batch_seeds
@@ -61,7 +62,6 @@ from vllm_ddtree.spec_decode.tree_thinking_budget import (
     budgeted_requests,
     without_thinking_budget,
 )
-from vllm_ddtree.structured_outputs import with_tree_parents
 from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")
@@ -588,7 +588,7 @@ def _wrap_input_fits_in_drafter(original):
 
 
 def _prepare_gdn_buffers(runner, when: str) -> None:
-    """Hybrid targets: the GDN tree path's per-layer buffers (``hybrid_gdn``), allocated once."""
+    """Hybrid targets: the GDN tree path's per-layer buffers (``gdn_layer``), allocated once."""
     drafter = _ddtree_proposer(runner)
     if drafter is not None:
         prepare_before_capture(drafter.state.hybrid, runner.get_model(), when)

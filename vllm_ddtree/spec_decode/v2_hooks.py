@@ -40,10 +40,11 @@ from vllm_ddtree.budget.step_costs import (
     times_graphs_at_capture,
 )
 from vllm_ddtree.compat import get_ddtree_config
-from vllm_ddtree.hybrid_gdn import prepare_before_capture
+from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
+from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.path_tokens import row_layout, row_path_tokens
 from vllm_ddtree.ops.tree_walk import walk_and_emit
-from vllm_ddtree.profiling import step_range
+from vllm_ddtree.requests.structured_outputs import with_tree_parents
 from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.drafter_warmup import warm_drafter_inputs
 from vllm_ddtree.spec_decode.speculator import (
@@ -60,7 +61,6 @@ from vllm_ddtree.spec_decode.tree_step import (
     observe_acceptance,
     set_tree_step_inputs,
 )
-from vllm_ddtree.structured_outputs import with_tree_parents
 from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")

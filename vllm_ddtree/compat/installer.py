@@ -33,6 +33,7 @@ import logging
 import os
 
 from vllm_ddtree import envs
+from vllm_ddtree.budget.cost_model import VERIFY_GRAPH_TOKENS
 from vllm_ddtree.compat import (
     DDTREE_ATTR,
     DDTREE_CHAIN_ATTR,
@@ -57,7 +58,6 @@ from vllm_ddtree.compat.tree_attn_slot import (
 from vllm_ddtree.config import (
     DDTREE_METHOD,
     SCHEDULE_KEY,
-    VERIFY_GRAPH_TOKENS,
     DDTreeConfig,
     DDTreeConfigError,
     check_drafter_is_dflash,
@@ -68,7 +68,7 @@ from vllm_ddtree.config import (
     gives_batch_size_schedule,
     split_speculative_config,
 )
-from vllm_ddtree.request_options import check_request_options, install_stats_book
+from vllm_ddtree.requests.options import check_request_options, install_stats_book
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -225,14 +225,14 @@ def _wrap_create_speculative_config(original):
 
 def check_hybrid_state_memory(vllm_config) -> None:
     """A DDTree engine on a GatedDeltaNet target: its tree states must fit the memory vLLM may
-    use (``hybrid_state.check_slot_layout_fits``), checked on the final config (``max_num_seqs``
+    use (``gdn_state.check_slot_layout_fits``), checked on the final config (``max_num_seqs``
     is resolved after the speculative config). (Its state blocks get their final size only when
-    the engine starts: ``hybrid_gdn.hybrid_tree_step`` checks them there.)"""
+    the engine starts: ``gdn_layer.hybrid_tree_step`` checks them there.)"""
     ddtree = get_ddtree_config(vllm_config.speculative_config)
     model_config = vllm_config.model_config
     if ddtree is None or model_config is None or not model_config.is_hybrid:
         return
-    from vllm_ddtree.hybrid_state import GDNStateShapes, check_slot_layout_fits
+    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, check_slot_layout_fits
 
     cache = vllm_config.cache_config
     aligned = cache.mamba_cache_mode == "align"
@@ -294,7 +294,7 @@ def _wrap_drafting_slots(original):
 def _wrap_scheduler_init(original):
     """The scheduler reserves KV slots for everything the DDTree drafter writes
     (``DDTreeConfig.kv_lookahead``) and keeps each request's tree statistics
-    (``request_options.RequestStatsBook``)."""
+    (``requests.options.RequestStatsBook``)."""
 
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
@@ -322,7 +322,7 @@ def _wrap_use_v2_model_runner(original):
 
 def _wrap_validate_spec_decode(original):
     """Requests asking for what the tree sampler cannot apply, or for DDTree options outside
-    their allowed values (``request_options``), are refused naming the fields."""
+    their allowed values (``requests.options``), are refused naming the fields."""
 
     def _validate_spec_decode(self, speculative_config, *args, **kwargs):
         original(self, speculative_config, *args, **kwargs)

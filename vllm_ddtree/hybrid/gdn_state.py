@@ -3,7 +3,7 @@
 Two layouts. vLLM 0.26.0 keeps, for a chain, ``1 + num_speculative_tokens`` state blocks per
 request for the request's lifetime, each a full conv window and SSM state of every GDN layer
 (``MambaSpec.num_speculative_blocks``). Extended to trees that is ``1 + budget`` blocks per
-request (``slot_layout_bytes``): what the tree path (``hybrid_gdn``) uses now,
+request (``slot_layout_bytes``): what the tree path (``gdn_layer``) uses now,
 since vLLM allocates and indexes it, and fine for small models and budgets, but tens of times
 what a GPU can spare at useful budgets on real hybrids.
 
@@ -15,7 +15,7 @@ accepted path is then replayed from the committed state as a chain (at most ``de
 tokens per layer) from the node inputs kept for the step, so the committed state is exactly the
 one target-only decoding reaches. ``check_scratch_fits`` names the budget that fits.
 
-``check_slot_layout_fits`` runs before the engine starts (``vllm_patches``), for the layout in
+``check_slot_layout_fits`` runs before the engine starts (``compat.installer``), for the layout in
 use: with vLLM's default ``max_num_seqs`` a real hybrid's ``1 + budget`` blocks per request
 exceed any GPU (Qwen3-Next-80B: 36 GDN layers x 32 heads of 128 x 128 float32 = 75 MB per
 block), which vLLM would otherwise meet with a shrunken batch or a late error.

@@ -15,7 +15,7 @@ exactly those speculative calls to the tree kernels with this step's parent poin
 plain decode) to vLLM's function unchanged.
 
 State, in vLLM's speculative layout (``1 + budget`` blocks per request; its size:
-``hybrid_state.slot_layout_bytes``): node ``t``'s SSM state goes to block
+``gdn_state.slot_layout_bytes``): node ``t``'s SSM state goes to block
 ``spec_state_indices[r, t]``; the step starts from block ``[r, num_accepted - 1]`` and reads the
 conv window from column ``num_accepted - 1`` of block ``[r, 0]``, where vLLM's own bookkeeping
 puts ``num_accepted`` = accepted drafts + 1. After the walk, ``HybridTreeStep.commit`` leaves

@@ -8,7 +8,7 @@ reach (``tree_positions``): the scheduler's statistics (engine core), the Promet
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` and the periodic ``SpecDecoding metrics`` log
 line (front end). Position ``i`` counts the steps whose accepted path reached depth ``i + 1``;
 the totals (drafts, draft tokens = tree nodes, accepted tokens) are vLLM's own. Each request's
-own verified trees are counted too (``request_options.RequestStatsBook``). The periodic log
+own verified trees are counted too (``requests.options.RequestStatsBook``). The periodic log
 line also says how many tree nodes a verify step checked per request on average
 (``TreeSpecDecodingLogging``): the budget the engine served, after per-batch-size schedules
 ("auto" on V2) and requests' own budgets cut the trees.
@@ -20,7 +20,7 @@ import functools
 
 from vllm_ddtree.budget import metrics as budget_metrics
 from vllm_ddtree.compat import bind_arguments, get_ddtree_config
-from vllm_ddtree.request_options import stats_book
+from vllm_ddtree.requests.options import stats_book
 
 
 def tree_positions(ddtree) -> int:
@@ -55,7 +55,7 @@ def _wrap_make_spec_decoding_stats(original):
 
     def make_spec_decoding_stats(self, *args, **kwargs):
         ddtree = get_ddtree_config(self.vllm_config.speculative_config)
-        book = stats_book(self)  # the requests' own statistics (request_options.py)
+        book = stats_book(self)  # the requests' own statistics (requests/options.py)
         if ddtree is None and book is None:
             return original(self, *args, **kwargs)
         bound = bind_arguments(original, self, *args, **kwargs).arguments

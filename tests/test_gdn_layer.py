@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.interpreter import run_under_interpreter
-from vllm_ddtree import envs, hybrid_gdn
-from vllm_ddtree.hybrid_gdn import HybridTreeStep
+from vllm_ddtree import envs
+from vllm_ddtree.hybrid import gdn_layer
+from vllm_ddtree.hybrid.gdn_layer import HybridTreeStep
 from vllm_ddtree.ops.tree_causal_conv import tree_causal_conv1d_ref
 from vllm_ddtree.ops.tree_gated_delta import gdn_gates_ref, tree_gated_delta_ref
 from vllm_ddtree.tree import build_trees
@@ -155,7 +156,7 @@ def test_kernel_path_two_tree_steps_continue_exactly(monkeypatch):
     gave every request after the first request 0's conv window on the H200)."""
     if not INTERPRETED:
         pytest.skip("runs in the interpreter subprocess")
-    monkeypatch.setattr(hybrid_gdn, "use_triton", lambda device: True)
+    monkeypatch.setattr(gdn_layer, "use_triton", lambda device: True)
     check_two_tree_steps(atol=1e-4)
     check_graph_padding(2)
 
@@ -283,7 +284,7 @@ def test_align_layout_gets_the_boundary_state_decoding_reaches(root_position, bl
     accepted = torch.full((1, depth + 1), -1, dtype=torch.long)
     accepted[0, : len(path)] = torch.tensor(path)
     roots = torch.tensor([root_position])
-    bias = int(hybrid_gdn.boundary_depths(roots, torch.tensor([taken]), block_size)[0])
+    bias = int(gdn_layer.boundary_depths(roots, torch.tensor([taken]), block_size)[0])
     running = root_position + 1
     crossings = [
         d for d in range(taken + 1) if (running + d) % block_size == 0
@@ -398,17 +399,17 @@ def test_install_routes_only_the_speculative_gdn_calls_of_a_ddtree_forward(monke
 
     from vllm.forward_context import override_forward_context
 
-    from vllm_ddtree import hybrid_gdn
+    from vllm_ddtree.hybrid import gdn_layer
     from vllm_ddtree.spec_decode.step_state import StepState
 
-    module = importlib.import_module(hybrid_gdn.GDN_MODULE)
+    module = importlib.import_module(gdn_layer.GDN_MODULE)
     calls = []
     monkeypatch.setattr(module, "causal_conv1d_update", lambda *a, **k: calls.append("conv"))
     monkeypatch.setattr(
         module, "fused_sigmoid_gating_delta_rule_update", lambda *a, **k: calls.append("rec")
     )
-    hybrid_gdn.install(torch.device("cpu"))
-    step = hybrid_gdn.HybridTreeStep(max_rows=2, tree_budget=2, device=torch.device("cpu"))
+    gdn_layer.install(torch.device("cpu"))
+    step = gdn_layer.HybridTreeStep(max_rows=2, tree_budget=2, device=torch.device("cpu"))
     monkeypatch.setattr(step, "tree_conv", lambda *a: calls.append("tree_conv"))
     monkeypatch.setattr(step, "tree_recurrence", lambda *a: calls.append("tree_rec"))
     indices = torch.zeros(2, 3, dtype=torch.int32)
@@ -442,7 +443,7 @@ def test_install_routes_only_the_speculative_gdn_calls_of_a_ddtree_forward(monke
     with override_forward_context(tree_forward):
         every_call()
     assert calls == ["conv", "tree_conv", "rec", "tree_rec"]
-    hybrid_gdn.install(torch.device("cpu"))
+    gdn_layer.install(torch.device("cpu"))
     assert module.causal_conv1d_update is conv, "installing twice does not wrap twice"
     calls.clear()
     every_call()  # outside a forward
@@ -457,7 +458,7 @@ def test_install_routes_only_the_speculative_gdn_calls_of_a_ddtree_forward(monke
 def test_every_hybrid_architecture_accepted_uses_the_gdn_layer_the_tree_path_routes():
     """The hybrid targets DDTree accepts (Qwen3-Next, Qwen3.5 dense and MoE) are vLLM 0.26.0
     models whose GatedDeltaNet layer is ``QwenGatedDeltaNetAttention`` from the module whose
-    speculative calls ``hybrid_gdn`` routes to the tree kernels; a vLLM that moves the layer
+    speculative calls ``gdn_layer`` routes to the tree kernels; a vLLM that moves the layer
     fails here instead of silently verifying trees as chains."""
     import importlib.util
 
@@ -465,7 +466,7 @@ def test_every_hybrid_architecture_accepted_uses_the_gdn_layer_the_tree_path_rou
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
     from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
-    from vllm_ddtree.hybrid_gdn import GDN_MODULE
+    from vllm_ddtree.hybrid.gdn_layer import GDN_MODULE
 
     for architecture in GDN_TREE_ARCHITECTURES:
         module_name, class_name = _VLLM_MODELS[architecture]
@@ -525,7 +526,7 @@ def test_layer_buffers_are_made_before_capture_and_the_calls_use_them(monkeypatc
     (used,) = step.layers.values()
     assert used is prepared and used.conv_blocks.data_ptr() == prepared.conv_blocks.data_ptr()
     assert used.conv_blocks[:num_reqs].tolist() == table[:, 0].tolist()
-    monkeypatch.setattr(hybrid_gdn, "capturing", lambda: True)
+    monkeypatch.setattr(gdn_layer, "capturing", lambda: True)
     other = Layer(num_reqs, budget, gen)
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         tree_step(step, other, table, ones, gen, budget, depth, num_draft)

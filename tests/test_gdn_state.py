@@ -5,7 +5,7 @@ import pytest
 from transformers import Qwen3_5Config, Qwen3NextConfig
 
 from vllm_ddtree.config import MAX_TREE_BUDGET, DDTreeConfigError
-from vllm_ddtree.hybrid_state import (
+from vllm_ddtree.hybrid.gdn_state import (
     GIB,
     GDNStateShapes,
     check_scratch_fits,
@@ -125,7 +125,7 @@ def test_the_tiny_qwen3_5_classes_are_what_vllm_serves_them_with(arch, tmp_path)
 def test_bf16_states_halve_the_slot_layout_and_the_check_names_them():
     """``mamba_ssm_cache_dtype`` bfloat16: 2 bytes per SSM state element, so the check admits
     what float32 states could not, and names the dtype when it refuses."""
-    from vllm_ddtree.hybrid_state import check_slot_layout_fits
+    from vllm_ddtree.hybrid.gdn_state import check_slot_layout_fits
 
     shapes = GDNStateShapes.from_hf_config(NEXT, tensor_parallel_size=2)
     float_bytes = slot_layout_bytes(shapes, 4, 32, ssm_bytes=4)
