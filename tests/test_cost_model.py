@@ -161,7 +161,7 @@ def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower(
     either runner unless given a profile of its own. The TP = 2 bench measured every DDTree
     budget slower than the chain there, so that choice is the faster one, and bench_e2e.py
     recorded it as "auto"'s engine."""
-    from vllm_ddtree import config
+    from vllm_ddtree.budget.choice import BudgetChoice, BudgetQuestion, choose
     from vllm_ddtree.budget.cost_model import PACKAGED_PROFILES, choose_automatic
 
     with open(bench) as f:
@@ -169,7 +169,8 @@ def test_auto_serves_the_chain_at_tensor_parallel_2_where_trees_measured_slower(
     assert summary["tensor_parallel_size"] == 2
     for runner in ("V1", "V2"):
         assert choose_automatic(1, runner, tensor_parallel_size=2) == (None, {}, None)
-        assert config._automatic_budget(None, 1, 15, runner.lower(), 2) == (None, None)
+        question = BudgetQuestion(15, runner.lower(), max_num_seqs=1, tensor_parallel_size=2)
+        assert choose(question) == BudgetChoice(None)
     # A profile of one's own is used at any tensor parallel size (here the V2 one: a tree).
     assert choose_automatic(1, "V2", 2, PACKAGED_PROFILES["V2"])[0] is not None
     rows = bench_e2e.auto_choice_rows(summary)
@@ -206,7 +207,7 @@ def test_the_v2_profile_serves_what_its_paired_run_measured_faster_than_the_chai
 
 
 def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
-    from vllm_ddtree import config
+    from vllm_ddtree.budget.choice import BudgetQuestion, choose
 
     seen = []
     monkeypatch.setattr(
@@ -214,7 +215,7 @@ def test_auto_reads_the_profile_of_the_runner_ddtree_runs_on(monkeypatch):
         lambda path, runner: seen.append(runner) or load_profile(path, runner),
     )
     for runner in ("v1", "v2"):
-        config._automatic_budget(None, 1, 15, runner)
+        choose(BudgetQuestion(15, runner, max_num_seqs=1))
     assert seen == ["V1", "V2"]
     # split_speculative_config without a runner: the user's VLLM_DDTREE_RUNNER, else V1.
     for value in ("", "v2"):

@@ -5,21 +5,18 @@ call sites in vLLM test ``method == "dflash"``. So a ``"method": "ddtree"`` requ
 two before vLLM sees it (``split_speculative_config``): a plain DFlash config that vLLM validates
 and runs its DFlash machinery on, and a ``DDTreeConfig`` carried beside it. Everything here is
 pure Python (no vLLM import), so it is testable anywhere and raises before any engine starts.
+What ``"tree_budget": "auto"`` serves is not decided here: ``budget.choice.choose`` answers.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_ddtree import envs
-from vllm_ddtree.budget.cost_model import VERIFY_GRAPH_TOKENS
-
-logger = logging.getLogger("vllm.ddtree")
 
 DDTREE_METHOD = "ddtree"
 DFLASH_METHOD = "dflash"
@@ -154,7 +151,7 @@ def check_drafter_is_dflash(drafter_config: Mapping[str, Any], model: str) -> No
 
 
 # Hybrid targets whose GatedDeltaNet layer (vLLM's QwenGatedDeltaNetAttention) the tree path
-# routes (vllm_ddtree.hybrid_gdn); lossless on the full hybrid grid on an H200 since a62595a.
+# routes (vllm_ddtree.hybrid.gdn_layer); lossless on the full hybrid grid on an H200 since a62595a.
 GDN_TREE_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5ForConditionalGeneration",
@@ -249,7 +246,7 @@ def check_target_is_supported(
     A tree's branches share one forward pass: attention isolates them with the ancestor mask,
     a recurrent layer (GatedDeltaNet, Mamba: vLLM's hybrid and state-space models) would carry
     one branch's state into its siblings. GatedDeltaNet targets get per-node states through
-    ``vllm_ddtree.hybrid_gdn`` (``GDN_TREE_ARCHITECTURES``), with float32 or
+    ``vllm_ddtree.hybrid.gdn_layer`` (``GDN_TREE_ARCHITECTURES``), with float32 or
     bfloat16 SSM states (``mamba_ssm_cache_dtype``, "auto" already resolved to the model's
     dtype by the caller), in vLLM's state layouts ``GDN_CACHE_MODES`` (``mamba_cache_mode``
     as the user set it; with prefix caching vLLM picks "align" for these targets); other
@@ -368,79 +365,6 @@ def check_sampling_params(params: Any, runner: str = "v1") -> None:
         )
 
 
-def _automatic_budget(
-    profile_path: str | None,
-    max_num_seqs: int | None,
-    depth: int,
-    runner: str,
-    tensor_parallel_size: int = 1,
-    target: str | None = None,
-):
-    """``"tree_budget": "auto"``: the budget the cost profile (by default the packaged one of
-    ``runner``, "v1" or "v2") predicts fastest at ``max_num_seqs`` requests (1 when unset), or
-    None when it predicts the DFlash chain at least as fast, and at tensor parallel > 1 without
-    a profile of one's own (``cost_model.choose_automatic``; logged either way); with the
-    profile it read (None at tensor parallel > 1 without one).
-
-    A profile measured on another target than ``target`` (the served model, when known) does
-    not choose the chain on the V2 runner (``cost_model.chain_considered``): there "auto" serves
-    the profile's tree and learns this engine's budgets online (``budget/online.py``), where a
-    chain engine could never learn that trees pay."""
-    from vllm_ddtree.budget.cost_model import chain_considered, choose_automatic
-
-    if profile_path is not None and not os.path.isfile(str(profile_path)):
-        raise DDTreeConfigError(
-            f"speculative_config['cost_profile'] = {profile_path!r} is not a file (a JSON "
-            "written by python -m benchmarks fit-profile BENCH_JSON --out PATH)"
-        )
-    batch = max_num_seqs or 1
-    tree_budget, predicted, profile = choose_automatic(
-        batch, runner, tensor_parallel_size, profile_path, target
-    )
-    if profile is None:
-        logger.warning(
-            "vllm-ddtree: tree_budget 'auto' at tensor_parallel_size=%d chose the DFlash chain "
-            "(the packaged cost profiles were measured on one GPU; give a cost_profile "
-            "measured at this tensor parallel size, or a tree_budget, for trees)",
-            tensor_parallel_size,
-        )
-        return None, None
-    shown = ", ".join(f"{k} {v:.0f}" for k, v in predicted.items())
-    choice = "the DFlash chain" if tree_budget is None else f"tree_budget {tree_budget}"
-    if not chain_considered(profile, runner, target):
-        choice += (
-            f" (the profile was measured on {profile.target_name or 'another target'}, not this "
-            "target, so it does not choose the chain: trees, whose budgets this engine learns "
-            "online; for the chain, a cost_profile measured on this target)"
-        )
-    logger.warning(
-        "vllm-ddtree: tree_budget 'auto' at max_num_seqs=%d chose %s (predicted tok/s: %s; "
-        "profile: %s, drafter depth there %d, here %d)",
-        batch,
-        choice,
-        shown,
-        profile.source,
-        profile.depth,
-        depth,
-    )
-    return tree_budget, profile
-
-
-def _automatic_schedule(profile, max_num_seqs: int | None) -> list[tuple[int, int, int]]:
-    """``"tree_budget": "auto"`` on the V2 runner, once it chose trees on ``profile``: a budget
-    for every batch size up to ``max_num_seqs`` (1 when unset), each verify batch within
-    ``VERIFY_GRAPH_TOKENS`` (``cost_model.choose_schedule``), as vLLM's per-batch-size
-    schedule (its V2 graph manager captures FULL graphs for each width of it); logged."""
-    from vllm_ddtree.budget.cost_model import choose_schedule, format_schedule
-
-    schedule = choose_schedule(profile, max_num_seqs or 1, VERIFY_GRAPH_TOKENS)
-    logger.warning(
-        "vllm-ddtree: tree_budget 'auto' per batch size (requests: budget): %s",
-        format_schedule(schedule),
-    )
-    return schedule
-
-
 def split_speculative_config(
     raw: Mapping[str, Any],
     vllm_fields: Iterable[str],
@@ -463,7 +387,7 @@ def split_speculative_config(
             cost profile serves "auto"; kept as ``DDTreeConfig.runner``); by default the
             user's ``VLLM_DDTREE_RUNNER``, else "v1".
         target: the served model (path or hub id) when known: "auto" on V2 does not take the
-            chain from a profile measured on another target (``_automatic_budget``).
+            chain from a profile measured on another target (``budget.choice``).
         data_parallel_size: the engine's data-parallel ranks. Above 1, "auto" chooses one
             budget at start that every rank serves (no per-batch-size schedule, which vLLM
             drops under data parallelism, and no online moves, which each rank would make from
@@ -540,39 +464,31 @@ def split_speculative_config(
     online_budgets: tuple[int, ...] = ()
     cost_profile = None
     if tree_budget == AUTO_BUDGET:
+        from vllm_ddtree.budget.choice import BudgetQuestion, CostProfileError, choose
+
         cost_profile = config.pop("cost_profile", None)
-        tree_budget, profile = _automatic_budget(
-            cost_profile, max_num_seqs, depth, runner, tensor_parallel_size, target
+        question = BudgetQuestion(
+            depth=depth,
+            runner=runner,
+            max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            target=target,
+            cost_profile=cost_profile,
+            gives_schedule=gives_batch_size_schedule(config),
         )
-        if tree_budget is None:
+        try:
+            choice = choose(question)
+        except CostProfileError as exc:
+            raise DDTreeConfigError(str(exc)) from None
+        if choice.tree_budget is None:
             config.pop("tree_top_k", None)
             config["method"] = DFLASH_METHOD
             config["num_speculative_tokens"] = depth
             return config, None
-        if data_parallel_size > 1:
-            logger.info(
-                "vllm-ddtree: tree_budget 'auto' chose budget %d for all %d data-parallel "
-                "ranks (fixed: ranks must verify alike)",
-                tree_budget,
-                data_parallel_size,
-            )
-        elif runner == "v2" and not gives_batch_size_schedule(config):
-            from vllm_ddtree.budget.cost_model import online_schedule
-
-            schedule = _automatic_schedule(profile, max_num_seqs)
-            scheduled = sorted({budget for _, _, budget in schedule if budget > 0})
-            budgets = tuple(scheduled)
-            if max_num_seqs is not None:  # (entries past it for graphs only need the limit)
-                schedule, budgets = online_schedule(schedule, max_num_seqs)
-            if len(budgets) > 1:
-                config[SCHEDULE_KEY] = [list(entry) for entry in schedule]
-                # vLLM captures graphs for every budget of the schedule: "auto" moves among them.
-                online_budgets = budgets
-            tree_budget = scheduled[-1]
-        elif runner == "v1":
-            from vllm_ddtree.budget.cost_model import online_candidates
-
-            online_budgets = online_candidates(tree_budget)
+        tree_budget, online_budgets = choice.tree_budget, choice.online_budgets
+        if choice.schedule is not None:
+            config[SCHEDULE_KEY] = [list(entry) for entry in choice.schedule]
     tree_budget = _check_int("tree_budget", tree_budget, MIN_TREE_BUDGET, MAX_TREE_BUDGET)
     top_k = config.pop("tree_top_k", min(tree_budget, DEFAULT_TOP_K_CAP))
     top_k = _check_int("tree_top_k", top_k, 1, tree_budget)

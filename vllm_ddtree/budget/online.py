@@ -1,7 +1,7 @@
 """``"tree_budget": "auto"`` that follows the acceptance this engine reaches.
 
 At start, "auto" picks a budget from a cost profile measured on another pair
-(``config._automatic_budget``). Once trees run, every verified tree tells the acceptance of every
+(``budget.choice.choose``). Once trees run, every verified tree tells the acceptance of every
 smaller budget (``budget/acceptance.py``, kept by each worker; a budget judged by its gain over the
 next narrower one on the trees both saw). Every ``REFRESH_STEPS`` engine steps
 the engine core reads the first worker's estimates and sets vLLM's per-batch-size budget lookup (the
