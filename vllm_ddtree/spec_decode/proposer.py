@@ -8,8 +8,8 @@ logits ``[R, depth, V]`` go through ``build_trees`` on the device, and the ``bud
 keyed by request id, for each request's next scheduled step (``proposal_store.RequestTrees``,
 read by the runner hooks, ``v1_hooks.py``).
 
-Test-only mode: ``VLLM_DDTREE_TEST_ORACLE`` (``testing/oracle.py``) replaces the drafter's logits by
-target-future noise, so the tree paths are exercised deeply even with random weights.
+The proposer drafts from the logits its draft source gives (``draft_source.py``): the
+drafter's own in serving, the test kit's oracle in tests.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.requests.structured_outputs import ParentsToHost
 from vllm_ddtree.spec_decode import step_checks
+from vllm_ddtree.spec_decode.draft_source import draft_source
 from vllm_ddtree.spec_decode.proposal_store import RequestTrees
 from vllm_ddtree.spec_decode.request_seeds import batch_seeds
 from vllm_ddtree.spec_decode.step_state import StepState, runner_step_state
@@ -52,16 +53,7 @@ class DDTreeProposer(DFlashProposer):
             self.state = StepState(acceptance=make_tracker(vllm_config, torch.device(device)))
             if runner is not None:
                 runner_step_state(runner, self.state)
-        self._oracle = None
-        if envs.test_oracle():  # a test switch (testing/oracle.py), for trees and for the chain
-            from vllm_ddtree.testing.oracle import DeviceOracle
-
-            self._oracle = DeviceOracle(
-                envs.test_oracle(),
-                vllm_config.model_config.get_vocab_size(),
-                vllm_config.scheduler_config.max_num_seqs,
-                torch.device(device),
-            )
+        self.draft_source = draft_source(vllm_config, device)
         if self.ddtree is not None and vllm_config.model_config.is_hybrid:
             # GatedDeltaNet layers verify trees (the state dtypes and layouts it serves were
             # checked before the engine started: config.check_target_is_supported).
@@ -116,14 +108,14 @@ class DDTreeProposer(DFlashProposer):
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         """``hidden_states`` ``[R * depth, H]`` of the mask rows -> one tree per request."""
         if self.ddtree is None:
-            if self._oracle is not None:
-                return self._chain_oracle_drafts(hidden_states, sampling_metadata)
-            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+            vllm_drafts = super()._sample_draft_tokens
+            return self.draft_source.v1_chain_drafts(
+                self, hidden_states, sampling_metadata, vllm_drafts
+            )
         depth = self.ddtree.depth
         num_reqs = hidden_states.shape[0] // depth
         logits = self.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
-        if self._oracle is not None:  # its logits replace the drafter's, after their cost
-            logits = self._oracle_logits(num_reqs, depth, hidden_states.device)
+        logits = self.draft_source.v1_logits(self, logits, num_reqs, depth)
         if not sampling_metadata.all_greedy and self.runner is not None:
             logits = self._coupled_logits(logits, sampling_metadata, num_reqs, depth)
         with step_range("ddtree::build_trees"):
@@ -137,20 +129,6 @@ class DDTreeProposer(DFlashProposer):
         placeholder = torch.zeros(num_reqs * depth, dtype=torch.long, device=hidden_states.device)
         return placeholder, None
 
-    def _chain_oracle_drafts(self, hidden_states, sampling_metadata):
-        """Test switch: vLLM's DFlash chain drafting from the oracle's logits in place of its
-        drafter's, as vLLM drafts from its own (greedy, or sampled with the probabilities its
-        rejection sampler takes), so chain and trees are measured on the same synthetic
-        acceptance (scale models)."""
-        depth = self.num_speculative_tokens
-        num_reqs = hidden_states.shape[0] // depth
-        self.model.compute_logits(hidden_states)  # the drafter's logits: their cost
-        logits = self._oracle_logits(num_reqs, depth, hidden_states.device)
-        logits = logits.view(num_reqs * depth, -1)
-        if not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
-            return logits.argmax(dim=-1), None
-        return self._sample_from_logits(logits, sampling_metadata)
-
     def _coupled_logits(self, logits, sampling_metadata, num_reqs: int, depth: int):
         """Sampled requests' draft logits ``[R, depth, V]`` plus the target's keyed noise
         (``ops/keyed_gumbel.py``): depth ``j + 1``'s token is chosen by the target row at the
@@ -162,24 +140,6 @@ class DDTreeProposer(DFlashProposer):
         seeds = batch_seeds(self.runner, num_reqs, logits.device)
         temperature = sampling_metadata.temperature[:num_reqs]
         return couple_draft_logits(logits, temperature, seeds, keys)
-
-    def _oracle_logits(self, num_reqs: int, depth: int, device) -> torch.Tensor:
-        """The oracle's ``[R, depth, V]`` logits for the batch rows, from the device's bonus
-        positions: no host synchronisation (one would idle the GPU through the host's work
-        of every step, a cost serving without the oracle never pays). Batch row ``r`` is the
-        oracle's request state ``r``, bound to its request's sequence on the host when the
-        row's request changes."""
-        runner = self.runner
-        req_ids = list(runner.input_batch.req_ids[:num_reqs])
-
-        def prompt_of(row: int) -> list[int]:
-            return list(runner.requests[req_ids[row]].prompt_token_ids or [])
-
-        self._oracle.bind(list(range(num_reqs)), req_ids, prompt_of)
-        ahead = 1 + torch.arange(depth, device=device)
-        predicted = self._bonus_positions(num_reqs, depth).long().unsqueeze(1) + ahead
-        rows = torch.arange(num_reqs, device=device).repeat_interleave(depth)
-        return self._oracle.logits(predicted.view(-1), rows, depth).view(num_reqs, depth, -1)
 
     def _bonus_positions(self, num_reqs: int, depth: int) -> torch.Tensor:
         """``[R]``: each request's bonus token position (its drafter query is the bonus row

@@ -24,6 +24,7 @@ from vllm_ddtree.ops.drafter_rows import move_path_rows
 from vllm_ddtree.ops.keyed_gumbel import perturb_like_vllm_v2
 from vllm_ddtree.ops.tree_build import build_draft_trees
 from vllm_ddtree.requests.structured_outputs import ParentsToHost
+from vllm_ddtree.spec_decode.draft_source import draft_source
 from vllm_ddtree.spec_decode.proposal_store import ProposalStore
 from vllm_ddtree.spec_decode.step_state import StepState
 
@@ -84,12 +85,7 @@ def ddtree_speculator_class():
                 )
             # The parents of the trees just proposed, for the scheduler's grammar bitmask.
             self.parents_to_host = ParentsToHost()
-            self.oracle = None
-            if envs.test_oracle():  # a test switch (testing/oracle.py)
-                from vllm_ddtree.testing.oracle import DeviceOracle
-
-                vocab_size = vllm_config.model_config.get_vocab_size()
-                self.oracle = DeviceOracle(envs.test_oracle(), vocab_size, rows, device)
+            self.draft_source = draft_source(vllm_config, device)  # (draft_source.py)
 
         def sample_draft(
             self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs
@@ -104,8 +100,7 @@ def ddtree_speculator_class():
             depth = self.ddtree.depth
             num_reqs = hidden_states.shape[0] // depth
             logits = self.model.compute_logits(hidden_states)
-            if self.oracle is not None:  # its logits replace the drafter's, after their cost
-                logits = self.oracle.logits(positions + 2, idx_mapping, depth)
+            logits = self.draft_source.v2_logits(logits, positions, idx_mapping, depth)
             if envs.coupled_drafts() and logits.is_cuda:  # (V2 runs on CUDA only)
                 logits = logits.float().contiguous()
                 # The target row choosing the predicted token sits one position before it.
@@ -169,57 +164,3 @@ def ddtree_speculator_class():
                 self.searched = widest
 
     return DDTreeSpeculator
-
-
-def chain_oracle_speculator_class():
-    """Test switch only (``VLLM_DDTREE_TEST_ORACLE``): vLLM's V2 DFlash chain speculator
-    drafting from the oracle's logits in place of its drafter's, so that the chain and the
-    trees are measured on the same synthetic acceptance (scale models)."""
-    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
-    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-
-    from vllm_ddtree.testing.oracle import DeviceOracle
-
-    class ChainOracleSpeculator(DFlashSpeculator):
-        _speculator_name = "DFlash (test oracle)"
-
-        def __init__(self, vllm_config, device: torch.device):
-            super().__init__(vllm_config, device)
-            vocab_size = vllm_config.model_config.get_vocab_size()
-            self.oracle = DeviceOracle(envs.test_oracle(), vocab_size, self.max_num_reqs, device)
-
-        def sample_draft(
-            self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs
-        ):
-            """vLLM's chain sampling (greedy, or its Gumbel draw keyed like the target's) over
-            the oracle's logits for these mask rows; vLLM's arguments bound by name."""
-            bound = bind_arguments(
-                DFlashSpeculator.sample_draft,
-                self,
-                hidden_states,
-                positions,
-                idx_mapping,
-                temperature,
-                seeds,
-                *args,
-                **kwargs,
-            )
-            depth = self.num_speculative_steps
-            self.model.compute_logits(hidden_states)  # the drafter's logits: their cost
-            logits = self.oracle.logits(positions + 2, idx_mapping, depth)
-            draft_logits = bound.arguments["draft_logits"]
-            if draft_logits is None:
-                return logits.argmax(dim=-1)
-            return gumbel_sample(
-                logits,
-                idx_mapping,
-                temperature,
-                seeds,
-                positions + 1,
-                apply_temperature=True,
-                output_processed_logits=draft_logits,
-                output_processed_logits_col=bound.arguments["draft_step"],
-                use_fp64=self.use_fp64_gumbel,
-            )
-
-    return ChainOracleSpeculator

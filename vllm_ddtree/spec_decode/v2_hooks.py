@@ -33,7 +33,6 @@ import logging
 import numpy as np
 import torch
 
-from vllm_ddtree import envs
 from vllm_ddtree.budget.step_costs import (
     measured_step_costs,
     time_graphs_as_captured,
@@ -46,9 +45,9 @@ from vllm_ddtree.ops.path_tokens import row_layout, row_path_tokens
 from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.requests.structured_outputs import with_tree_parents
 from vllm_ddtree.spec_decode import step_checks
+from vllm_ddtree.spec_decode.draft_source import draft_source
 from vllm_ddtree.spec_decode.drafter_warmup import warm_drafter_inputs
 from vllm_ddtree.spec_decode.speculator import (
-    chain_oracle_speculator_class,
     ddtree_speculator_class,
 )
 from vllm_ddtree.spec_decode.tree_logprobs import tree_step_logprobs_v2
@@ -101,8 +100,9 @@ def _wrap_init_speculator(original):
         spec = vllm_config.speculative_config
         if get_ddtree_config(spec) is not None:
             return ddtree_speculator_class()(vllm_config, device)
-        if envs.test_oracle() and getattr(spec, "method", None) == "dflash":  # a test switch
-            return chain_oracle_speculator_class()(vllm_config, device)
+        if getattr(spec, "method", None) == "dflash":  # the chain, drafting from its source
+            source = draft_source(vllm_config, device)
+            return source.v2_chain_speculator(vllm_config, device, original)
         return original(vllm_config, device)
 
     return init_speculator
@@ -205,25 +205,12 @@ def _step_trees(speculator, input_batch, has_tree: np.ndarray):
     return trees, root_row, num_draft, counts, is_tree
 
 
-def _bind_oracle(runner, oracle, input_batch) -> None:
-    """Test oracle only: bind this step's new requests to their sequences (host reads of
-    their prompts, before the step's proposal)."""
-    states = [int(s) for s in input_batch.idx_mapping_np[: input_batch.num_reqs]]
-    token_ids = runner.req_states.all_token_ids.gpu
-    prompt_len = runner.req_states.prompt_len.np
-
-    def prompt_of(state: int) -> list[int]:
-        return token_ids[state, : int(prompt_len[state])].tolist()
-
-    oracle.bind(states, list(input_batch.req_ids[: input_batch.num_reqs]), prompt_of)
-
-
 def _wrap_prepare_attn(original):
     def prepare_attn(self, input_batch):
         block_tables, slot_mappings = original(self, input_batch)
-        oracle = getattr(getattr(self, "speculator", None), "oracle", None)
-        if oracle is not None:  # a test switch (testing/oracle.py): trees and the chain
-            _bind_oracle(self, oracle, input_batch)
+        source = getattr(getattr(self, "speculator", None), "draft_source", None)
+        if source is not None:  # (draft_source.py; vLLM's own speculators have none)
+            source.v2_bind(self, input_batch)
         speculator = _ddtree_speculator(self)
         if speculator is not None:  # every scheduled step takes its requests' proposals
             num_reqs = input_batch.num_reqs

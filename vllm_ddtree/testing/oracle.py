@@ -205,3 +205,115 @@ class DeviceOracle:
         truth_value = torch.where(first, top + TRUTH_MARGIN, top + TRUTH_MARGIN - 1.0)
         out[rows, truth] = torch.where(valid, truth_value, out[rows, truth])
         return out
+
+
+class OracleDraftSource:
+    """The oracle as the draft source a proposer or speculator is given
+    (``spec_decode/draft_source.py``): its logits replace the drafter's, for trees and for the
+    DFlash chain, on both runners, after the drafter's logits are computed (their cost paid)."""
+
+    def __init__(self, path: str, vocab_size: int, max_num_reqs: int, device: torch.device):
+        self.path = path
+        self.oracle = DeviceOracle(path, vocab_size, max_num_reqs, device)
+
+    def v1_logits(self, proposer, logits: torch.Tensor, num_reqs: int, depth: int):
+        """``[R, depth, V]`` from the device's bonus positions: no host synchronisation (one
+        would idle the GPU through the host's work of every step, a cost serving without the
+        oracle never pays). Batch row ``r`` is the oracle's request state ``r``, bound to its
+        request's sequence on the host when the row's request changes."""
+        runner = proposer.runner
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+
+        def prompt_of(row: int) -> list[int]:
+            return list(runner.requests[req_ids[row]].prompt_token_ids or [])
+
+        self.oracle.bind(list(range(num_reqs)), req_ids, prompt_of)
+        device = logits.device
+        ahead = 1 + torch.arange(depth, device=device)
+        predicted = proposer._bonus_positions(num_reqs, depth).long().unsqueeze(1) + ahead
+        rows = torch.arange(num_reqs, device=device).repeat_interleave(depth)
+        return self.oracle.logits(predicted.view(-1), rows, depth).view(num_reqs, depth, -1)
+
+    def v1_chain_drafts(self, proposer, hidden_states, sampling_metadata, vllm_drafts):
+        """vLLM's DFlash chain drafting from the oracle's logits in place of its drafter's, as
+        vLLM drafts from its own (greedy, or sampled with the probabilities its rejection
+        sampler takes), so chain and trees are measured on the same synthetic acceptance."""
+        depth = proposer.num_speculative_tokens
+        num_reqs = hidden_states.shape[0] // depth
+        drafter = proposer.model.compute_logits(hidden_states).view(num_reqs, depth, -1)
+        logits = self.v1_logits(proposer, drafter, num_reqs, depth).view(num_reqs * depth, -1)
+        if not proposer._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
+            return logits.argmax(dim=-1), None
+        return proposer._sample_from_logits(logits, sampling_metadata)
+
+    def v2_bind(self, runner, input_batch) -> None:
+        """Bind this step's new requests to their sequences (host reads of their prompts,
+        before the step's proposal)."""
+        states = [int(s) for s in input_batch.idx_mapping_np[: input_batch.num_reqs]]
+        token_ids = runner.req_states.all_token_ids.gpu
+        prompt_len = runner.req_states.prompt_len.np
+
+        def prompt_of(state: int) -> list[int]:
+            return token_ids[state, : int(prompt_len[state])].tolist()
+
+        self.oracle.bind(states, list(input_batch.req_ids[: input_batch.num_reqs]), prompt_of)
+
+    def v2_logits(self, logits, positions, idx_mapping, depth: int):
+        """The mask rows' logits from vLLM's Gumbel keys (``positions``: predicted - 2)."""
+        return self.oracle.logits(positions + 2, idx_mapping, depth)
+
+    def v2_chain_speculator(self, vllm_config, device, vllm_speculator):
+        """vLLM's V2 DFlash chain speculator drafting from the oracle's logits."""
+        return chain_oracle_speculator_class()(vllm_config, device, self)
+
+
+def chain_oracle_speculator_class():
+    """vLLM's V2 DFlash chain speculator, sampling its drafts from the oracle's logits (made on
+    first use: vLLM's V2 speculator is imported only where the V2 runner runs)."""
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.compat import bind_arguments
+
+    class ChainOracleSpeculator(DFlashSpeculator):
+        _speculator_name = "DFlash (test oracle)"
+
+        def __init__(self, vllm_config, device, source: OracleDraftSource):
+            super().__init__(vllm_config, device)
+            self.draft_source = source
+
+        def sample_draft(
+            self, hidden_states, positions, idx_mapping, temperature, seeds, *args, **kwargs
+        ):
+            """vLLM's chain sampling (greedy, or its Gumbel draw keyed like the target's) over
+            the oracle's logits for these mask rows; vLLM's arguments bound by name."""
+            bound = bind_arguments(
+                DFlashSpeculator.sample_draft,
+                self,
+                hidden_states,
+                positions,
+                idx_mapping,
+                temperature,
+                seeds,
+                *args,
+                **kwargs,
+            )
+            depth = self.num_speculative_steps
+            drafter = self.model.compute_logits(hidden_states)  # the drafter's: their cost
+            logits = self.draft_source.v2_logits(drafter, positions, idx_mapping, depth)
+            draft_logits = bound.arguments["draft_logits"]
+            if draft_logits is None:
+                return logits.argmax(dim=-1)
+            return gumbel_sample(
+                logits,
+                idx_mapping,
+                temperature,
+                seeds,
+                positions + 1,
+                apply_temperature=True,
+                output_processed_logits=draft_logits,
+                output_processed_logits_col=bound.arguments["draft_step"],
+                use_fp64=self.use_fp64_gumbel,
+            )
+
+    return ChainOracleSpeculator
