@@ -599,7 +599,8 @@ def test_a_chain_served_for_ddtree_gets_the_same_guard():
     from types import SimpleNamespace
 
     from vllm_ddtree.compat import DDTREE_CHAIN_ATTR
-    from vllm_ddtree.spec_decode.step_state import HANDLE, runner_step_state
+    from vllm_ddtree.compat.handles import HANDLE
+    from vllm_ddtree.spec_decode.step_state import runner_step_state
     from vllm_ddtree.spec_decode.v1_hooks import _wrap_prepare_inputs
 
     with_a_prefill = SimpleNamespace(num_draft_tokens=[15, 0])

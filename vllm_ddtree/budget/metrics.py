@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-PREDICTIONS_ATTR = "_ddtree_predictions"  # on vLLM's Scheduler: its BudgetPredictions
+from vllm_ddtree.compat.handles import SchedulerState, held, hold
+
 PAYLOAD_KEY = "ddtree"  # in SchedulerStats.kv_connector_stats, engine core to front end
 PAYLOAD_ATTR = "_ddtree_payload"  # on a SchedulerStats once the front end took it out
 
@@ -75,23 +76,24 @@ class BudgetPredictions:
 
 
 def predictions(scheduler) -> BudgetPredictions | None:
-    return getattr(scheduler, PREDICTIONS_ATTR, None)
+    """The scheduler's ``BudgetPredictions`` (``compat.handles.SchedulerState``), or None."""
+    state = held(scheduler, SchedulerState)
+    return state.predictions if state is not None else None
 
 
 def set_predictions(scheduler, by_budget: dict[int, float]) -> None:
     """The online budget's latest predicted tokens per verify step by budget."""
-    held = predictions(scheduler)
-    if held is None:
-        held = BudgetPredictions()
-        setattr(scheduler, PREDICTIONS_ATTR, held)
-    held.set(by_budget)
+    state = hold(scheduler, SchedulerState)
+    if state.predictions is None:
+        state.predictions = BudgetPredictions()
+    state.predictions.set(by_budget)
 
 
 def observe(scheduler, num_nodes: int) -> None:
     """A request's verify step of ``num_nodes`` tree nodes (engine core)."""
-    held = predictions(scheduler)
-    if held is not None:
-        held.observe(num_nodes)
+    kept = predictions(scheduler)
+    if kept is not None:
+        kept.observe(num_nodes)
 
 
 def _wrap_make_stats(original):

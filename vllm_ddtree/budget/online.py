@@ -1,41 +1,26 @@
 """``"tree_budget": "auto"`` that follows the acceptance this engine reaches.
 
-At start, "auto" picks a budget from a cost profile measured on another pair
-(``budget.choice.choose``). Once trees run, every verified tree tells the acceptance of every
-smaller budget (``budget/acceptance.py``, kept by each worker; a budget judged by its gain over the
-next narrower one on the trees both saw). Every ``REFRESH_STEPS`` engine steps
-the engine core reads the first worker's estimates and sets vLLM's per-batch-size budget lookup (the
-scheduler's ``dynamic_sd_lookup``, what ``num_speculative_tokens_per_batch_size`` configures) to the
-budget predicted fastest at each batch size (a batch size keeps the budget it is served while that
-is predicted within 3% of the fastest: ``cost_model.HOLD_MARGIN``): the live acceptance where enough
-trees stand behind it, the profile's elsewhere, and the step costs of this engine: on V2 the device
-time of each verify width and drafter pass, timed from its CUDA graphs at start (``step_costs.py``),
-plus the profile's host cost; elsewhere the profile's (``cost_model.choose_live_schedule``);
-each budget's step cost scaled by what its served steps realised over that prediction at that
-batch size, where it was served long enough to say (``step_costs.RealisedStepTimes``: wall time
-between steady engine steps, so whatever the start-up timing missed counts). A
-budget below the one scheduled is learned for free; one above it only while it is scheduled, so once
-unscheduled its estimate fades back to the profile's (``OnlineAcceptance``'s decay, never below a
-smaller budget's), and every ``EXPLORE_EVERY``-th refresh serves it where predicted close to the
-fastest, so a workload whose acceptance rose moves the budget up again. A smaller budget's step
-time is learned only by serving it: at a batch size served with other budgets but never with
-it, the same refresh serves it instead when predicted close (so a narrower tree that a profile of
-another pair misjudges is measured, not assumed). The next refresh then
-comes as soon as its estimates can stand (``OnlineBudget.exploration_steps``), not a whole
-refresh later.
+``budget.choice.choose`` picks the start from a cost profile measured on another pair. Once
+trees run, every verified tree tells what each smaller budget would have accepted
+(``acceptance.py``, kept by each worker). Every ``REFRESH_STEPS`` engine steps the engine core
+reads the first worker's estimates and sets vLLM's per-batch-size budget lookup (the scheduler's
+``dynamic_sd_lookup``) to the budget predicted fastest at each batch size
+(``cost_model.choose_live_schedule``), from the live acceptance where enough trees stand behind
+it, and this engine's step costs: on V2 its CUDA graphs timed at start (``step_costs.py``) plus
+the profile's host cost, scaled by what served steps realised (``step_costs.RealisedStepTimes``).
+A batch size keeps its budget while that is predicted within ``cost_model.HOLD_MARGIN`` of the
+fastest. A budget above the one served is learned only by serving it: every
+``EXPLORE_EVERY``-th refresh serves it where predicted close, and the next refresh comes as soon
+as its estimates can stand (``OnlineBudget.exploration_steps``).
 
-Near ``max_model_len`` vLLM's scheduler cuts a request's tree, and a cut verify leaves the
-FULL CUDA graph: while a running request is that close, an engine with graphs drafts with the
-largest candidate budget whose tree fits (``OnlineBudget.fit_trees``), and such steps are not
-timed.
+Near ``max_model_len`` the scheduler cuts a request's tree, which leaves the FULL CUDA graph:
+while a running request is that close, an engine with graphs drafts with the largest candidate
+whose tree fits (``OnlineBudget.fit_trees``), and such steps are not timed.
 
-Where: engines whose ``DDTreeConfig.online_budgets`` lists several budgets: on the V2 runner
-the budgets of "auto"'s per-batch-size schedule (vLLM captures FULL graphs for each of their
-widths; a verify batch is never given more tokens than the largest graph), on the V1 runner
-the candidates up to "auto"'s choice when its verify batches run without CUDA graphs (a V1
-engine's graphs have one verify width). Every change goes to the log; the tokens per verify step it
-predicts, beside those realised, to vLLM's spec-decode log line and /metrics
-(``budget/metrics.py``).
+Engines whose ``DDTreeConfig.online_budgets`` lists several budgets move: on V2 those of the
+per-batch-size schedule (each verify width a FULL graph), on V1 the candidates up to the start
+choice when its verify batches run without CUDA graphs. Every move is logged; the predicted
+tokens per verify step go to vLLM's spec-decode log line and /metrics (``metrics.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +34,7 @@ import torch
 
 from vllm_ddtree.budget.metrics import set_predictions
 from vllm_ddtree.compat import get_ddtree_config
+from vllm_ddtree.compat.handles import SchedulerState, hold
 
 if TYPE_CHECKING:
     from vllm_ddtree.budget.step_costs import MeasuredStepCosts
@@ -68,7 +54,6 @@ SETTLE_STEPS = 2  # intervals not counted after the batch or the budget changed
 # Steps a worker's acceptance snapshot may trail the engine core (its host copies finish
 # behind the device's queue).
 SNAPSHOT_LAG_STEPS = 2
-ENGINE_ATTR = "_ddtree_online_budget"  # on vLLM's EngineCore: its OnlineBudget or None
 
 
 @dataclass(frozen=True)
@@ -299,9 +284,9 @@ class OnlineBudget:
 def online_budget(engine_core, readers: WorkerReaders) -> OnlineBudget | None:
     """The engine core's ``OnlineBudget`` (made on its first step, reading its workers with
     ``readers``), or None when its budget is fixed."""
-    held = getattr(engine_core, ENGINE_ATTR, False)
-    if held is not False:
-        return held
+    state = hold(engine_core.scheduler, SchedulerState)
+    if state.online_budget_decided:
+        return state.online_budget
     made = None
     config = engine_core.vllm_config
     if moves_online(config):
@@ -319,5 +304,5 @@ def online_budget(engine_core, readers: WorkerReaders) -> OnlineBudget | None:
             if measured is not None
             else "its cost profile",
         )
-    setattr(engine_core, ENGINE_ATTR, made)
+    state.online_budget, state.online_budget_decided = made, True
     return made

@@ -45,6 +45,7 @@ from vllm_ddtree.compat import (
     serves_chain_for_ddtree,
     vllm_version,
 )
+from vllm_ddtree.compat.handles import ArgsState, held, hold
 from vllm_ddtree.compat.tree_attn_slot import (
     TREE_ATTN_NAME,
     TREE_ATTN_PATH,
@@ -125,7 +126,8 @@ def _take_custom_slot() -> None:
 
 def _wrap_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        ddtree: DDTreeConfig | None = getattr(self, "_ddtree_config", None)
+        held_args = hold(self, ArgsState)
+        ddtree: DDTreeConfig | None = held_args.config
         if getattr(self, "spec_method", None) == DDTREE_METHOD:
             # `--spec-method ddtree`: fold it into the dict the way vLLM folds the flag.
             self.speculative_config = dict(self.speculative_config or {})
@@ -183,7 +185,7 @@ def _wrap_create_speculative_config(original):
                 )
                 if fitted is not None:
                     vllm_dict[SCHEDULE_KEY] = [list(entry) for entry in fitted]
-                self._ddtree_config = ddtree
+                held_args.config = ddtree
             if asked_for_ddtree:
                 # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
                 # chose); flags folded above must not be applied twice by vLLM.
@@ -194,10 +196,8 @@ def _wrap_create_speculative_config(original):
         if ddtree is None and spec is not None:
             # "auto" chose the chain (now or in an earlier call with these arguments, after
             # which they hold vLLM's DFlash request).
-            self._ddtree_served_chain = asked_for_ddtree or getattr(
-                self, "_ddtree_served_chain", False
-            )
-            if self._ddtree_served_chain:
+            held_args.served_chain = asked_for_ddtree or held_args.served_chain
+            if held_args.served_chain:
                 setattr(spec, DDTREE_CHAIN_ATTR, True)
         if ddtree is not None and spec is not None:
             hf_config = spec.draft_model_config.hf_config if spec.draft_model_config else None
@@ -268,10 +268,11 @@ def _wrap_create_engine_config(original):
             # Its processes take vLLM's CUSTOM slot for TREE_ATTN (compat/tree_attn_slot.py).
             take_slot()
             mark_uses_tree_attention(config)
-        if ddtree is not None and getattr(self, "_ddtree_sized_graphs", False):
+        held_args = held(self, ArgsState)
+        if ddtree is not None and held_args is not None and held_args.sized_graphs:
             complete_verify_graph_sizes(config, ddtree)
-        elif ddtree is not None and getattr(self, "_ddtree_user_graph_sizes", None):
-            fit_schedule_to_users_graphs(config, ddtree, self._ddtree_user_graph_sizes)
+        elif ddtree is not None and held_args is not None and held_args.user_graph_sizes:
+            fit_schedule_to_users_graphs(config, ddtree, held_args.user_graph_sizes)
         return config
 
     return create_engine_config
@@ -498,9 +499,9 @@ def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None, data_parallel
     )
     if any(value is not None for value in chosen):
         # The user's sizes stand; the schedule is fitted to them once the config is made.
-        engine_args._ddtree_user_graph_sizes = list(chosen[0] or chosen[2] or [])
+        hold(engine_args, ArgsState).user_graph_sizes = list(chosen[0] or chosen[2] or [])
         return None
-    engine_args._ddtree_sized_graphs = True  # create_engine_config completes the sizes
+    hold(engine_args, ArgsState).sized_graphs = True  # create_engine_config completes them
     max_num_seqs = _max_num_seqs(engine_args) or 1
     width = 1 + ddtree.tree_budget
     largest = largest_graph_for(max_num_seqs, ddtree.tree_budget, ddtree.depth)

@@ -30,14 +30,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_ddtree.compat.handles import SchedulerState, held, hold
 from vllm_ddtree.config import AUTO_BUDGET, DDTreeConfigError
 
 logger = logging.getLogger("vllm.ddtree")
 
 REQUEST_BUDGET_KEY = "tree_budget"
 REQUEST_STATS_KEY = "ddtree_stats"
-# The scheduler's per-request statistics (``RequestStatsBook``), set by its __init__ wrapper.
-STATS_ATTR = "_ddtree_request_stats"
 
 
 def _extra_args(params: Any) -> dict:
@@ -160,7 +159,9 @@ class RequestStatsBook:
 
 
 def stats_book(scheduler) -> RequestStatsBook | None:
-    return getattr(scheduler, STATS_ATTR, None)
+    """The scheduler's ``RequestStatsBook`` (``compat.handles.SchedulerState``), or None."""
+    state = held(scheduler, SchedulerState)
+    return state.stats_book if state is not None else None
 
 
 def _wrap_schedule(original):
@@ -215,4 +216,4 @@ def _wrap_free_request(original):
 def install_stats_book(scheduler, serves_chain: bool = False) -> None:
     """The scheduler of an engine asked for DDTree keeps a ``RequestStatsBook`` (its
     ``__init__`` wrapper); ``serves_chain``: "auto" chose vLLM's DFlash chain."""
-    setattr(scheduler, STATS_ATTR, RequestStatsBook(serves_chain))
+    hold(scheduler, SchedulerState).stats_book = RequestStatsBook(serves_chain)

@@ -10,9 +10,9 @@ speculator's ``propose``). Everything one stage leaves for a later one lives in 
   step's trees from it, and report the slots they built back to it;
 * the GatedDeltaNet layers of a hybrid target reach it through the TREE_ATTN metadata of the
   forward they run in (``gdn_layer``);
-* the V1 runner keeps one handle to it (``runner._ddtree``, ``runner_step_state``): its
-  CUDA-graph dispatch needs it where no proposer is asked, and an engine whose ``"auto"`` chose
-  vLLM's chain keeps one too. Nothing else is added to vLLM's objects.
+* the V1 runner holds it on DDTree's one handle (``compat/handles.py``, ``runner_step_state``):
+  its CUDA-graph dispatch needs it where no proposer is asked, and an engine whose ``"auto"``
+  chose vLLM's chain keeps one too.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tree_attn_backend.tree_verify import TreeVerifyBatch, bind_tree_source
+from vllm_ddtree.compat.handles import HANDLE, held, hold
 
 if TYPE_CHECKING:
     from vllm_ddtree.budget.acceptance import OnlineAcceptance
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
     from vllm_ddtree.spec_decode.request_seeds import RequestSeeds
     from vllm_ddtree.spec_decode.tree_step import StepTableUpload, TreeStep
     from vllm_ddtree.spec_decode.tree_thinking_budget import TreeThinkingBudget
-
-HANDLE = "_ddtree"
 
 
 @dataclass
@@ -79,24 +78,20 @@ class StepState:
 
 
 def runner_step_state(runner, state: StepState | None = None) -> StepState:
-    """The V1 runner's handle (``runner._ddtree``): ``state`` when given (the proposer's),
-    else the one the runner holds, made on first use (a runner serving vLLM's chain for
-    ``"auto"``)."""
-    held = getattr(runner, HANDLE, None)
-    if state is not None and held is not state:
+    """The V1 runner's ``StepState`` (``compat/handles.py``): ``state`` when given (the
+    proposer's), else the one the runner holds, made on first use (a runner serving vLLM's
+    chain for ``"auto"``)."""
+    if state is not None and held(runner, StepState) is not state:
         setattr(runner, HANDLE, state)
         return state
-    if held is None:
-        held = StepState()
-        setattr(runner, HANDLE, held)
-    return held
+    return hold(runner, StepState)
 
 
 def worker_step_state(worker) -> StepState | None:
     """A worker's ``StepState`` (V1: the runner's handle; V2: the speculator's), or None."""
     worker = getattr(worker, "worker", worker)  # vLLM's wrapper around the worker
     runner = getattr(worker, "model_runner", None)
-    state = getattr(runner, HANDLE, None)
+    state = held(runner, StepState)
     if state is None:
         state = getattr(getattr(runner, "speculator", None), "state", None)
     return state

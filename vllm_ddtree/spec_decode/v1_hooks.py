@@ -28,6 +28,7 @@ import torch
 
 from vllm_ddtree import compat
 from vllm_ddtree.compat import bind_arguments
+from vllm_ddtree.compat.handles import held
 from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
 from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.drafter_rows import move_path_rows
@@ -37,7 +38,7 @@ from vllm_ddtree.requests.structured_outputs import with_tree_parents
 from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.proposer import DDTreeProposer
 from vllm_ddtree.spec_decode.request_seeds import batch_seeds
-from vllm_ddtree.spec_decode.step_state import HANDLE, StepState, runner_step_state
+from vllm_ddtree.spec_decode.step_state import StepState, runner_step_state
 from vllm_ddtree.spec_decode.tree_logits_processors import (
     apply_tree_processors,
     needs_tree_processors,
@@ -137,7 +138,7 @@ def _wrap_determine_batch_execution(original):
     Capture runs (``force_uniform_decode`` given) are left as vLLM asks."""
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
-        state = getattr(self, HANDLE, None)
+        state = held(self, StepState)
         if state is None or not state.rows_without_drafts:
             return original(self, *args, **kwargs)
         state.rows_without_drafts = False  # one step's answer, read once
