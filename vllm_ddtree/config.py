@@ -151,7 +151,7 @@ def check_drafter_is_dflash(drafter_config: Mapping[str, Any], model: str) -> No
 
 
 # Hybrid targets whose GatedDeltaNet layer (vLLM's QwenGatedDeltaNetAttention) the tree path
-# routes (vllm_ddtree.hybrid.gdn_layer); lossless on the full hybrid grid on an H200 since a62595a.
+# routes (vllm_ddtree.hybrid.gdn_layer), each checked on the hybrid oracle grid.
 GDN_TREE_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5ForConditionalGeneration",
@@ -202,15 +202,11 @@ def choose_runner(
 
     ``VLLM_DDTREE_RUNNER`` decides when set. Unset, DDTree follows vLLM 0.26.0's own choice
     for dense GPU targets, V2 (its DFlash chain and DDTree steps cost less there), where V2 is
-    checked: attention-only target on one GPU or tensor-parallel GPUs (at TP = 2 a DDTree step
-    cost 4.2 ms on V2 against 10.8 ms on V1, its oracle grid identical to the target alone),
-    ``VLLM_USE_V2_MODEL_RUNNER`` (``vllm_runner_env``) not "0", vLLM's per-batch-size
-    schedule of speculative tokens or not (trees cut to the scheduled nodes are checked on both
-    runners: tests/test_vllm_e2e.py on V1,
-    ``benchmarks/results/2026-12-01_7de7dbb_v2-schedule/`` on V2).
-    Everywhere else V1: hybrid targets (vLLM runs them on V1), pipeline-parallel engines (DDTree
-    on V2 is not checked there) and the CPU platform (no V2). ``tensor_parallel_size`` no longer
-    changes the choice; it stays for the callers' records.
+    checked: an attention-only target on one GPU or tensor-parallel GPUs, with
+    ``VLLM_USE_V2_MODEL_RUNNER`` (``vllm_runner_env``) not "0", with or without vLLM's
+    per-batch-size schedule of speculative tokens. Everywhere else V1: hybrid targets (vLLM
+    runs them on V1), pipeline-parallel engines (DDTree on V2 is not checked there) and the CPU
+    platform (no V2). ``tensor_parallel_size`` does not change the choice.
     """
     requested = requested_runner()
     vllm_says = (vllm_runner_env or "").strip().lower()

@@ -45,10 +45,9 @@ BUDGET_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MIN_PREDICTED_GAIN = 1.10
 # Budgets predicted within this fraction of the fastest are a tie, and the smallest of them is
 # chosen: the profile's acceptance is a mean over prompt sets, and a larger tree pays its step
-# on every set but pays back only where acceptance runs deep. Measured (the two V2 benches of
-# the SmolLM2 pair, f8ddc72 and e72fe79, batch 1): budgets 16 and 32, predicted 2% apart, had
-# the same mean speedup over the chain, but on the set where the chain is strongest (sharegpt)
-# budget 16 kept 0.89x / 1.03x of it and budget 32 0.78x / 0.80x.
+# on every set but pays back only where acceptance runs deep: on the SmolLM2 pair's V2 benches
+# at batch 1, budgets 16 and 32, predicted 2% apart, had the same mean speedup over the chain,
+# but on the set where the chain is strongest (sharegpt) 16 kept 0.89-1.03x of it, 32 0.78-0.80x.
 NEAR_TIE = 0.05
 # An online "auto" judges budgets by the acceptance this engine reached on its own workload,
 # not by a mean over prompt sets: there a tie is narrower, and a batch size keeps the budget it

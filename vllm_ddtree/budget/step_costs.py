@@ -289,10 +289,9 @@ class RealisedStepTimes:
     not change and vLLM cut no tree of the step at ``max_model_len`` (a cut tree's verify leaves
     the FULL CUDA graph), and not in the ``settle_steps`` intervals after any such change: the
     first steps of a new shape pay one-time costs (Triton compiling a kernel for it) that are
-    not what the budget costs. A kernel can compile at a later step too (the 8B grid at 9a55b03
-    logged vLLM's DFlash input kernel compiling four times in an engine's first steps), so a
-    pair's ratio is the median of its latest ``window`` counted intervals: a stall among them
-    does not move it, a budget slow at every step still shows. A pair stands while its decayed
+    not what the budget costs. A kernel can compile at a later step too, so a pair's ratio is
+    the median of its latest ``window`` counted intervals: a stall among them does not move it,
+    a budget slow at every step still shows. A pair stands while its decayed
     step count is at least ``min_steps`` (a step's weight halves after ``half_life_steps`` more
     counted steps)."""
 

@@ -90,8 +90,7 @@ def make_tiny_qwen3_next(path: str, spec: TinyQwen3Spec = TinyQwen3Spec(), seed:
     Every token is routed to all 4 experts: a top-k router is a discrete choice, and a float32
     rounding difference between two correct kernels (a tree's and a chain's) at a router
     near-tie would send a token to other experts and part the two outputs, which a lossless
-    check would then blame on the tree (the H200 hybrid grid's one divergence at 34e3243, at a
-    final-logit gap of 0.028, may be one). With all experts taken the routing weights are
+    check would then blame on the tree. With all experts taken the routing weights are
     continuous in the input.
 
     Two value heads per key head, as in the real checkpoints: with one, vLLM 0.26.0's packed
