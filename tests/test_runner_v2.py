@@ -39,11 +39,14 @@ def test_install_wraps_the_v2_runner_once(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_walk_in_v2_sampler_format(seed):
-    """Per request: the accepted nodes' tokens then the bonus (what target-alone decoding
-    would have produced), ``num_sampled`` = accepted + 1, rows laid out root first from
-    ``first_row`` (V2's ``cu_num_logits``), requests without drafts emitting their bonus only."""
-    from vllm_ddtree.spec_decode.v2_hooks import tree_sampler_output
+@pytest.mark.parametrize("sampled_dtype", [torch.int32, torch.int64], ids=["v1", "v2"])
+def test_the_walk_in_the_samplers_format(seed, sampled_dtype):
+    """Per request (``tree_step.walk_tree_step``, both runners): the accepted nodes' tokens then
+    the bonus (what target-alone decoding would have produced), the accepted paths kept in the
+    step, rows laid out root first from ``first_row`` (V2's ``cu_num_logits``), requests
+    without drafts emitting their bonus only."""
+    from vllm_ddtree.spec_decode.step_state import StepState
+    from vllm_ddtree.spec_decode.tree_step import TreeStep, walk_tree_step
 
     tree, target = walked_batch(4, 5, 50, 12, seed)
     num_reqs, width = tree.token_ids.shape
@@ -51,16 +54,16 @@ def test_the_walk_in_v2_sampler_format(seed):
     num_draft = torch.full((num_reqs,), width)
     first_row = torch.arange(num_reqs) * (width + 1)
     chosen = target.reshape(-1)
-    sampled, num_sampled, accepted, num_accepted = tree_sampler_output(
-        tree, chosen, first_row, num_draft, width + 1
-    )
-    assert sampled.dtype == torch.int64 and num_sampled.dtype == torch.int32
-    assert torch.equal(num_accepted, num_accepted_ref)
-    assert torch.equal(num_sampled.long(), num_accepted_ref + 1)
+    step = TreeStep(trees=tree, root_row=first_row, num_draft=num_draft)
+    sampled = walk_tree_step(StepState(), step, chosen, first_row, width + 1, sampled_dtype)
+    assert sampled.dtype == sampled_dtype
+    assert torch.equal(step.num_accepted, num_accepted_ref)
+    assert torch.equal(step.accepted[:, 0], torch.zeros(num_reqs, dtype=torch.long))  # roots
     assert int(num_accepted_ref.max()) >= 2  # the walks went deep
     for r in range(num_reqs):
         n = int(num_accepted_ref[r])
         path = accepted_ref[r, 1 : n + 1]
+        assert torch.equal(step.accepted[r, 1 : n + 1], path)
         want = [*tree.token_ids[r, path - 1].tolist(), int(bonus_ref[r])]
         assert sampled[r, : n + 1].tolist() == want
         assert (sampled[r, n + 1 :] == -1).all()
@@ -106,7 +109,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
 
     from vllm_ddtree.envs import CHECK_RANKS as RANK_CHECK_ENV
     from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
-    from vllm_ddtree.spec_decode import v2_hooks
+    from vllm_ddtree.spec_decode import tree_step, v2_hooks
     from vllm_ddtree.spec_decode.proposal_store import ProposalStore
     from vllm_ddtree.spec_decode.step_state import StepState
     from vllm_ddtree.tree import build_trees
@@ -210,7 +213,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     hidden[batch.logits_indices] = logit_rows
     checked = []  # tensor parallel: the walked trees go to the rank comparison
     monkeypatch.setenv(RANK_CHECK_ENV, "1")
-    monkeypatch.setattr(v2_hooks, "check_ranks_agree", checked.append)
+    monkeypatch.setattr(tree_step, "check_ranks_agree", checked.append)
     output, num_sampled, num_rejected = sample(runner, hidden, batch, None)
     assert checked == [step] and step.accepted is not None
     assert num_sampled.tolist() == [1, len(rows[1]), len(rows[2])]

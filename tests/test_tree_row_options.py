@@ -393,7 +393,7 @@ def test_v1_tree_sampler_draws_each_sampled_row_with_its_own_keyed_noise():
     sample with its own (seed, key) noise and each greedy row the argmax: the rows are not
     picked out on the host, every row is computed and the greedy ones put back."""
     from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
-    from vllm_ddtree.spec_decode.v1_hooks import _target_tokens
+    from vllm_ddtree.spec_decode.tree_sampling import target_tokens
 
     gen = torch.Generator().manual_seed(5)
     num_rows = 16
@@ -407,7 +407,7 @@ def test_v1_tree_sampler_draws_each_sampled_row_with_its_own_keyed_noise():
     )
     seeds = torch.tensor([3, 5, 7, 11])[rows]
     keys = torch.arange(num_rows) + 40
-    chosen, _ = _target_tokens(logits, metadata, lambda: rows, lambda r: (seeds, keys))
+    chosen, _ = target_tokens(logits, metadata, lambda: rows, lambda r: (seeds, keys))
     temperature = metadata.temperature[rows]
     noise = keyed_gumbel_noise(seeds, keys.unsqueeze(1), VOCAB).squeeze(1)
     sampled = (logits / temperature.clamp(min=1e-9).unsqueeze(1) + noise).argmax(-1)
@@ -422,13 +422,13 @@ def test_v1_processed_logits_are_vllms_sampler_ones():
     that samples, every row after temperature (1 for a greedy row) and its top-k."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    from vllm_ddtree.spec_decode.v1_hooks import _target_tokens
+    from vllm_ddtree.spec_decode.tree_sampling import target_tokens
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, VOCAB, generator=gen) * 3
     rows = torch.tensor([0, 0, 1, 1])
     greedy = SimpleNamespace(all_greedy=True)
-    chosen, processed = _target_tokens(logits, greedy, lambda: rows, None)
+    chosen, processed = target_tokens(logits, greedy, lambda: rows, None)
     assert processed is logits and torch.equal(chosen, logits.argmax(-1))
 
     mixed = SimpleNamespace(
@@ -441,7 +441,7 @@ def test_v1_processed_logits_are_vllms_sampler_ones():
     def seeds_and_keys(request_of_row):
         return torch.tensor([7, 7, 9, 9]), torch.tensor([10, 11, 10, 11])
 
-    chosen, processed = _target_tokens(logits, mixed, lambda: rows, seeds_and_keys)
+    chosen, processed = target_tokens(logits, mixed, lambda: rows, seeds_and_keys)
     temperature = torch.tensor([1.0, 1.0, 0.5, 0.5]).unsqueeze(1)
     want = apply_top_k_top_p(logits / temperature, torch.tensor([VOCAB, VOCAB, 5, 5]), None)
     assert torch.equal(processed, want)

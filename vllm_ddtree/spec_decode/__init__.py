@@ -2,7 +2,11 @@
 
 * ``proposer.py``: ``DDTreeProposer``, the V1 runner's drafter (vLLM's DFlash proposer, then
   one tree per request); ``speculator.py``: ``DDTreeSpeculator``, the same for the V2 runner.
-* ``tree_step.py``: the verify step both runners share (``TreeStep``, tree inputs, KV commit).
+* ``tree_step.py``: the verify step both runners share (``start_tree_step`` before the
+  forward, ``walk_tree_step`` after it, ``commit_step_kv``).
+* ``tree_sampling.py``: the V1 runner's sampling on a tree's rows (keyed draws, ``min_tokens``,
+  thinking budgets); ``draft_source.py``: the draft logits the proposer and speculator are
+  given (the drafter's own, or the test kit's oracle).
 * ``v1_hooks.py`` / ``v2_hooks.py``: where each runner is wrapped to run that step.
 * ``step_state.py``: ``StepState``, everything a step hands from one stage to the next, and
   the readers the engine core runs in a worker; ``engine_step.py``: the engine core's step

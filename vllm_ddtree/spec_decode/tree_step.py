@@ -1,11 +1,12 @@
 """The tree step both model runners share: the step's trees, their inputs, the KV commit.
 
 The V1 hooks (``v1_hooks.py``) and the V2 hooks (``v2_hooks.py``) reach vLLM at different
-seams, but verify the same way: a ``TreeStep`` holds the trees of the step's requests,
-``set_tree_step_inputs`` gives their nodes depth positions and publishes their ancestor masks,
-the walk (``ops/tree_walk.py``) fills in the accepted paths, ``commit_step_kv`` moves the
-accepted nodes' K/V, and ``check_ranks_agree`` (a test switch) checks that every
-tensor-parallel rank did the same. ``StepTableUpload`` sends a step's per-request tables.
+seams, but verify the same way, through the functions here: ``start_tree_step`` before the
+forward (a ``TreeStep`` holding the trees of the step's requests, their nodes' depth positions
+and ancestor masks, the hybrid's GDN layers handed the same trees), ``walk_tree_step`` after
+the target chose its tokens (the walk, ``ops/tree_walk.py``; ``check_ranks_agree``, a test
+switch, checks every tensor-parallel rank did the same), ``commit_step_kv`` (the accepted
+nodes' K/V). ``StepTableUpload`` sends a step's per-request tables.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from vllm_ddtree.ops.kv_commit import (
     commit_accepted_kv_torch,
 )
 from vllm_ddtree.ops.tree_inputs import tree_step_inputs_ref, tree_step_inputs_triton
+from vllm_ddtree.ops.tree_walk import walk_and_emit
+from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.step_state import StepState
 from vllm_ddtree.tree import DDTreeBatch
 
@@ -269,3 +272,52 @@ def commit_step_kv(runner, state: StepState, step: TreeStep) -> None:
     for kv_cache in _tree_attention_kv_caches(runner, state):
         key_cache, value_cache = kv_cache.unbind(0)
         commit_accepted_kv_torch(key_cache, value_cache, verify_slots, accepted, num_accepted)
+
+
+def start_tree_step(
+    state: StepState,
+    trees: DDTreeBatch,
+    root_row: torch.Tensor,
+    num_draft: torch.Tensor,
+    num_scheduled: torch.Tensor,
+    is_tree: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    total_tokens: int,
+    **step_fields,
+) -> TreeStep:
+    """Before a verify forward, on either runner: the step's ``TreeStep`` (``step_fields``: its
+    runner's extras) kept in ``state.step``, the node tokens checked against the trees (a test
+    switch), the nodes' positions and ancestor masks set (``set_tree_step_inputs``), and a
+    hybrid target's GDN layers handed the same trees. Tensors as ``set_tree_step_inputs``;
+    ``input_ids`` the step's token ids."""
+    step_checks.check_tree_tokens(input_ids, trees, root_row)
+    set_tree_step_inputs(
+        state, trees, root_row, num_draft, num_scheduled, positions, total_tokens, is_tree
+    )
+    state.step = TreeStep(trees=trees, root_row=root_row, num_draft=num_draft, **step_fields)
+    if state.hybrid is not None:  # hybrid target: the GDN layers read the same trees
+        state.hybrid.publish(trees.parents, trees.num_nodes, num_draft)
+    return state.step
+
+
+def walk_tree_step(
+    state: StepState,
+    step: TreeStep,
+    chosen: torch.Tensor,
+    first_row: torch.Tensor,
+    out_width: int,
+    sampled_dtype: torch.dtype,
+) -> torch.Tensor:
+    """After the target chose its token at every logits row (long ``[rows]``; request ``r``'s
+    rows start at ``first_row[r]``, its root then its nodes), on either runner: the walk, its
+    accepted paths kept in ``step``, the tensor-parallel check and what an online "auto"
+    learns. Returns vLLM's sampled rows ``[R, out_width]`` of ``sampled_dtype``: accepted
+    nodes' tokens, then the bonus, then -1."""
+    accepted, num_accepted, _, sampled = walk_and_emit(
+        step.trees, chosen, first_row, step.num_draft, out_width, sampled_dtype=sampled_dtype
+    )
+    step.accepted, step.num_accepted = accepted, num_accepted
+    check_ranks_agree(step)  # tensor parallel: every rank built and walked these trees
+    observe_acceptance(state, step)
+    return sampled

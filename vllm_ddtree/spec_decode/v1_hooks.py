@@ -32,12 +32,8 @@ from vllm_ddtree.compat.handles import held
 from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
 from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.drafter_rows import move_path_rows
-from vllm_ddtree.ops.keyed_gumbel import keyed_gumbel_noise
-from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.requests.structured_outputs import with_tree_parents
-from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.proposer import DDTreeProposer
-from vllm_ddtree.spec_decode.request_seeds import batch_seeds
 from vllm_ddtree.spec_decode.step_state import StepState, runner_step_state
 from vllm_ddtree.spec_decode.tree_logits_processors import (
     apply_tree_processors,
@@ -45,25 +41,23 @@ from vllm_ddtree.spec_decode.tree_logits_processors import (
 )
 from vllm_ddtree.spec_decode.tree_logprobs import (
     asks_for_logprobs,
-    gather_step_logprobs,
-    mode_logprobs,
     processed_logprobs_mode,
     tree_step_logprobs,
+)
+from vllm_ddtree.spec_decode.tree_sampling import (
+    ban_stop_tokens_before_min_tokens,
+    sample_without_trees,
+    seeds_and_keys_of_rows,
+    target_tokens,
+    thinking_budget_of,
 )
 from vllm_ddtree.spec_decode.tree_step import (
     StepTableUpload,
     TreeStep,
-    check_ranks_agree,
     commit_step_kv,
-    observe_acceptance,
-    set_tree_step_inputs,
+    start_tree_step,
+    walk_tree_step,
 )
-from vllm_ddtree.spec_decode.tree_thinking_budget import (
-    TreeThinkingBudget,
-    budgeted_requests,
-    without_thinking_budget,
-)
-from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -169,31 +163,21 @@ def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_to
     query_start_d, num_draft_d, counts_d, source_d, num_nodes_d, is_tree_d = _upload(
         runner, state
     ).send(query_start, num_draft, counts, taken.source, taken.num_nodes, num_draft > 0)
-    trees = taken.trees(source_d, num_nodes_d)
-    step_checks.check_tree_tokens(runner.input_ids.gpu, trees, query_start_d)
-    state.step = TreeStep(
-        trees=trees,
-        root_row=query_start_d,
-        num_draft=num_draft_d,
-        max_path_end=max_path_end(runner, num_draft, drafter.ddtree.depth),
-    )
-
-    set_tree_step_inputs(
+    decode_drafts = getattr(runner, "num_decode_draft_tokens", None)
+    if state.hybrid is not None and decode_drafts is not None:
+        check_gdn_rows_are_tree_rows(decode_drafts.np[:num_reqs], num_draft)
+    start_tree_step(
         state,
-        trees,
+        taken.trees(source_d, num_nodes_d),
         query_start_d,
         num_draft_d,
         counts_d,
+        is_tree_d,
+        runner.input_ids.gpu,
         runner.positions,
         int(counts.sum()),
-        is_tree=is_tree_d,
+        max_path_end=max_path_end(runner, num_draft, drafter.ddtree.depth),
     )
-    gdn = state.hybrid
-    if gdn is not None:  # hybrid target: the GDN layers read the same trees
-        decode_drafts = getattr(runner, "num_decode_draft_tokens", None)
-        if decode_drafts is not None:
-            check_gdn_rows_are_tree_rows(decode_drafts.np[:num_reqs], num_draft)
-        gdn.publish(trees.parents, trees.num_nodes, num_draft_d)
 
 
 def max_path_end(runner, num_draft: np.ndarray, depth: int) -> int | None:
@@ -226,161 +210,6 @@ def check_gdn_rows_are_tree_rows(num_decode_draft_tokens: np.ndarray, num_draft:
         )
 
 
-def _thinking_budget(runner, num_reqs: int):
-    """The step's ``thinking_token_budget`` requests with the worker's ``TreeThinkingBudget``
-    (made on first use, from the markers of vLLM's holder), or None when no request of the step
-    has a budget."""
-    holder = getattr(runner.input_batch, "thinking_budget_state_holder", None)
-    if holder is None or not holder.has_tracked_requests():
-        return None
-    state = runner_step_state(runner)
-    if state.thinking_budget is None:
-        state.thinking_budget = TreeThinkingBudget(
-            holder.think_start_token_ids, holder.think_end_token_ids
-        )
-    state.thinking_budget.retain(runner.requests)
-    requests = budgeted_requests(runner.input_batch, runner.requests, num_reqs)
-    return (state.thinking_budget, requests) if requests else None
-
-
-def _target_tokens(logits: torch.Tensor, sampling_metadata, request_of_row, row_seeds_and_keys):
-    """long ``[rows]``: argmax, or at each request's temperature, top-k and top-p the Gumbel-max
-    sample ``argmax(logits / T + G(seed, key))`` with the request's keyed noise
-    (``ops/keyed_gumbel.py``; an exact sample per row, the one target-alone decoding with that
-    noise draws at the row's position). ``request_of_row()``: long ``[rows]``, each row's
-    request; ``row_seeds_and_keys(request_of_row)``: int64 ``[rows]`` twice, each row's seed
-    and key (``_keyed_rows``); both called only when sampling.
-
-    Also returns the rows' processed logits as vLLM's V1 sampler reports them in a processed
-    logprobs mode: ``logits`` in a greedy batch; in a batch that samples, every row after
-    temperature (1 for greedy rows) and its top-k / top-p."""
-    if sampling_metadata.all_greedy:
-        return logits.argmax(dim=-1), logits
-    rows = request_of_row()
-    temperature = sampling_metadata.temperature.index_select(0, rows)
-    greedy = temperature <= 0
-    scaled = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    if sampling_metadata.top_k is not None or sampling_metadata.top_p is not None:
-        # vLLM's own top-k / top-p masks, per row at its request's values (after temperature,
-        # as vLLM's sampler): each node samples from the target's exact distribution.
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
-        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
-        scaled = apply_top_k_top_p(
-            scaled,
-            top_k.index_select(0, rows) if top_k is not None else None,
-            top_p.index_select(0, rows) if top_p is not None else None,
-        )
-    # Every row's sample, the greedy rows' argmax put back: no host test of which rows sample
-    # (it would wait for the device mid-step).
-    seeds, keys = row_seeds_and_keys(rows)
-    noise = keyed_gumbel_noise(seeds, keys.unsqueeze(1), logits.shape[-1]).squeeze(1)
-    chosen = torch.where(greedy, logits.argmax(dim=-1), (scaled + noise).argmax(dim=-1))
-    return chosen, scaled
-
-
-def _ban_stop_tokens_before_min_tokens(
-    logits: torch.Tensor, sampling_metadata, trees: DDTreeBatch, first_row, num_draft
-) -> None:
-    """``min_tokens`` on trees (vLLM's ``MinTokensLogitsProcessor``, which assumes chains):
-    at tree index ``i`` of request ``r`` the request has ``len(outputs) + depth(i)`` tokens, so
-    its stop tokens get ``-inf`` there while that is below ``min_tokens``. In place on
-    ``logits`` ``[rows, V]``; costs nothing unless a request in the batch has ``min_tokens``.
-    Returns what puts the banned logits back (for raw logprobs), or None when nothing was."""
-    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
-
-    entries = []
-    for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
-        if isinstance(processor, MinTokensLogitsProcessor):
-            for req, (min_tokens, outputs, stop_ids) in processor.min_toks.items():
-                left = min_tokens - len(outputs)
-                entries += [(req, token, left) for token in sorted(stop_ids) if left > 0]
-    if not entries:
-        return None
-    device = logits.device
-    req, token, left = (
-        torch.tensor(c, dtype=torch.long, device=device) for c in zip(*entries, strict=True)
-    )
-    num_reqs, width = trees.token_ids.shape
-    depth = torch.cat(
-        [torch.zeros((num_reqs, 1), dtype=torch.long, device=device), trees.depths.long()], 1
-    )
-    index = torch.minimum(
-        torch.arange(width + 1, device=device).unsqueeze(0), num_draft[req].unsqueeze(1)
-    )  # past a request's drafts: its last row again (same depth rule, same value)
-    rows = first_row[req].unsqueeze(1) + index  # [P, N + 1]
-    banned = depth[req].gather(1, index) < left.unsqueeze(1)
-    columns = token.unsqueeze(1).expand_as(rows)
-    original = logits[rows, columns]
-    logits[rows, columns] = torch.where(banned, float("-inf"), original)
-
-    def undo() -> None:
-        logits[rows, columns] = original
-
-    return undo
-
-
-def _keyed_rows(runner, num_reqs: int):
-    """``row_seeds_and_keys`` for ``_target_tokens`` in this step: given each logits row's
-    request (long ``[rows]``), the row's request seed and its key, the row's position (a tree
-    node's depth position), both int64 ``[rows]``."""
-
-    def row_seeds_and_keys(request_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        device = request_of_row.device
-        seeds = batch_seeds(runner, num_reqs, device).index_select(0, request_of_row)
-        rows = runner_step_state(runner).logits_indices.to(device)
-        return seeds, runner.positions.index_select(0, rows).long()
-
-    return row_seeds_and_keys
-
-
-def _sample_without_trees(runner, original, logits):
-    """A DDTree engine's step in which no request verifies a tree (prefills, the first step):
-    greedy batches as vLLM samples them; otherwise one keyed sample per request
-    (``_target_tokens``, after vLLM's ``min_tokens`` processor), as in steps with trees, so a
-    seeded request's tokens do not depend on which of its steps carried other requests' trees.
-    A ``thinking_token_budget`` is applied as in steps with trees (``tree_thinking_budget``),
-    vLLM's chain holder hidden from its sampler."""
-    sampling_metadata = runner.input_batch.sampling_metadata
-    thinking = _thinking_budget(runner, logits.shape[0]) if logits is not None else None
-    if logits is None or (sampling_metadata.all_greedy and thinking is None):
-        return original(runner, logits, None)
-    from vllm.v1.outputs import SamplerOutput
-
-    runner.input_batch.update_async_output_token_ids()
-    wants_logprobs = asks_for_logprobs(sampling_metadata)
-    processed_mode = processed_logprobs_mode(runner.sampler)
-    raw = None  # before the processors, as vLLM's sampler reports "raw" logprobs
-    if wants_logprobs and not processed_mode:
-        raw = mode_logprobs(runner.sampler, logits)
-    # vLLM's own: allowed token ids, bad words, min_tokens and the other processors, penalties.
-    logits = runner.sampler.apply_logits_processors(
-        logits.to(torch.float32),
-        without_thinking_budget(sampling_metadata),
-        predict_bonus_token=False,
-    )
-    if thinking is not None:
-        budget, requests = thinking
-        outputs = sampling_metadata.output_token_ids
-        budget.apply(logits, requests, outputs, None, None, [0] * logits.shape[0])
-    num_reqs, device = logits.shape[0], logits.device
-
-    def request_of_row() -> torch.Tensor:
-        return torch.arange(num_reqs, device=device)
-
-    with step_range("ddtree::target_tokens"):
-        keyed_rows = _keyed_rows(runner, num_reqs)
-        chosen, processed = _target_tokens(logits, sampling_metadata, request_of_row, keyed_rows)
-    sampled = chosen.to(torch.int32).view(num_reqs, 1)
-    logprobs_tensors = None
-    if wants_logprobs:
-        scores = mode_logprobs(runner.sampler, processed) if processed_mode else raw
-        logprobs_tensors = gather_step_logprobs(
-            runner.sampler, scores, chosen.long(), sampling_metadata
-        )
-    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
-
-
 def _wrap_sample(original):
     def _sample(self, logits, spec_decode_metadata):
         if _ddtree_proposer(self) is None:
@@ -388,7 +217,7 @@ def _wrap_sample(original):
         state = runner_step_state(self)
         step = state.step
         if spec_decode_metadata is None:
-            return _sample_without_trees(self, original, logits)
+            return sample_without_trees(self, original, logits)
         if step is None:
             return original(self, logits, spec_decode_metadata)
         from vllm.v1.outputs import SamplerOutput
@@ -415,13 +244,13 @@ def _wrap_sample(original):
         wants_logprobs = asks_for_logprobs(sampling_metadata)
         processed_mode = processed_logprobs_mode(self.sampler)
         with step_range("ddtree::target_tokens"):
-            unban = _ban_stop_tokens_before_min_tokens(
+            unban = ban_stop_tokens_before_min_tokens(
                 logits, sampling_metadata, trees, first_row, step.num_draft
             )
-            keyed_rows = _keyed_rows(self, num_reqs)
+            keyed_rows = seeds_and_keys_of_rows(self, num_reqs)
             processed = logits
             num_draft = [int(n) for n in spec_decode_metadata.num_draft_tokens]
-            thinking = _thinking_budget(self, num_reqs)
+            thinking = thinking_budget_of(self, num_reqs)
             if needs_tree_processors(sampling_metadata) or thinking is not None:
                 processed = logits.to(torch.float32, copy=True)  # logprobs stay raw
             if needs_tree_processors(sampling_metadata):
@@ -438,9 +267,7 @@ def _wrap_sample(original):
                     trees.parents.tolist(),
                     num_draft,
                 )
-            chosen, scored = _target_tokens(
-                processed, sampling_metadata, request_of_row, keyed_rows
-            )
+            chosen, scored = target_tokens(processed, sampling_metadata, request_of_row, keyed_rows)
             if not processed_mode:
                 scored = logits  # raw: the target's logits as they came
                 if unban is not None and wants_logprobs:
@@ -450,12 +277,8 @@ def _wrap_sample(original):
         # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
         out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1
         with step_range("ddtree::follow_tree"):
-            accepted, num_accepted, _, sampled = walk_and_emit(
-                trees, chosen, first_row, step.num_draft, out_width
-            )
-        step.accepted, step.num_accepted = accepted, num_accepted
-        check_ranks_agree(step)
-        observe_acceptance(state, step)
+            sampled = walk_tree_step(state, step, chosen, first_row, out_width, torch.int32)
+        accepted, num_accepted = step.accepted, step.num_accepted
         if gdn is not None:
             gdn.watch("in the walk")
         with step_range("ddtree::commit_kv"):

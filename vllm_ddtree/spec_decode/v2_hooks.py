@@ -42,9 +42,7 @@ from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
 from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.path_tokens import row_layout, row_path_tokens
-from vllm_ddtree.ops.tree_walk import walk_and_emit
 from vllm_ddtree.requests.structured_outputs import with_tree_parents
-from vllm_ddtree.spec_decode import step_checks
 from vllm_ddtree.spec_decode.draft_source import draft_source
 from vllm_ddtree.spec_decode.drafter_warmup import warm_drafter_inputs
 from vllm_ddtree.spec_decode.speculator import (
@@ -54,45 +52,14 @@ from vllm_ddtree.spec_decode.tree_logprobs import tree_step_logprobs_v2
 from vllm_ddtree.spec_decode.tree_rows_v2 import RowPaths, reads_row_paths, tree_rows
 from vllm_ddtree.spec_decode.tree_step import (
     StepTableUpload,
-    TreeStep,
-    check_ranks_agree,
     commit_step_kv,
-    observe_acceptance,
-    set_tree_step_inputs,
+    start_tree_step,
+    walk_tree_step,
 )
-from vllm_ddtree.tree import DDTreeBatch
 
 logger = logging.getLogger("vllm.ddtree")
 
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
-
-
-def tree_sampler_output(
-    trees: DDTreeBatch,
-    chosen: torch.Tensor,
-    first_row: torch.Tensor,
-    num_draft: torch.Tensor,
-    out_width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The walk in V2's sampler format.
-
-    Args:
-        trees: the step's trees ``[R, N]``.
-        chosen: long ``[rows]``: the target's token at every logits row (request ``r``'s rows
-            start at ``first_row[r]``: its root, then its ``num_draft[r]`` nodes).
-        first_row, num_draft: long ``[R]``.
-        out_width: columns of the output (at least 1 + the deepest possible path).
-
-    Returns:
-        ``sampled`` int64 ``[R, out_width]`` (accepted nodes' tokens, then the bonus, then
-        -1), ``num_sampled`` int32 ``[R]`` (accepted + 1), ``accepted`` long ``[R, L + 1]``
-        (tree indices, root first) and ``num_accepted`` long ``[R]``.
-    """
-    accepted, num_accepted, _, sampled = walk_and_emit(
-        trees, chosen, first_row, num_draft, out_width, sampled_dtype=torch.int64
-    )
-    num_sampled = (num_accepted + 1).to(torch.int32)
-    return sampled, num_sampled, accepted, num_accepted
 
 
 def _wrap_init_speculator(original):
@@ -229,26 +196,19 @@ def _wrap_prepare_attn(original):
             trees, root_row, num_draft, counts, is_tree = _step_trees(
                 speculator, input_batch, has_tree
             )
-            step_checks.check_tree_tokens(input_batch.input_ids, trees, root_row)
-            set_tree_step_inputs(
+            start_tree_step(
                 state,
                 trees,
                 root_row,
                 num_draft,
                 counts,
+                is_tree,
+                input_batch.input_ids,
                 input_batch.positions,
                 input_batch.num_tokens,
-                is_tree=is_tree,
-            )
-            state.step = TreeStep(
-                trees=trees,
-                root_row=root_row,
-                num_draft=num_draft,
                 widest=int(input_batch.num_draft_tokens_per_req[:num_reqs].max()),
                 slot_mapping=slot_mappings[0],
             )
-            if state.hybrid is not None:  # hybrid target: the GDN layers read the same trees
-                state.hybrid.publish(trees.parents, trees.num_nodes, num_draft)
         return block_tables, slot_mappings
 
     return prepare_attn
@@ -300,12 +260,11 @@ def _wrap_sample(original):
             )
         out_width = step.trees.tree_budget + 1
         with step_range("ddtree::follow_tree"):
-            sampled, num_sampled, accepted, num_accepted = tree_sampler_output(
-                step.trees, chosen.long(), first_row, step.num_draft, out_width
+            sampled = walk_tree_step(
+                speculator.state, step, chosen.long(), first_row, out_width, torch.int64
             )
-        step.accepted, step.num_accepted = accepted, num_accepted
-        check_ranks_agree(step)  # tensor parallel: every rank built and walked these trees
-        observe_acceptance(speculator.state, step)
+        accepted, num_accepted = step.accepted, step.num_accepted
+        num_sampled = (num_accepted + 1).to(torch.int32)
         logprobs = None
         if returns_logprobs:
             requests, local = row_layout(input_batch.cu_num_logits[: num_reqs + 1], logits.shape[0])
@@ -358,6 +317,3 @@ def _wrap_take_draft_token_ids(original):
         return with_tree_parents(taken, speculator.parents_to_host)
 
     return take_draft_token_ids
-
-
-__all__ = ["tree_sampler_output"]
