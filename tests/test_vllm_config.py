@@ -111,13 +111,18 @@ def test_auto_budget_chooses_for_the_engines_max_num_seqs(
 
 
 def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
-    config = engine_config(
-        tiny_target_path,
-        {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},
-    )
+    from vllm_ddtree.compat.handles import HANDLE
+
+    spec = {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7}
+    args = engine_args(tiny_target_path, spec)
+    config = args.create_engine_config()
     assert config.speculative_config.method == "dflash"
     assert get_ddtree_config(config.speculative_config) is None
     assert not getattr(config.speculative_config, DDTREE_CHAIN_ATTR, False)
+    # DDTree keeps nothing on the engine arguments of an engine that does not use it.
+    plain = engine_args(tiny_target_path, None)
+    plain.create_engine_config()
+    assert not hasattr(args, HANDLE) and not hasattr(plain, HANDLE)
 
 
 def test_the_request_options_the_chain_serves_pass_vllms_validation_with_ddtree(

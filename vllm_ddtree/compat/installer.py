@@ -126,8 +126,8 @@ def _take_custom_slot() -> None:
 
 def _wrap_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        held_args = hold(self, ArgsState)
-        ddtree: DDTreeConfig | None = held_args.config
+        kept = held(self, ArgsState)  # an earlier call's, for DDTree engines only
+        ddtree: DDTreeConfig | None = kept.config if kept is not None else None
         if getattr(self, "spec_method", None) == DDTREE_METHOD:
             # `--spec-method ddtree`: fold it into the dict the way vLLM folds the flag.
             self.speculative_config = dict(self.speculative_config or {})
@@ -185,7 +185,7 @@ def _wrap_create_speculative_config(original):
                 )
                 if fitted is not None:
                     vllm_dict[SCHEDULE_KEY] = [list(entry) for entry in fitted]
-                held_args.config = ddtree
+                hold(self, ArgsState).config = ddtree
             if asked_for_ddtree:
                 # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
                 # chose); flags folded above must not be applied twice by vLLM.
@@ -196,8 +196,8 @@ def _wrap_create_speculative_config(original):
         if ddtree is None and spec is not None:
             # "auto" chose the chain (now or in an earlier call with these arguments, after
             # which they hold vLLM's DFlash request).
-            held_args.served_chain = asked_for_ddtree or held_args.served_chain
-            if held_args.served_chain:
+            if asked_for_ddtree or (kept is not None and kept.served_chain):
+                hold(self, ArgsState).served_chain = True
                 setattr(spec, DDTREE_CHAIN_ATTR, True)
         if ddtree is not None and spec is not None:
             hf_config = spec.draft_model_config.hf_config if spec.draft_model_config else None
