@@ -213,7 +213,6 @@ class OracleDraftSource:
     DFlash chain, on both runners, after the drafter's logits are computed (their cost paid)."""
 
     def __init__(self, path: str, vocab_size: int, max_num_reqs: int, device: torch.device):
-        self.path = path
         self.oracle = DeviceOracle(path, vocab_size, max_num_reqs, device)
 
     def v1_logits(self, proposer, logits: torch.Tensor, num_reqs: int, depth: int):
