@@ -321,6 +321,15 @@ VERIFY_VARIANTS = [
     for block_n in (32, 64)
     for num_warps in (4, 8)
 ]
+# The in-block pass after FlashAttention's context pass reads only the request's own query
+# tokens' keys (17 to 129 at these shapes): wider key tiles, down to one tile per program, and
+# narrower query blocks, for more programs on a batch of one request.
+FLASH_VERIFY_VARIANTS = [
+    (block_m, block_n, num_warps)
+    for block_m in (16, 32, 64, 128)
+    for block_n in (32, 64, 128)
+    for num_warps in (4, 8)
+]
 # Attention shapes of the targets served: (query heads, KV heads, head size).
 ATTENTION_SHAPES = {
     "qwen3-8b": (32, 8, 128),
@@ -600,13 +609,16 @@ def main() -> int:
     )
     result["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
     result["tuning"] = tune(args.quick) if args.tune else []
+    verify_variants = FLASH_VERIFY_VARIANTS if args.verify_flash_variants else VERIFY_VARIANTS
+    if args.verify_paths_only:
+        verify_variants = []
     result["verify_tuning"] = [
         row
         for shape_name in filter(None, args.tune_verify.split(","))
         for row in tune_verify(
             shape_name,
             graphs=not args.launch_timing,
-            variants=[] if args.verify_paths_only else VERIFY_VARIANTS,
+            variants=verify_variants,
             flash_variants=args.verify_flash_variants,
         )
     ]

@@ -294,6 +294,81 @@ def ar_kernel_roofline(summary: dict) -> list[str]:
     return lines + rows if rows else []
 
 
+# Device kernels of a profiled step, by what they do (the first class whose name parts match).
+KERNEL_CLASSES = (
+    ("TREE_ATTN", ("_tree_attention_kernel", "_combine_kernel")),
+    ("FlashAttention", ("flash::",)),
+    ("tree build", ("_segment_top_kernel", "_merge_top_kernel", "_build_tree_kernel")),
+    (
+        "tree step ops",
+        (
+            "_tree_step_inputs_kernel",
+            "_walk_and_emit_kernel",
+            "_commit_accepted_kv_kernel",
+            "_move_path_rows_kernel",
+        ),
+    ),
+)
+
+
+def kernel_class(kernel: str) -> str:
+    """What a device kernel (by name) does: a ``KERNEL_CLASSES`` name, "weight GEMMs"
+    (``is_weight_gemm``) or "other"."""
+    for name, parts in KERNEL_CLASSES:
+        if any(part in kernel for part in parts):
+            return name
+    return "weight GEMMs" if is_weight_gemm(kernel) else "other"
+
+
+def device_kernel_table(summary: dict) -> list[str]:
+    """Markdown lines: per batch and temperature of the profiled splits, each engine's GPU busy
+    ms per target forward split by ``kernel_class`` (the split's top device kernels; "other"
+    is the busy time they leave), with each class's difference from the chain's; none without
+    the profiler's kernels."""
+    splits = summary.get("splits", {})
+    classes = [name for name, _ in KERNEL_CLASSES] + ["weight GEMMs"]
+    by_row: dict[tuple, dict[str, dict]] = {}
+    for engine, parts in splits.items():
+        for split in parts.get("step_split", []):
+            ops = split.get("top_device_ops") or []
+            if split.get("device_busy_ms") is None or not ops:
+                continue
+            shares = dict.fromkeys(classes, 0.0)
+            for op in ops:
+                kind = kernel_class(op["name"])
+                if kind in shares:
+                    shares[kind] += op["ms"]
+            shares["other"] = split["device_busy_ms"] - sum(shares.values())
+            shares["busy"] = split["device_busy_ms"]
+            by_row.setdefault((split["batch"], split["temperature"]), {})[engine] = shares
+    if not by_row:
+        return []
+    columns = ["busy", *classes, "other"]
+    lines = [
+        "",
+        "## The GPU's busy time by kernel (the profiled split's top device kernels)",
+        "",
+        "Per target forward, device ms of each engine's kernels by what they do; in brackets "
+        "the difference from the chain's in the same split. `other`: every kernel not among "
+        "the split's top ones or not named here (norms, RoPE, activations, split-K "
+        "reductions, sampling, copies).",
+        "",
+        "| batch | T | engine | " + " | ".join(columns) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in columns) + " |",
+    ]
+    for (batch, temperature), engines in sorted(by_row.items()):
+        chain = engines.get("dflash")
+        for engine, shares in engines.items():
+            cells = []
+            for column in columns:
+                cell = f"{shares[column]:.3f}"
+                if chain is not None and engine != "dflash":
+                    cell += f" ({shares[column] - chain[column]:+.3f})"
+                cells.append(cell)
+            lines.append(f"| {batch} | {temperature:g} | {engine} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def row_roofline(
     runs: dict,
     batch: int,
@@ -443,6 +518,7 @@ def write_report(summary: dict, out: str) -> None:
 
         lines += [""] + split_table(summary["splits"]) + host_profile_table(summary["splits"])
         lines += ar_kernel_roofline(summary)
+        lines += device_kernel_table(summary)
     with open(os.path.join(out, "scale_paired.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -44,15 +44,20 @@ ENGINE_STEPS = "vllm:iteration_tokens_total"
 
 
 def step_split(
-    events, target_forwards: int, wall_seconds: float, on_device: bool, top: int = 12
+    events,
+    target_forwards: int,
+    wall_seconds: float,
+    on_device: bool,
+    top: int = 12,
+    top_device: int = 60,
 ) -> dict:
     """Per target forward: the profiled wall ms, each phase's host (and, ``on_device``, device)
     ms, and ``REST``, from ``events`` (torch.profiler's ``key_averages()``: ``key``, ``count``,
     ``cpu_time_total``, ``device_time_total`` and their ``self_`` parts in microseconds,
     ``device_type``, ``is_user_annotation``). A range can appear twice (its host entry and its
     GPU annotation): each range counts its largest host and device totals once. Also, per
-    forward: ``device_busy_ms`` (``on_device``), the ``top`` operators by self host and by
-    self device time, host synchronisations and kernel launches."""
+    forward: ``device_busy_ms`` (``on_device``), the ``top`` operators by self host time, the
+    ``top_device`` kernels by self device time, host synchronisations and kernel launches."""
     forwards = max(1, target_forwards)
     host_us: dict[str, float] = {}
     device_us: dict[str, float] = {}
@@ -71,7 +76,7 @@ def step_split(
         on_gpu = [e for e in events if _on_gpu(e)]
         busy_us = sum(float(getattr(e, "self_device_time_total", 0.0) or 0.0) for e in on_gpu)
         split["device_busy_ms"] = busy_us / 1000.0 / forwards
-        split["top_device_ops"] = _top(on_gpu, "self_device_time_total", forwards, top)
+        split["top_device_ops"] = _top(on_gpu, "self_device_time_total", forwards, top_device)
     return split
 
 

@@ -765,6 +765,45 @@ def test_ars_step_is_set_against_the_roofline_by_its_weight_gemms():
     assert ar_kernel_roofline({"splits": {}, "floor_bytes": summary["floor_bytes"]}) == []
 
 
+def test_each_engines_busy_time_is_split_by_kernel_beside_the_chains():
+    """The profiled splits' device kernels by what they do, each engine's beside the chain's:
+    TREE_ATTN's kernels, FlashAttention's, the tree build's, the tree step's own ops and the
+    weight GEMMs; "other" is the busy time left."""
+    from benchmarks.scale_paired import device_kernel_table, kernel_class
+
+    assert kernel_class("_tree_attention_kernel") == "TREE_ATTN"
+    assert kernel_class("void cutlass::device_kernel<flash::FlashAttnFwdCombine<...>>") == (
+        "FlashAttention"
+    )
+    assert kernel_class("_segment_top_kernel") == "tree build"
+    assert kernel_class("_walk_and_emit_kernel") == "tree step ops"
+    assert kernel_class("nvjet_sm90_tst_192x72_64x6_2x1_v_bz_TNT") == "weight GEMMs"
+    assert kernel_class("triton_red_fused_fused_add_rms_norm_0") == "other"
+
+    def split(busy, ops):
+        ops = [{"name": name, "calls": 36, "ms": ms} for name, ms in ops]
+        return {
+            "step_split": [dict(batch=1, temperature=0.0, device_busy_ms=busy, top_device_ops=ops)]
+        }
+
+    flash = "void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>"
+    summary = {
+        "splits": {
+            "dflash": split(8.0, [("nvjet_a", 6.0), (flash, 0.5)]),
+            "ddtree_v2_b64": split(
+                9.0, [("nvjet_b", 6.2), (flash, 0.5), ("_tree_attention_kernel", 0.4)]
+            ),
+        }
+    }
+    lines = device_kernel_table(summary)
+    assert lines[-2] == "| 1 | 0 | dflash | 8.000 | 0.000 | 0.500 | 0.000 | 0.000 | 6.000 | 1.500 |"
+    assert lines[-1] == (
+        "| 1 | 0 | ddtree_v2_b64 | 9.000 (+1.000) | 0.400 (+0.400) | 0.500 (+0.000) | "
+        "0.000 (+0.000) | 0.000 (+0.000) | 6.200 (+0.200) | 1.900 (+0.400) |"
+    )
+    assert device_kernel_table({"splits": {"dflash": split(8.0, [])}}) == []
+
+
 def test_torch_compile_serves_the_drafters_in_graphs_as_vllm_serve_does():
     """Without torch.compile vLLM captures FULL graphs only and runs V1's drafters eager (its
     drafter graphs are piecewise, which needs torch.compile); ``--torch-compile`` takes vLLM's

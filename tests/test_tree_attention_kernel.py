@@ -199,6 +199,32 @@ def test_kernel_merges_a_context_computed_elsewhere(name, requests, hq, hkv, d, 
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "launch",
+    [
+        dict(block_m=16, block_n=64, num_warps=4),
+        dict(block_m=32, block_n=128, num_warps=4),
+        dict(block_m=64, block_n=128, num_warps=8),
+    ],
+)
+def test_kernel_merges_a_context_with_tiles_of_several_mask_words(launch):
+    """Key tiles of 64 and 128 keys after a merged context read several mask words per query
+    row: trees deeper than a tile (100 nodes: four words, the last one partly past the tree),
+    one inside a tile (40 nodes) and a causal prefill beside them land on the reference."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("runs in the interpreter subprocess (see test_kernels_under_interpreter)")
+    from tree_attn_backend.ops.context_attention import context_attention_ref
+
+    device = "cuda" if ON_GPU else "cpu"
+    requests = [("tree", 37, 100), ("tree", 64, 40), ("causal", 20, 70)]
+    case = random_case(requests, 8, 2, 32, 16, torch.float32, device, seed=9)
+    ref = tree_attention_ref(**case.kwargs())
+    context_out, context_lse = context_attention_ref(**case.context_kwargs())
+    out = run_kernel(case, context_out=context_out, context_lse=context_lse, **launch)
+    assert relative_error(out, ref) < 1e-5, launch
+
+
+@pytest.mark.interpreter
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="already native or interpreted")
 def test_kernels_under_interpreter():
     """This module's kernel tests, again, under Triton's interpreter."""
@@ -206,7 +232,7 @@ def test_kernels_under_interpreter():
         __file__,
         "kernel_matches or kernel_merges or half_precision or window_without or split_kv "
         "or lower_edge or capture_shaped",
-        expected=14 + 14 + 1,
+        expected=14 + 14 + 3 + 1,
     )
 
 

@@ -145,7 +145,15 @@ if HAS_TRITON:
     # a kernel for each integer equal to 1 or a multiple of 16): the context's log-sum-exp
     # stride is the token count. A prefill then runs the kernel its CUDA-graph captures
     # compiled, not a new one during inference.
-    @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window", "stride_lse_h"])
+    @triton.jit(
+        do_not_specialize=[
+            "num_seqs",
+            "num_tokens",
+            "sliding_window",
+            "stride_lse_h",
+            "num_mask_words",
+        ]
+    )
     def _tree_attention_kernel(
         q_ptr,
         k_cache_ptr,
@@ -182,6 +190,7 @@ if HAS_TRITON:
         stride_v_h,
         stride_bt,
         stride_mask_t,
+        num_mask_words,
         NUM_QUERIES_PER_KV: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -194,7 +203,7 @@ if HAS_TRITON:
         NUM_SEGMENTS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         HAS_CONTEXT: tl.constexpr,
-        ONE_WORD_PER_ROW: tl.constexpr,
+        MASK_WORDS: tl.constexpr,
     ):
         q_block_global = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -297,7 +306,7 @@ if HAS_TRITON:
             in_tree_idx = offs_n - context_len  # index inside the request's query tokens
             in_context = in_tree_idx < 0
             causal_ok = in_tree_idx[None, :] <= q_local[:, None]
-            if ONE_WORD_PER_ROW:
+            if MASK_WORDS == 1:
                 # With the context merged, tiles start at the context's end: a tile of at most
                 # 32 keys (dividing 32) lies in one mask word of each query row.
                 first = tl.maximum(start_n - context_len, 0)
@@ -308,6 +317,22 @@ if HAS_TRITON:
                 )
                 shift = tl.maximum(in_tree_idx, 0) % 32
                 bit = ((row_word[:, None] >> shift[None, :]) & 1) != 0
+            elif MASK_WORDS > 1:
+                # A context-aligned tile of MASK_WORDS * 32 keys: each row's words of the tile,
+                # key j of the tile in word j // 32, bit j % 32.
+                first = tl.maximum(start_n - context_len, 0)
+                word_idx = first // 32 + tl.arange(0, MASK_WORDS)
+                row_words = tl.load(
+                    tree_mask_ptr + q_token[:, None] * stride_mask_t + word_idx[None, :],
+                    mask=(tree & q_valid)[:, None] & (word_idx < num_mask_words)[None, :],
+                    other=0,
+                )
+                tile_words = tl.reshape(
+                    tl.broadcast_to(row_words[:, :, None], (BLOCK_M, MASK_WORDS, 32)),
+                    (BLOCK_M, BLOCK_N),
+                )
+                shift = tl.arange(0, BLOCK_N) % 32
+                bit = ((tile_words >> shift[None, :]) & 1) != 0
             else:
                 word = tl.load(
                     tree_mask_ptr
@@ -436,6 +461,15 @@ def choose_launch(num_queries_per_kv: int, max_query_len: int, head_size: int):
     if head_size in WIDE_HEAD_SIZES and rows > small_block_m:
         return max(WIDE_BLOCK_M, small_block_m), WIDE_BLOCK_N, WIDE_NUM_WARPS
     return small_block_m, (64 if head_size <= 128 else 32), None
+
+
+def mask_words_per_tile(block_n: int) -> int:
+    """Mask words per query row that a tile of ``block_n`` keys starting at its request's
+    context end reads: 1 for a tile that divides a word, ``block_n // 32`` for a multiple of a
+    word, 0 (a word gathered per key) otherwise."""
+    if 32 % block_n == 0:
+        return 1
+    return block_n // 32 if block_n % 32 == 0 else 0
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -583,6 +617,7 @@ def tree_attention(
         value_cache.stride(2),
         block_table.stride(0),
         tree_mask.stride(0),
+        tree_mask.shape[1],
         NUM_QUERIES_PER_KV=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -596,7 +631,7 @@ def tree_attention(
         # float32 inputs get full-precision dots (tf32 would flip near-tied greedy tokens).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_CONTEXT=has_context,
-        ONE_WORD_PER_ROW=has_context and block_n <= 32 and 32 % block_n == 0,
+        MASK_WORDS=mask_words_per_tile(block_n) if has_context else 0,
         **({"num_warps": num_warps} if num_warps else {}),
     )
     if num_segments > 1:
