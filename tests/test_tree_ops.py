@@ -144,7 +144,8 @@ def test_kernels_under_interpreter():
         + 3
         + len(BUILD_CASES)
         + len(MAX_NODES_CASES)
-        + len(TOP_CANDIDATE_CASES),
+        + len(TOP_CANDIDATE_CASES)
+        + 1,
     )
 
 
@@ -244,6 +245,9 @@ TOP_CANDIDATE_CASES = [
     (1, 2, 1500, 32, torch.float32),
     (3, 2, 2100, 8, torch.bfloat16),
     (1, 1, 700, 1, torch.float32),
+    # More segments than the cap: only the cap's first segments by maximum are searched.
+    (2, 3, 20000, 4, torch.float32),
+    (1, 2, 9000, 2, torch.bfloat16),
 ]
 
 
@@ -271,6 +275,26 @@ def test_kernel_top_candidates_match_reference(case):
     assert torch.equal(got_tokens.cpu()[finite], want_tokens[finite])
     torch.testing.assert_close(got_lp.cpu()[finite], want_lp[finite], rtol=1e-5, atol=1e-5)
     assert int(finite[0, 0].sum()) == min(2, cap)
+
+
+@pytest.mark.interpreter
+def test_kernel_top_candidates_take_the_lowest_token_among_equal_logits():
+    """Equal logits in several segments, and a segment holding more of the row's top tokens
+    than any other: the candidates come by logit, lowest token id first among equals, each
+    token once."""
+    needs_kernel()
+    from vllm_ddtree.ops.top_candidates import SEGMENT, top_candidates_triton
+
+    vocab, cap = 12 * SEGMENT + 100, 8
+    logits = torch.full((1, 1, vocab), -5.0)
+    logits[0, 0, [5 * SEGMENT + 7, 2 * SEGMENT + 3, 4 * SEGMENT + 1, 9]] = 3.0  # ties
+    logits[0, 0, SEGMENT + 10 : SEGMENT + 14] = torch.tensor([4.0, 2.0, 2.5, 1.0])
+    log_probs, tokens = top_candidates_triton(logits.to(DEVICE), cap)
+    want = [SEGMENT + 10, 9, 2 * SEGMENT + 3, 4 * SEGMENT + 1, 5 * SEGMENT + 7]
+    want += [SEGMENT + 12, SEGMENT + 11, SEGMENT + 13]
+    assert tokens.flatten().tolist() == want
+    expected = torch.log_softmax(logits.double(), -1)[0, 0, want].float()
+    torch.testing.assert_close(log_probs.flatten().cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 # (case index in BUILD_CASES, max_nodes): a search stopped inside the budget, at it, past it, at 0.
