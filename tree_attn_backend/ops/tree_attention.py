@@ -444,21 +444,33 @@ if HAS_TRITON:
 # 128-row accumulator would not fit the registers.
 WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS = 128, 32, 8
 WIDE_HEAD_SIZES = frozenset({128})
+# The in-block pass after a context merged from elsewhere reads only the request's own query
+# tokens' keys: 128-key tiles, so that a program covers a budget-64 tree's keys in one tile
+# rather than three dependent ones, and 64-row query blocks for more programs on a batch of
+# one request. Not sized from the query length: a prefill merging its context runs the
+# kernel its engine's verify graphs compiled.
+IN_BLOCK_M, IN_BLOCK_N, IN_BLOCK_NUM_WARPS = 64, 128, 4
 
 
-def choose_launch(num_queries_per_kv: int, max_query_len: int, head_size: int):
+def choose_launch(
+    num_queries_per_kv: int, max_query_len: int, head_size: int, merges_context: bool = False
+):
     """``(block_m, block_n, num_warps)`` for a launch: query rows (tokens x grouped heads) per
     program, keys per tile, warps (None: Triton's default).
 
     Wide blocks (``WIDE_*``) where a request has more query rows than a small block holds, at
-    the head sizes they were measured faster for. Otherwise 16 rows (or one row per grouped
-    head) and 64-key tiles (32 above head size 128, for registers); decode batches keep
-    these, as one query token per request fills no wider block. Depends only on launch-shape
-    quantities, so a CUDA graph captured for a batch shape stays valid.
+    the head sizes they were measured faster for; with ``merges_context`` (the keys are the
+    request's own query tokens only) the ``IN_BLOCK_*`` launch there instead. Otherwise 16
+    rows (or one row per grouped head) and 64-key tiles (32 above head size 128, for
+    registers); decode batches keep these, as one query token per request fills no wider
+    block. Depends only on launch-shape quantities, so a CUDA graph captured for a batch
+    shape stays valid.
     """
     small_block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
     rows = max_query_len * num_queries_per_kv
     if head_size in WIDE_HEAD_SIZES and rows > small_block_m:
+        if merges_context:
+            return max(IN_BLOCK_M, small_block_m), IN_BLOCK_N, IN_BLOCK_NUM_WARPS
         return max(WIDE_BLOCK_M, small_block_m), WIDE_BLOCK_N, WIDE_NUM_WARPS
     return small_block_m, (64 if head_size <= 128 else 32), None
 
@@ -556,7 +568,9 @@ def tree_attention(
     if positions is None:
         positions = torch.zeros(1, dtype=torch.int32, device=q.device)
     group = num_heads // num_kv_heads
-    chosen_m, chosen_n, chosen_warps = choose_launch(group, max_query_len, head_size)
+    chosen_m, chosen_n, chosen_warps = choose_launch(
+        group, max_query_len, head_size, merges_context=has_context
+    )
     if block_m is None:
         block_m = chosen_m
     if block_n is None:
