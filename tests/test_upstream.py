@@ -1,0 +1,159 @@
+"""The plugin as a patch series against vLLM's sources (``vllm_ddtree/upstream/``).
+
+The unit tests need nothing; the series tests take vLLM 0.26.0's released sources from
+``VLLM_DDTREE_VLLM_SRC`` or fetch its sdist from the package index into ``.cache/`` (CI does
+this once): the series is generated, applies to vLLM's tree with ``git am``, and the tests it
+brings pass against the installed vLLM with the series' files in its place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from vllm_ddtree.upstream.edits import AnchorError, Edit, apply_edit
+from vllm_ddtree.upstream.export import PROJECT_ROOT, check, export, generated_files
+from vllm_ddtree.upstream.layout import MODULES, rewrite, unmapped_imports
+from vllm_ddtree.upstream.series import SERIES
+
+
+def test_module_names_are_rewritten_whole_and_in_every_import_form():
+    source = (
+        "from tree_attn_backend.ops.tree_attention import tree_attention\n"
+        "import tree_attn_backend.ops.tree_attention as ops\n"
+        "from vllm_ddtree import envs\n"
+        "    from vllm_ddtree import tree as trees\n"
+        "PATH = 'tree_attn_backend.backend.TreeAttentionBackend'\n"
+        "from tree_attn_backend.ops.tree_attention_extra import x\n"
+    )
+    assert rewrite(source).splitlines() == [
+        "from vllm.v1.attention.ops.triton_tree_attention import tree_attention",
+        "import vllm.v1.attention.ops.triton_tree_attention as ops",
+        "from vllm.v1.spec_decode.ddtree import envs",
+        "    from vllm.v1.spec_decode.ddtree import tree as trees",
+        "PATH = 'vllm.v1.attention.backends.tree_attn.TreeAttentionBackend'",
+        "from tree_attn_backend.ops.tree_attention_extra import x",
+    ]
+    # A module of the project without an in-tree place is named; vLLM's tests are vLLM's.
+    leftover = rewrite(source + "from tests.v1.attention.utils import y\n")
+    assert unmapped_imports(leftover) == ["tree_attn_backend.ops.tree_attention_extra"]
+
+
+def test_a_module_kept_in_the_plugin_fails_the_export(monkeypatch):
+    from vllm_ddtree.upstream.export import ExportError
+    from vllm_ddtree.upstream.series import PatchStep
+
+    monkeypatch.delitem(MODULES, "tests.interpreter")
+    step = PatchStep("s", "b", tests=("tests/test_tree_attention_kernel.py",))
+    with pytest.raises(ExportError, match="tests.interpreter"):
+        generated_files(step)
+
+
+def test_an_edit_lands_once_beside_its_anchor_or_not_at_all(tmp_path):
+    (tmp_path / "f.py").write_text("a = 1\nb = 2\nb = 2\n")
+    apply_edit(str(tmp_path), Edit("f.py", "a = 1\n", "c = 3\n", "why"))
+    assert (tmp_path / "f.py").read_text() == "a = 1\nc = 3\nb = 2\nb = 2\n"
+    for anchor in ("b = 2\n", "d = 4\n"):
+        with pytest.raises(AnchorError, match="occurs"):
+            apply_edit(str(tmp_path), Edit("f.py", anchor, "x\n", "why"))
+
+
+def test_every_step_generates_from_the_project_without_the_plugin():
+    """Each patch's files come from the project's sources with no import of the plugin left,
+    and every module mapped in ``layout`` lands in exactly one patch."""
+    placed = [m for step in SERIES for m in step.modules]
+    assert sorted(placed) == sorted(MODULES)
+    for step in SERIES:
+        for path, text in generated_files(step).items():
+            assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n"), path
+            assert "vllm_ddtree" not in text and "tree_attn_backend" not in text, path
+
+
+@pytest.fixture(scope="module")
+def vllm_src() -> str:
+    """vLLM 0.26.0's source tree: ``VLLM_DDTREE_VLLM_SRC`` or the sdist fetched to .cache/."""
+    from vllm_ddtree.upstream.sdist import fetch_sdist
+
+    given = os.environ.get("VLLM_DDTREE_VLLM_SRC")
+    if given:
+        return given
+    return fetch_sdist(os.path.join(PROJECT_ROOT, ".cache", "vllm-src"))
+
+
+@pytest.fixture(scope="module")
+def series(vllm_src, tmp_path_factory) -> list[str]:
+    return export(vllm_src, str(tmp_path_factory.mktemp("series")))
+
+
+def test_the_series_applies_to_vllms_released_sources(vllm_src, series):
+    assert [os.path.basename(p)[:4] for p in series] == [
+        f"{i:04d}" for i in range(1, len(SERIES) + 1)
+    ]
+    check(vllm_src, series)
+    for patch, step in zip(series, SERIES, strict=True):
+        text = open(patch).read()
+        assert step.subject.split(": ")[0] in text and "Tests:" in text
+
+
+def test_the_series_regenerates_byte_for_byte(vllm_src, series, tmp_path):
+    again = export(vllm_src, str(tmp_path / "again"))
+    assert [open(p).read() for p in again] == [open(p).read() for p in series]
+
+
+def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]:
+    """The installed vLLM with the series' files in place (symlinks to the installed package,
+    the series' own files written), and vLLM's tests tree patched: ``(site, tests_root)``."""
+    import vllm
+
+    installed = os.path.dirname(vllm.__file__)
+    site = os.path.join(root, "site")
+    shutil.copytree(installed, os.path.join(site, "vllm"), copy_function=os.symlink)
+    tree = os.path.join(root, "tree")
+    shutil.copytree(vllm_src, tree, ignore=shutil.ignore_patterns("csrc", "docs", "benchmarks"))
+    for patch in series:
+        subprocess.run(["git", "apply", patch], cwd=tree, check=True)
+    changed = subprocess.run(
+        ["git", "apply", "--numstat", *series], cwd=vllm_src, capture_output=True, text=True
+    )
+    for line in changed.stdout.splitlines():
+        path = line.split("\t")[-1]
+        if path.startswith("vllm/"):
+            target = os.path.join(site, path)
+            if os.path.lexists(target):
+                os.remove(target)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(os.path.join(tree, path), target)
+    return site, tree
+
+
+def test_the_series_tests_pass_against_vllm_patched_with_it(vllm_src, series, tmp_path):
+    """The tests the series brings, from vLLM's tests tree, against the installed vLLM with
+    the series' files in place and the plugin not on the path: the generated modules stand
+    on their own (kernels under Triton's interpreter on this machine)."""
+    site, tree = patched_vllm(vllm_src, series, str(tmp_path))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([site, tree]),
+        "VLLM_PLUGINS": "",
+        # vLLM's tests/conftest.py serves model tests (and needs their packages): not these,
+        # nor the interpreter runs they start (pytest reads its options from here too).
+        "PYTEST_ADDOPTS": "--noconftest -p no:cacheprovider",
+    }
+    tests = [
+        "tests/v1/spec_decode/ddtree/test_tree.py",
+        "tests/v1/attention/test_tree_attention.py",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *tests],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in summary and "failed" not in summary, summary

@@ -1,0 +1,88 @@
+"""Where each plugin module lands in vLLM's tree, and the rewrite of its module names.
+
+``MODULES`` maps a project module (dotted, as imported) to its in-tree module. A generated
+file is the project file with every mapped module name replaced by its in-tree name (longest
+name first, whole dotted names only: ``tree_attn_backend.ops.tree_attention`` is rewritten,
+``tree_attn_backend.ops.tree_attention_extra`` would not be); an import of a project module
+that has no in-tree place fails the export (``unmapped_imports``), so nothing generated can
+import the plugin.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# Project module -> vLLM module. Test helpers go beside the tests that use them.
+MODULES: dict[str, str] = {
+    "vllm_ddtree.envs": "vllm.v1.spec_decode.ddtree.envs",
+    "vllm_ddtree.tree": "vllm.v1.spec_decode.ddtree.tree",
+    "tree_attn_backend.ops.tree_attention": "vllm.v1.attention.ops.triton_tree_attention",
+    "tree_attn_backend.ops.context_attention": "vllm.v1.attention.ops.tree_context_attention",
+    "tree_attn_backend.tree_verify": "vllm.v1.attention.backends.tree_verify",
+    "tree_attn_backend.backend": "vllm.v1.attention.backends.tree_attn",
+    "tree_attn_backend.testing": "tests.v1.attention.tree_attn_utils",
+    "tests.interpreter": "tests.v1.attention.triton_interpreter",
+}
+# Project tests -> vLLM test files.
+TESTS: dict[str, str] = {
+    "tests/test_tree.py": "tests/v1/spec_decode/ddtree/test_tree.py",
+    "tests/test_tree_attention_kernel.py": "tests/v1/attention/test_tree_attention.py",
+}
+# Top-level names whose modules belong to the project (an import of any other module of
+# theirs has no place in vLLM's tree).
+PROJECT_ROOTS = ("vllm_ddtree", "tree_attn_backend", "tests")
+
+_ROOTS = ("vllm_ddtree", "tree_attn_backend", "tests")
+
+_NAME = re.compile(
+    r"(?<![\w.])("
+    + "|".join(re.escape(m) for m in sorted(MODULES, key=len, reverse=True))
+    + r")(?![\w])"
+)
+_ROOTS = "|".join(PROJECT_ROOTS)
+_PROJECT_IMPORT = re.compile(
+    rf"^\s*(?:from\s+((?:{_ROOTS})(?:\.\w+)*)\s+import|import\s+((?:{_ROOTS})(?:\.\w+)*))",
+    re.MULTILINE,
+)
+
+
+def module_path(module: str) -> str:
+    """The file of a dotted module, relative to its tree's root."""
+    return module.replace(".", os.sep) + ".py"
+
+
+_FROM_PACKAGE = re.compile(r"^(\s*)from ([\w.]+) import (\w+)( as \w+)?[ \t]*$", re.MULTILINE)
+
+
+def _from_package(match: re.Match) -> str:
+    """``from package import module`` of a mapped module: from its in-tree package, or (where
+    the in-tree module has another name) ``import ... as`` the name the code uses."""
+    indent, package, name, alias = match.groups()
+    target = MODULES.get(f"{package}.{name}")
+    if target is None:
+        return match.group(0)
+    parent, _, last = target.rpartition(".")
+    if last == name:
+        return f"{indent}from {parent} import {name}{alias or ''}"
+    as_name = alias.removeprefix(" as ") if alias else name
+    return f"{indent}import {target} as {as_name}"
+
+
+def rewrite(text: str) -> str:
+    """``text`` with every mapped module name replaced by its in-tree name."""
+    text = _FROM_PACKAGE.sub(_from_package, text)
+    names = "|".join(re.escape(m) for m in sorted(MODULES, key=len, reverse=True))
+    whole_name = re.compile(rf"(?<![\w.])({names})(?!\w)")
+    return whole_name.sub(lambda match: MODULES[match.group(1)], text)
+
+
+def unmapped_imports(text: str) -> list[str]:
+    """The project modules ``text`` (already rewritten) still imports: none may remain."""
+    found = []
+    for match in _PROJECT_IMPORT.finditer(text):
+        name = match.group(1) or match.group(2)
+        if name == "tests" or name.startswith("tests.v1"):
+            continue  # vLLM's own test package
+        found.append(name)
+    return found
