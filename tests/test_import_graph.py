@@ -191,6 +191,7 @@ MAY_IMPORT = {
     "vllm_ddtree.metrics": ("vllm_ddtree.compat", "vllm_ddtree.requests", "vllm_ddtree.budget"),
     "vllm_ddtree.budget": ("vllm_ddtree.compat",),
     "vllm_ddtree.ops": ("tree_attn_backend.ops",),
+    "vllm_ddtree.upstream": (),  # reads the project's files as text
 }
 OPEN_TO_ALL = ("vllm_ddtree.config", "vllm_ddtree.envs", "vllm_ddtree.tree")
 
