@@ -9,6 +9,7 @@ brings pass against the installed vLLM with the series' files in its place.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,18 @@ def test_every_step_generates_from_the_project_without_the_plugin():
         for path, text in generated_files(step).items():
             assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n"), path
             assert "vllm_ddtree" not in text and "tree_attn_backend" not in text, path
+
+
+def test_each_patch_imports_only_what_it_or_an_earlier_patch_brings():
+    """A patch applied alone with those before it stands: its files import no in-tree module
+    that a later patch brings."""
+    in_tree = {target: module for module, target in MODULES.items()}
+    placed: set[str] = set()
+    for step in SERIES:
+        placed |= {MODULES[m] for m in step.modules}
+        for path, text in generated_files(step).items():
+            imported = {name for name in in_tree if re.search(rf"\b{re.escape(name)}\b", text)}
+            assert imported <= placed, (step.subject, path, sorted(imported - placed))
 
 
 @pytest.fixture(scope="module")
