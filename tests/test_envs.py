@@ -41,12 +41,14 @@ def reads_environ(path: str) -> list[int]:
 
 def test_only_envs_reads_the_environment():
     """The package reads the environment in ``envs`` alone, besides vLLM's own
-    ``VLLM_USE_V2_MODEL_RUNNER`` (passed to the runner choice) and the demo setting the
-    offline hub for the engines it starts."""
+    ``VLLM_USE_V2_MODEL_RUNNER`` (passed to the runner choice), the demo setting the
+    offline hub for the engines it starts, and the series export handing git its environment
+    with a fixed identity."""
     allowed = {
         "vllm_ddtree/envs.py",
         "vllm_ddtree/compat/installer.py:VLLM_USE_V2_MODEL_RUNNER",
         "vllm_ddtree/demo.py:HF_HUB_OFFLINE",
+        "vllm_ddtree/upstream/export.py:GIT_IDENTITY",
     }
     found = []
     for package in ("vllm_ddtree", "tree_attn_backend"):

@@ -38,7 +38,12 @@ EXPECTED_KERNELS = {
         for b in (64, 512)
     },
     **{
-        case: {"_segment_top_kernel", "_merge_top_kernel", "_build_tree_kernel"}
+        case: {
+            "_segment_stats_kernel",
+            "_segment_top_kernel",
+            "_merge_top_kernel",
+            "_build_tree_kernel",
+        }
         for case in ("tree_build_8b_b64", "tree_build_27b_b512")
     },
 }

@@ -446,10 +446,11 @@ WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS = 128, 32, 8
 WIDE_HEAD_SIZES = frozenset({128})
 # The in-block pass after a context merged from elsewhere reads only the request's own query
 # tokens' keys: 128-key tiles, so that a program covers a budget-64 tree's keys in one tile
-# rather than three dependent ones, and 64-row query blocks for more programs on a batch of
-# one request. Not sized from the query length: a prefill merging its context runs the
-# kernel its engine's verify graphs compiled.
-IN_BLOCK_M, IN_BLOCK_N, IN_BLOCK_NUM_WARPS = 64, 128, 4
+# rather than three dependent ones, and 32-row query blocks for more programs on a batch of
+# one request (64 rows of 128-key tiles spill registers on sm_90 at head size 128:
+# tests/test_kernels_compile.py). Not sized from the query length: a prefill merging its
+# context runs the kernel its engine's verify graphs compiled.
+IN_BLOCK_M, IN_BLOCK_N, IN_BLOCK_NUM_WARPS = 32, 128, 8
 
 
 def choose_launch(
