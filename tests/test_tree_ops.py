@@ -467,44 +467,6 @@ def test_drafter_context_rows_are_the_path_then_fresh_positions():
     assert positions.tolist() == [10, 11, 12, 40, 41, 42, 43, 44]
 
 
-def test_tree_row_outputs_count_the_outputs_and_each_nodes_own_path():
-    from vllm_ddtree.spec_decode.tree_logits_processors import tree_row_outputs
-
-    # Request 0: nodes 1 (under the root), 2 (under 1), 3 (under the root); request 1: no
-    # drafts; request 2: drafts vLLM padded in without a tree (parents -1).
-    rows = tree_row_outputs(
-        outputs=[[5, 6], [7], [8]],
-        token_ids=[[10, 11, 12], [0, 0, 0], [-1, -1, -1]],
-        parents=[[0, 1, 0], [0, 0, 0], [-1, -1, -1]],
-        num_draft=[3, 0, 2],
-    )
-    assert rows == [
-        [5, 6],
-        [5, 6, 10],
-        [5, 6, 10, 11],
-        [5, 6, 12],
-        [7],
-        [8],
-        [8, -1],
-        [8, -1],
-    ]
-
-
-def test_an_emitted_tokens_logprobs_come_from_its_path_nodes_row():
-    """Request 0 (rows 0-4): path root -> node 2 -> node 4, bonus at node 4's row; request 1
-    (rows 5-7): nothing accepted, the bonus at its root's row. Rows past a path repeat the
-    root's (vLLM drops them with their -1 tokens)."""
-    from vllm_ddtree.spec_decode.tree_logprobs import path_logit_rows
-
-    first_row = torch.tensor([0, 5])
-    accepted = torch.tensor([[0, 2, 4, -1], [0, -1, -1, -1]])
-    num_accepted = torch.tensor([2, 0])
-    rows = path_logit_rows(first_row, accepted, num_accepted, width=5)
-    assert rows.tolist() == [0, 2, 4, 0, 0, 5, 5, 5, 5, 5]
-    # A narrower output than the path's columns: the first ``width`` path nodes.
-    assert path_logit_rows(first_row, accepted, num_accepted, width=2).tolist() == [0, 2, 5, 5]
-
-
 @pytest.mark.skipif(not ON_GPU, reason="vLLM's kernel needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_device_log_probs_match_the_reference_at_qwen3s_vocabulary(dtype):

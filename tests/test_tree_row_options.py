@@ -447,3 +447,41 @@ def test_v1_processed_logits_are_vllms_sampler_ones():
     assert torch.equal(processed, want)
     assert torch.equal(chosen[:2], logits[:2].argmax(-1))  # greedy rows
     assert torch.isfinite(processed[2:]).sum(1).tolist() == [5, 5]
+
+
+def test_tree_row_outputs_count_the_outputs_and_each_nodes_own_path():
+    from vllm_ddtree.spec_decode.tree_logits_processors import tree_row_outputs
+
+    # Request 0: nodes 1 (under the root), 2 (under 1), 3 (under the root); request 1: no
+    # drafts; request 2: drafts vLLM padded in without a tree (parents -1).
+    rows = tree_row_outputs(
+        outputs=[[5, 6], [7], [8]],
+        token_ids=[[10, 11, 12], [0, 0, 0], [-1, -1, -1]],
+        parents=[[0, 1, 0], [0, 0, 0], [-1, -1, -1]],
+        num_draft=[3, 0, 2],
+    )
+    assert rows == [
+        [5, 6],
+        [5, 6, 10],
+        [5, 6, 10, 11],
+        [5, 6, 12],
+        [7],
+        [8],
+        [8, -1],
+        [8, -1],
+    ]
+
+
+def test_an_emitted_tokens_logprobs_come_from_its_path_nodes_row():
+    """Request 0 (rows 0-4): path root -> node 2 -> node 4, bonus at node 4's row; request 1
+    (rows 5-7): nothing accepted, the bonus at its root's row. Rows past a path repeat the
+    root's (vLLM drops them with their -1 tokens)."""
+    from vllm_ddtree.spec_decode.tree_logprobs import path_logit_rows
+
+    first_row = torch.tensor([0, 5])
+    accepted = torch.tensor([[0, 2, 4, -1], [0, -1, -1, -1]])
+    num_accepted = torch.tensor([2, 0])
+    rows = path_logit_rows(first_row, accepted, num_accepted, width=5)
+    assert rows.tolist() == [0, 2, 4, 0, 0, 5, 5, 5, 5, 5]
+    # A narrower output than the path's columns: the first ``width`` path nodes.
+    assert path_logit_rows(first_row, accepted, num_accepted, width=2).tolist() == [0, 2, 5, 5]
