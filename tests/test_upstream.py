@@ -18,7 +18,7 @@ import pytest
 
 from vllm_ddtree.upstream.edits import AnchorError, Edit, apply_edit
 from vllm_ddtree.upstream.export import PROJECT_ROOT, check, export, generated_files
-from vllm_ddtree.upstream.layout import MODULES, rewrite, unmapped_imports
+from vllm_ddtree.upstream.layout import MODULES, TESTS, rewrite, unmapped_imports
 from vllm_ddtree.upstream.series import SERIES
 
 
@@ -156,10 +156,7 @@ def test_the_series_tests_pass_against_vllm_patched_with_it(vllm_src, series, tm
         # nor the interpreter runs they start (pytest reads its options from here too).
         "PYTEST_ADDOPTS": "--noconftest -p no:cacheprovider",
     }
-    tests = [
-        "tests/v1/spec_decode/ddtree/test_tree.py",
-        "tests/v1/attention/test_tree_attention.py",
-    ]
+    tests = [TESTS[test] for step in SERIES for test in step.tests]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", *tests],
         cwd=tree,

@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 from vllm_ddtree.upstream.edits import SUBSTITUTIONS, apply_edit, substitute
-from vllm_ddtree.upstream.layout import MODULES, TESTS, module_path, rewrite, unmapped_imports
+from vllm_ddtree.upstream.layout import TESTS, rewrite, source_and_target, unmapped_imports
 from vllm_ddtree.upstream.series import SERIES, PatchStep
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,7 +82,10 @@ def format_like_vllm(repo: str, paths: list[str], vllm_src: str) -> None:
 
 def generated_files(step: PatchStep, project_root: str = PROJECT_ROOT) -> dict[str, str]:
     """In-tree path -> content of every file ``step`` generates from the project's sources."""
-    sources = {module_path(MODULES[m]): (module_path(m), m) for m in step.modules}
+    sources = {}
+    for module in step.modules:
+        source, target = source_and_target(module, project_root)
+        sources[target] = (source, module)
     sources.update({TESTS[t]: (t, t) for t in step.tests})
     files = {}
     for target, (source, module) in sources.items():

@@ -23,11 +23,33 @@ MODULES: dict[str, str] = {
     "tree_attn_backend.backend": "vllm.v1.attention.backends.tree_attn",
     "tree_attn_backend.testing": "tests.v1.attention.tree_attn_utils",
     "tests.interpreter": "tests.v1.attention.triton_interpreter",
+    "vllm_ddtree.ops": "vllm.v1.spec_decode.ddtree.ops",
+    **{
+        f"vllm_ddtree.ops.{name}": f"vllm.v1.spec_decode.ddtree.ops.{name}"
+        for name in (
+            "drafter_rows",
+            "keyed_gumbel",
+            "kv_commit",
+            "packed_rows",
+            "path_tokens",
+            "top_candidates",
+            "tree_bad_words",
+            "tree_build",
+            "tree_inputs",
+            "tree_mask",
+            "tree_penalties",
+            "tree_walk",
+        )
+    },
+    "tests.stats": "tests.v1.spec_decode.ddtree.stats",
 }
 # Project tests -> vLLM test files.
 TESTS: dict[str, str] = {
     "tests/test_tree.py": "tests/v1/spec_decode/ddtree/test_tree.py",
     "tests/test_tree_attention_kernel.py": "tests/v1/attention/test_tree_attention.py",
+    "tests/test_tree_ops.py": "tests/v1/spec_decode/ddtree/test_tree_ops.py",
+    "tests/test_kv_commit.py": "tests/v1/spec_decode/ddtree/test_kv_commit.py",
+    "tests/test_keyed_gumbel.py": "tests/v1/spec_decode/ddtree/test_keyed_gumbel.py",
 }
 # Top-level names whose modules belong to the project (an import of any other module of
 # theirs has no place in vLLM's tree).
@@ -47,9 +69,16 @@ _PROJECT_IMPORT = re.compile(
 )
 
 
-def module_path(module: str) -> str:
-    """The file of a dotted module, relative to its tree's root."""
-    return module.replace(".", os.sep) + ".py"
+def module_path(module: str, package: bool = False) -> str:
+    """The file of a dotted module, relative to its tree's root (a package's ``__init__``)."""
+    base = module.replace(".", os.sep)
+    return os.path.join(base, "__init__.py") if package else base + ".py"
+
+
+def source_and_target(module: str, project_root: str) -> tuple[str, str]:
+    """A mapped project module's file and its in-tree file (a package stays a package)."""
+    package = os.path.isdir(os.path.join(project_root, module.replace(".", os.sep)))
+    return module_path(module, package), module_path(MODULES[module], package)
 
 
 _FROM_PACKAGE = re.compile(r"^(\s*)from ([\w.]+) import (\w+)( as \w+)?[ \t]*$", re.MULTILINE)

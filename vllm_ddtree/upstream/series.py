@@ -76,4 +76,43 @@ the reference and inside a CUDA graph on GPUs.""",
         tests=("tests/test_tree_attention_kernel.py",),
         edits=(TREE_ATTN_MEMBER, INTERPRETER_MARKER),
     ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: the tree step's ops as Triton kernels with references",
+        body="""\
+What a DDTree step does on the device besides the target's forward, each a Triton kernel
+beside its PyTorch reference: each depth's top candidates in one read of the drafter's
+logits and the best-first search in one launch (tree_build, top_candidates), the verify's
+inputs and ancestor masks (tree_inputs, tree_mask), the walk that accepts the longest path
+the target agrees with (tree_walk), the accepted path's K/V moved to contiguous slots in
+every layer in one launch (kv_commit), the drafter's context rows (drafter_rows), request
+options on tree rows (path_tokens, tree_penalties, tree_bad_words) and keyed Gumbel noise
+for sampling (keyed_gumbel). The references serve CPUs and the test of every kernel.
+
+Nothing calls them yet; the proposer and the speculator follow in this series.
+
+Tests: tests/v1/spec_decode/ddtree/test_tree_ops.py, test_kv_commit.py and
+test_keyed_gumbel.py check every kernel against its reference (natively on CUDA, under
+TRITON_INTERPRET=1 on CPU machines) and the keyed noise's distribution (chi-square).""",
+        modules=(
+            "vllm_ddtree.ops",
+            "vllm_ddtree.ops.packed_rows",
+            "vllm_ddtree.ops.top_candidates",
+            "vllm_ddtree.ops.tree_build",
+            "vllm_ddtree.ops.tree_mask",
+            "vllm_ddtree.ops.tree_inputs",
+            "vllm_ddtree.ops.tree_walk",
+            "vllm_ddtree.ops.kv_commit",
+            "vllm_ddtree.ops.drafter_rows",
+            "vllm_ddtree.ops.path_tokens",
+            "vllm_ddtree.ops.tree_penalties",
+            "vllm_ddtree.ops.tree_bad_words",
+            "vllm_ddtree.ops.keyed_gumbel",
+            "tests.stats",
+        ),
+        tests=(
+            "tests/test_tree_ops.py",
+            "tests/test_kv_commit.py",
+            "tests/test_keyed_gumbel.py",
+        ),
+    ),
 )
