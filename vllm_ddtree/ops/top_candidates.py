@@ -138,18 +138,19 @@ if HAS_TRITON:
         slots = tl.arange(0, CANDIDATES_PADDED)
         valid = slots < num_candidates
         first = row * K * K
+        # Slots past the candidates, and each candidate once taken, hold no token.
         values = tl.load(cand_value_ptr + first + slots, mask=valid, other=float("-inf"))
         tokens = tl.load(cand_token_ptr + first + slots, mask=valid, other=no_token)
         for k in tl.static_range(K):
             best = tl.max(values, axis=0)
             # Slots follow the segments' ranks, not token order: the lowest token among equals.
-            token = tl.min(tl.where(valid & (values == best), tokens, no_token), axis=0)
+            token = tl.min(tl.where(values == best, tokens, no_token), axis=0)
             log_prob = tl.where(best == float("-inf"), float("-inf"), best - log_norm)
             tl.store(out_log_probs_ptr + row * K + k, log_prob)
             tl.store(out_tokens_ptr + row * K + k, token)
             taken = tokens == token
             values = tl.where(taken, float("-inf"), values)
-            valid = valid & ~taken
+            tokens = tl.where(taken, no_token, tokens)
 
 
 def top_candidates_triton(logits: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
