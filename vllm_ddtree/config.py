@@ -276,6 +276,22 @@ def check_target_is_supported(
         )
 
 
+def check_cpu_gdn_state_dtype(mamba_ssm_cache_dtype: str | None) -> None:
+    """vLLM-CPU's GatedDeltaNet prefill kernel (``chunk_gated_delta_rule_cpu``) takes float32 SSM
+    states only, and vLLM picks float32 by itself only on hosts with AMX tiles: elsewhere the
+    engine would fail at its first prompt (the target alone as well). Raise
+    ``DDTreeConfigError`` naming the flag that fixes it, for the resolved dtype of a DDTree
+    engine on the CPU platform."""
+    if mamba_ssm_cache_dtype == "float32":
+        return
+    raise DDTreeConfigError(
+        "method 'ddtree' on a GatedDeltaNet target on the CPU: vLLM-CPU's GatedDeltaNet prefill "
+        "takes float32 SSM states only (vLLM picks them itself on hosts with AMX tiles, not on "
+        f"this one; it is {mamba_ssm_cache_dtype!r}): start the engine with "
+        "--mamba-ssm-cache-dtype float32"
+    )
+
+
 def check_align_block_size(tree_budget: int, mamba_block_size: int | None) -> None:
     """With prefix caching vLLM keeps a hybrid's states in its ``align`` layout, one block per
     ``mamba_block_size`` tokens: a step's verify (``1 + tree_budget`` tokens) must fit one block

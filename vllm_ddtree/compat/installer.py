@@ -61,6 +61,7 @@ from vllm_ddtree.config import (
     SCHEDULE_KEY,
     DDTreeConfig,
     DDTreeConfigError,
+    check_cpu_gdn_state_dtype,
     check_drafter_is_dflash,
     check_engine_is_supported,
     check_sampling_params,
@@ -264,6 +265,8 @@ def _wrap_create_engine_config(original):
         config = original(self, *args, **kwargs)
         check_hybrid_state_memory(config)
         ddtree = get_ddtree_config(config.speculative_config)
+        if ddtree is not None or serves_chain_for_ddtree(config.speculative_config):
+            _check_cpu_hybrid_states(config)
         if ddtree is not None or named_tree_attention:
             # Its processes take vLLM's CUSTOM slot for TREE_ATTN (compat/tree_attn_slot.py).
             take_slot()
@@ -276,6 +279,20 @@ def _wrap_create_engine_config(original):
         return config
 
     return create_engine_config
+
+
+def _check_cpu_hybrid_states(vllm_config) -> None:
+    """A DDTree engine on a GatedDeltaNet target on the CPU platform: the SSM state dtype
+    vLLM-CPU's prefill kernel takes (``config.check_cpu_gdn_state_dtype``), read after vLLM's
+    platform settled it."""
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    if not current_platform.is_cpu() or model_config is None:
+        return
+    if _has_recurrent_layers(model_config):
+        cache_dtype = vllm_config.cache_config.mamba_ssm_cache_dtype
+        check_cpu_gdn_state_dtype(_ssm_state_dtype(cache_dtype, model_config))
 
 
 def _wrap_drafting_slots(original):
