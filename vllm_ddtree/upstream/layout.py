@@ -28,6 +28,7 @@ MODULES: dict[str, str] = {
         f"vllm_ddtree.ops.{name}": f"vllm.v1.spec_decode.ddtree.ops.{name}"
         for name in (
             "drafter_rows",
+            "gdn_commit",
             "keyed_gumbel",
             "kv_commit",
             "packed_rows",
@@ -35,6 +36,8 @@ MODULES: dict[str, str] = {
             "top_candidates",
             "tree_bad_words",
             "tree_build",
+            "tree_causal_conv",
+            "tree_gated_delta",
             "tree_inputs",
             "tree_mask",
             "tree_penalties",
@@ -50,6 +53,9 @@ TESTS: dict[str, str] = {
     "tests/test_tree_ops.py": "tests/v1/spec_decode/ddtree/test_tree_ops.py",
     "tests/test_kv_commit.py": "tests/v1/spec_decode/ddtree/test_kv_commit.py",
     "tests/test_keyed_gumbel.py": "tests/v1/spec_decode/ddtree/test_keyed_gumbel.py",
+    "tests/test_tree_gated_delta.py": "tests/v1/spec_decode/ddtree/test_tree_gated_delta.py",
+    "tests/test_tree_causal_conv.py": "tests/v1/spec_decode/ddtree/test_tree_causal_conv.py",
+    "tests/test_gdn_commit.py": "tests/v1/spec_decode/ddtree/test_gdn_commit.py",
 }
 # Top-level names whose modules belong to the project (an import of any other module of
 # theirs has no place in vLLM's tree).

@@ -115,4 +115,36 @@ TRITON_INTERPRET=1 on CPU machines) and the keyed noise's distribution (chi-squa
             "tests/test_keyed_gumbel.py",
         ),
     ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: GatedDeltaNet over a draft tree, a state per node",
+        body="""\
+A tree cannot share one recurrent state among its branches: in a GatedDeltaNet layer each
+tree node must start from its parent's state, not from the previous token's. This adds the
+hybrid target's tree ops, each a Triton kernel beside its PyTorch reference: the gated delta
+rule with a parent pointer in place of "the previous token" (tree_gated_delta; node states
+in float32 or bfloat16 pools addressed like vLLM's ssm_state_indices, rounded where
+token-by-token decoding with that cache dtype rounds them), the depthwise causal conv1d over
+each node's ancestor window (tree_causal_conv; the committed window read where vLLM's
+speculative layout keeps it), and the commit after the walk (gdn_commit: every GDN layer in
+one launch leaves the SSM and conv caches as vLLM's chain step would have after verifying the
+accepted path, the `align` layout's boundary state included).
+
+Nothing calls them yet; the GatedDeltaNet layer's tree path follows in this series.
+
+Tests: tests/v1/spec_decode/ddtree/test_tree_gated_delta.py, test_tree_causal_conv.py and
+test_gdn_commit.py check each kernel against its reference and the references against
+token-by-token recurrence along every root-to-leaf path (a leaf's state is the state
+target-alone decoding reaches), natively on CUDA and under TRITON_INTERPRET=1 on CPU
+machines.""",
+        modules=(
+            "vllm_ddtree.ops.tree_gated_delta",
+            "vllm_ddtree.ops.tree_causal_conv",
+            "vllm_ddtree.ops.gdn_commit",
+        ),
+        tests=(
+            "tests/test_tree_gated_delta.py",
+            "tests/test_tree_causal_conv.py",
+            "tests/test_gdn_commit.py",
+        ),
+    ),
 )
