@@ -1,5 +1,6 @@
 """DDTree speculative-config validation (pure Python, no engine)."""
 
+import json
 import os
 
 import pytest
@@ -142,11 +143,13 @@ def test_unknown_block_size_needs_an_explicit_depth():
     assert ddtree.depth == 9
 
 
-def test_drafter_config_is_read_from_a_local_checkpoint(tiny_drafter_path):
+def test_drafter_config_is_read_from_a_local_checkpoint(tmp_path):
+    """The drafter's config.json from its directory: its block size gives the depth."""
+    (tmp_path / "config.json").write_text(json.dumps({**DFLASH, "block_size": 12}))
     _, ddtree = split_speculative_config(
-        {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}, VLLM_FIELDS
+        {"method": "ddtree", "model": str(tmp_path), "tree_budget": 8}, VLLM_FIELDS
     )
-    assert ddtree.drafter_block_size == 16 and ddtree.depth == 15
+    assert ddtree.drafter_block_size == 12 and ddtree.depth == 11
 
 
 def test_the_runner_is_v2_for_dense_gpu_targets_unless_the_user_says(monkeypatch):

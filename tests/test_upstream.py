@@ -18,7 +18,14 @@ import pytest
 
 from vllm_ddtree.upstream.edits import AnchorError, Edit, apply_edit
 from vllm_ddtree.upstream.export import PROJECT_ROOT, check, export, generated_files
-from vllm_ddtree.upstream.layout import MODULES, TESTS, rewrite, unmapped_imports
+from vllm_ddtree.upstream.layout import (
+    MODULES,
+    TESTS,
+    data_target,
+    rewrite,
+    unmapped_imports,
+    unplaced_imports,
+)
 from vllm_ddtree.upstream.series import SERIES
 
 
@@ -54,6 +61,26 @@ def test_a_module_kept_in_the_plugin_fails_the_export(monkeypatch):
         generated_files(step)
 
 
+def test_a_mapped_packages_unplaced_submodule_fails_before_the_rewrite():
+    """``vllm_ddtree.budget`` has an in-tree place, ``budget.online`` not (yet): the rewrite
+    would turn its import into one of a module vLLM lacks, so the project's text is checked
+    first, in each import form; a mapped module imported from its package passes."""
+    source = (
+        "from vllm_ddtree.budget.online import OnlineBudget\n"
+        "    from vllm_ddtree.budget import (\n        cost_model,\n        online as o,\n    )\n"
+        "import vllm_ddtree.budget.online\n"
+        "from vllm_ddtree import envs\n"
+    )
+    assert unplaced_imports(source, PROJECT_ROOT) == ["vllm_ddtree.budget.online"] * 3
+
+
+def test_data_files_land_in_their_packages_in_tree_place():
+    target = data_target("vllm_ddtree/budget/cost_profiles/h200_smollm2.json")
+    assert target == "vllm/v1/spec_decode/ddtree/budget/cost_profiles/h200_smollm2.json"
+    with pytest.raises(KeyError, match="no package"):
+        data_target("benchmarks/results/index.json")
+
+
 def test_an_edit_lands_once_beside_its_anchor_or_not_at_all(tmp_path):
     (tmp_path / "f.py").write_text("a = 1\nb = 2\nb = 2\n")
     apply_edit(str(tmp_path), Edit("f.py", "a = 1\n", "c = 3\n", "why"))
@@ -70,7 +97,8 @@ def test_every_step_generates_from_the_project_without_the_plugin():
     assert sorted(placed) == sorted(MODULES)
     for step in SERIES:
         for path, text in generated_files(step).items():
-            assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n"), path
+            if path.endswith(".py"):
+                assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n"), path
             assert "vllm_ddtree" not in text and "tree_attn_backend" not in text, path
 
 

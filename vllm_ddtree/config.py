@@ -151,7 +151,7 @@ def check_drafter_is_dflash(drafter_config: Mapping[str, Any], model: str) -> No
 
 
 # Hybrid targets whose GatedDeltaNet layer (vLLM's QwenGatedDeltaNetAttention) the tree path
-# routes (vllm_ddtree.hybrid.gdn_layer), each checked on the hybrid oracle grid.
+# routes (the hybrid package's ``gdn_layer``), each checked on the hybrid oracle grid.
 GDN_TREE_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5ForConditionalGeneration",
@@ -242,7 +242,7 @@ def check_target_is_supported(
     A tree's branches share one forward pass: attention isolates them with the ancestor mask,
     a recurrent layer (GatedDeltaNet, Mamba: vLLM's hybrid and state-space models) would carry
     one branch's state into its siblings. GatedDeltaNet targets get per-node states through
-    ``vllm_ddtree.hybrid.gdn_layer`` (``GDN_TREE_ARCHITECTURES``), with float32 or
+    the hybrid package's ``gdn_layer`` (``GDN_TREE_ARCHITECTURES``), with float32 or
     bfloat16 SSM states (``mamba_ssm_cache_dtype``, "auto" already resolved to the model's
     dtype by the caller), in vLLM's state layouts ``GDN_CACHE_MODES`` (``mamba_cache_mode``
     as the user set it; with prefix caching vLLM picks "align" for these targets); other

@@ -1,9 +1,10 @@
 """The hand-written changes: edits of vLLM's own files and words of generated ones.
 
 What the generated modules cannot say by themselves: a member of vLLM's attention backend
-enum, a pytest marker. Each ``Edit`` names the file, the anchor (text that must occur exactly
-once in vLLM's file, so an edit never lands in the wrong place of another version), the text
-inserted after it and why. ``apply_edit`` refuses an anchor that is missing or repeated.
+enum, a pytest marker, a package-data pattern. Each ``Edit`` names the file, the anchor (text
+that must occur exactly once in vLLM's file, so an edit never lands in the wrong place of
+another version), the text inserted after it and why. ``apply_edit`` refuses an anchor that
+is missing or repeated.
 
 Where a plugin module says something only a plugin says (a logger named for vLLM's logging
 configuration from outside vLLM's package), a ``Substitution`` gives its in-tree words; its
@@ -79,6 +80,13 @@ INTERPRETER_MARKER = Edit(
     anchor='    "cpu_test: mark test as CPU-only test",\n',
     text='    "interpreter: a Triton kernel test that also runs under TRITON_INTERPRET=1",\n',
     why="the marker of the kernel tests that run under Triton's interpreter",
+)
+
+COST_PROFILES_DATA = Edit(
+    path="setup.py",
+    anchor='        "model_executor/layers/quantization/utils/configs/*.json",\n',
+    text='        "v1/spec_decode/ddtree/budget/cost_profiles/*.json",\n',
+    why='the cost profiles "tree_budget": "auto" reads, in vLLM\'s wheel',
 )
 
 SUBSTITUTIONS: tuple[Substitution, ...] = (

@@ -16,7 +16,14 @@ import sys
 import tempfile
 
 from vllm_ddtree.upstream.edits import SUBSTITUTIONS, apply_edit, substitute
-from vllm_ddtree.upstream.layout import TESTS, rewrite, source_and_target, unmapped_imports
+from vllm_ddtree.upstream.layout import (
+    TESTS,
+    data_target,
+    rewrite,
+    source_and_target,
+    unmapped_imports,
+    unplaced_imports,
+)
 from vllm_ddtree.upstream.series import SERIES, PatchStep
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,14 +97,18 @@ def generated_files(step: PatchStep, project_root: str = PROJECT_ROOT) -> dict[s
     files = {}
     for target, (source, module) in sources.items():
         with open(os.path.join(project_root, source)) as f:
-            text = rewrite(substitute(module, f.read(), SUBSTITUTIONS))
-        leftover = unmapped_imports(text)
+            original = f.read()
+        text = rewrite(substitute(module, original, SUBSTITUTIONS))
+        leftover = unplaced_imports(original, project_root) + unmapped_imports(text)
         if leftover:
             raise ExportError(
                 f"{source} imports {', '.join(sorted(set(leftover)))}, which has no place in "
                 "vLLM's tree: add it to vllm_ddtree/upstream/layout.py's MODULES and to a patch"
             )
         files[target] = SPDX_HEADER + text
+    for path in step.data:
+        with open(os.path.join(project_root, path)) as f:
+            files[data_target(path)] = f.read()
     for target, docstring in step.packages.items():
         files[target] = SPDX_HEADER + (f'"""{docstring}"""\n' if docstring else "")
     return files

@@ -23,6 +23,10 @@ MODULES: dict[str, str] = {
     "tree_attn_backend.backend": "vllm.v1.attention.backends.tree_attn",
     "tree_attn_backend.testing": "tests.v1.attention.tree_attn_utils",
     "tests.interpreter": "tests.v1.attention.triton_interpreter",
+    "vllm_ddtree.config": "vllm.v1.spec_decode.ddtree.config",
+    "vllm_ddtree.budget": "vllm.v1.spec_decode.ddtree.budget",
+    "vllm_ddtree.budget.cost_model": "vllm.v1.spec_decode.ddtree.budget.cost_model",
+    "vllm_ddtree.budget.choice": "vllm.v1.spec_decode.ddtree.budget.choice",
     "vllm_ddtree.ops": "vllm.v1.spec_decode.ddtree.ops",
     **{
         f"vllm_ddtree.ops.{name}": f"vllm.v1.spec_decode.ddtree.ops.{name}"
@@ -56,18 +60,12 @@ TESTS: dict[str, str] = {
     "tests/test_tree_gated_delta.py": "tests/v1/spec_decode/ddtree/test_tree_gated_delta.py",
     "tests/test_tree_causal_conv.py": "tests/v1/spec_decode/ddtree/test_tree_causal_conv.py",
     "tests/test_gdn_commit.py": "tests/v1/spec_decode/ddtree/test_gdn_commit.py",
+    "tests/test_config.py": "tests/v1/spec_decode/ddtree/test_config.py",
 }
 # Top-level names whose modules belong to the project (an import of any other module of
 # theirs has no place in vLLM's tree).
 PROJECT_ROOTS = ("vllm_ddtree", "tree_attn_backend", "tests")
 
-_ROOTS = ("vllm_ddtree", "tree_attn_backend", "tests")
-
-_NAME = re.compile(
-    r"(?<![\w.])("
-    + "|".join(re.escape(m) for m in sorted(MODULES, key=len, reverse=True))
-    + r")(?![\w])"
-)
 _ROOTS = "|".join(PROJECT_ROOTS)
 _PROJECT_IMPORT = re.compile(
     rf"^\s*(?:from\s+((?:{_ROOTS})(?:\.\w+)*)\s+import|import\s+((?:{_ROOTS})(?:\.\w+)*))",
@@ -79,6 +77,17 @@ def module_path(module: str, package: bool = False) -> str:
     """The file of a dotted module, relative to its tree's root (a package's ``__init__``)."""
     base = module.replace(".", os.sep)
     return os.path.join(base, "__init__.py") if package else base + ".py"
+
+
+def data_target(path: str) -> str:
+    """The in-tree path of a project data file (relative to the project's root): in the place
+    of the innermost mapped package that holds it."""
+    parts = path.split("/")
+    for end in range(len(parts) - 1, 0, -1):
+        package = ".".join(parts[:end])
+        if package in MODULES:
+            return "/".join([*MODULES[package].split("."), *parts[end:]])
+    raise KeyError(f"{path} lies in no package of layout.MODULES")
 
 
 def source_and_target(module: str, project_root: str) -> tuple[str, str]:
@@ -110,6 +119,35 @@ def rewrite(text: str) -> str:
     names = "|".join(re.escape(m) for m in sorted(MODULES, key=len, reverse=True))
     whole_name = re.compile(rf"(?<![\w.])({names})(?!\w)")
     return whole_name.sub(lambda match: MODULES[match.group(1)], text)
+
+
+_FROM_IMPORT = re.compile(
+    rf"^\s*from\s+((?:{_ROOTS})(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n]*)", re.MULTILINE
+)
+
+
+def unplaced_imports(text: str, project_root: str) -> list[str]:
+    """The project modules ``text`` (a project file, before the rewrite) imports that have no
+    in-tree place: a mapped package's unmapped submodule would otherwise be rewritten under
+    the package's in-tree name and import nothing there."""
+    found = []
+    for match in _PROJECT_IMPORT.finditer(text):
+        name = match.group(2)  # ``import X``
+        if name is not None and name not in MODULES:
+            found.append(name)
+    for match in _FROM_IMPORT.finditer(text):
+        package, names = match.groups()
+        if package == "tests":
+            continue
+        for word in re.findall(r"(\w+)(?:\s+as\s+\w+)?", names.strip("()")):
+            module = f"{package}.{word}"
+            base = os.path.join(project_root, *module.split("."))
+            is_module = os.path.exists(base + ".py") or os.path.isdir(base)
+            if is_module and module not in MODULES:
+                found.append(module)
+            elif not is_module and package not in MODULES:
+                found.append(package)
+    return found
 
 
 def unmapped_imports(text: str) -> list[str]:

@@ -1,15 +1,20 @@
 """The patch series: one reviewable step per patch, in the order a reviewer reads them.
 
 Each ``PatchStep`` lists the project modules it generates (their in-tree paths from
-``layout.MODULES``), the project tests it brings (``layout.TESTS``), new package markers, the
-hand-written ``edits`` and its commit message: what, why, how tested.
+``layout.MODULES``), the project tests it brings (``layout.TESTS``), data files, new package
+markers, the hand-written ``edits`` and its commit message: what, why, how tested.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_ddtree.upstream.edits import INTERPRETER_MARKER, TREE_ATTN_MEMBER, Edit
+from vllm_ddtree.upstream.edits import (
+    COST_PROFILES_DATA,
+    INTERPRETER_MARKER,
+    TREE_ATTN_MEMBER,
+    Edit,
+)
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,8 @@ class PatchStep:
     body: str
     modules: tuple[str, ...] = ()
     tests: tuple[str, ...] = ()
+    # Project data files (paths from the project's root), copied to ``layout.data_target``.
+    data: tuple[str, ...] = ()
     # New packages: in-tree path of the ``__init__.py`` -> its docstring.
     packages: dict[str, str] = field(default_factory=dict)
     edits: tuple[Edit, ...] = ()
@@ -146,5 +153,39 @@ machines.""",
             "tests/test_tree_causal_conv.py",
             "tests/test_gdn_commit.py",
         ),
+    ),
+    PatchStep(
+        subject='[Spec Decode] DDTree: its speculative-config keys and the "auto" budget',
+        body="""\
+`"method": "ddtree"` takes a DFlash drafter and three keys of its own: `tree_budget` (tree
+nodes verified per request and step, 1..1024, or "auto"), `tree_top_k` (candidates per
+depth) and `cost_profile` (what "auto" reads). This adds their validation, each error
+naming the key and its allowed values, and what the request becomes: vLLM's DFlash request
+(the drafter, `num_speculative_tokens` = the tree budget, the verify width) with the tree's
+settings beside it (`DDTreeConfig`: budget, top-k, the drafter's depth). "auto" (the
+default) chooses from a measured step-cost profile: the DFlash chain where no tree is
+predicted at least 10% faster, else the fastest budget at the engine's `max_num_seqs` and,
+on the V2 runner, a budget per batch size that fits the FULL CUDA graphs. The packaged
+profiles ship as package data.
+
+Nothing calls it yet; the engine's arguments reach it with the proposer, later in this
+series.
+
+Tests: tests/v1/spec_decode/ddtree/test_config.py checks the split, every refusal, the depth
+from the drafter's block size, "auto" on the packaged profiles (the chain where it is
+measured faster; a tree where a profile of another target is read), the runner choice and
+the sampling parameters the tree sampler refuses (CPU).""",
+        modules=(
+            "vllm_ddtree.config",
+            "vllm_ddtree.budget",
+            "vllm_ddtree.budget.cost_model",
+            "vllm_ddtree.budget.choice",
+        ),
+        tests=("tests/test_config.py",),
+        data=(
+            "vllm_ddtree/budget/cost_profiles/h200_smollm2.json",
+            "vllm_ddtree/budget/cost_profiles/h200_smollm2_v2.json",
+        ),
+        edits=(COST_PROFILES_DATA,),
     ),
 )
