@@ -147,7 +147,9 @@ def test_the_series_regenerates_byte_for_byte(vllm_src, series, tmp_path):
 
 def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]:
     """The installed vLLM with the series' files in place (symlinks to the installed package,
-    the series' own files written), and vLLM's tests tree patched: ``(site, tests_root)``."""
+    the series' own files written), and a directory holding vLLM's patched tests tree and
+    its ``pyproject.toml`` but not its ``vllm`` sources, from where ``python -m pytest``
+    imports the installed vLLM: ``(site, checkout)``."""
     import vllm
 
     installed = os.path.dirname(vllm.__file__)
@@ -158,7 +160,7 @@ def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]
     for patch in series:
         subprocess.run(["git", "apply", patch], cwd=tree, check=True)
     changed = subprocess.run(
-        ["git", "apply", "--numstat", *series], cwd=vllm_src, capture_output=True, text=True
+        ["git", "apply", "--numstat", *series], cwd=tree, capture_output=True, text=True
     )
     for line in changed.stdout.splitlines():
         path = line.split("\t")[-1]
@@ -168,26 +170,39 @@ def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]
                 os.remove(target)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(os.path.join(tree, path), target)
-    return site, tree
+    checkout = os.path.join(root, "checkout")
+    shutil.copytree(os.path.join(tree, "tests"), os.path.join(checkout, "tests"))
+    shutil.copyfile(os.path.join(tree, "pyproject.toml"), os.path.join(checkout, "pyproject.toml"))
+    return site, checkout
 
 
 def test_the_series_tests_pass_against_vllm_patched_with_it(vllm_src, series, tmp_path):
     """The tests the series brings, from vLLM's tests tree, against the installed vLLM with
     the series' files in place and the plugin not on the path: the generated modules stand
     on their own (kernels under Triton's interpreter on this machine)."""
-    site, tree = patched_vllm(vllm_src, series, str(tmp_path))
+    import vllm
+
+    site, checkout = patched_vllm(vllm_src, series, str(tmp_path))
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([site, tree]),
+        "PYTHONPATH": os.pathsep.join([site, checkout]),
         "VLLM_PLUGINS": "",
         # vLLM's tests/conftest.py serves model tests (and needs their packages): not these,
         # nor the interpreter runs they start (pytest reads its options from here too).
         "PYTEST_ADDOPTS": "--noconftest -p no:cacheprovider",
     }
     tests = [TESTS[test] for step in SERIES for test in step.tests]
+    probe = "import vllm, vllm.v1.spec_decode.ddtree as d; print(vllm.__file__, d.__file__)"
+    where = subprocess.run(
+        [sys.executable, "-c", probe], cwd=checkout, env=env, capture_output=True, text=True
+    )
+    assert where.returncode == 0, where.stderr[-3000:]
+    vllm_file, series_file = where.stdout.split()
+    assert os.path.realpath(vllm_file) == os.path.realpath(vllm.__file__), where.stdout
+    assert series_file.startswith(site), where.stdout  # the series' own files, in place
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", *tests],
-        cwd=tree,
+        cwd=checkout,
         env=env,
         capture_output=True,
         text=True,
