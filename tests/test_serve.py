@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.vllm_runs import cpu_gdn_states_must_be_float32
+
 pytest.importorskip("vllm")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,9 +181,8 @@ def test_a_hybrid_serves_with_nothing_but_the_speculative_config(tmp_path, extra
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target]
     command += ["--speculative-config", json.dumps(speculative), "--port", str(port)]
     base = COMPILED  # vLLM's defaults, torch.compile included
-    if not torch.cpu._is_amx_tile_supported():
-        # vLLM-CPU's GDN prefill takes float32 states only; vLLM picks them only with AMX tiles
-        # (and DDTree refuses other states there: config.check_cpu_gdn_state_dtype).
+    if cpu_gdn_states_must_be_float32():
+        # DDTree refuses other states there (config.check_cpu_gdn_state_dtype).
         command += ["--mamba-ssm-cache-dtype", "float32"]
     if extra.get("prefix_caching"):
         command += ["--enable-prefix-caching", "--enforce-eager"]

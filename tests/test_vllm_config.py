@@ -21,6 +21,7 @@ from tests.vllm_graphs import (  # noqa: E402
     vllm_v2_drafter_graphs,
     vllm_v2_verify_modes,
 )
+from tests.vllm_runs import cpu_gdn_states_must_be_float32  # noqa: E402
 from vllm_ddtree.compat import DDTREE_CHAIN_ATTR, get_ddtree_config  # noqa: E402
 from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
 
@@ -394,8 +395,7 @@ def test_a_gdn_hybrid_target_is_served_without_a_switch(tmp_path, tiny_drafter_p
     states: vLLM-CPU's GDN prefill takes no other, and vLLM picks them only with AMX.)"""
     target = tiny_qwen3_next(tmp_path)
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
-    amx = torch.cpu._is_amx_tile_supported()
-    states = {} if torch.cuda.is_available() or amx else {"mamba_ssm_cache_dtype": "float32"}
+    states = {"mamba_ssm_cache_dtype": "float32"} if cpu_gdn_states_must_be_float32() else {}
     config = engine_config(target, spec, **states)
     assert get_ddtree_config(config.speculative_config).tree_budget == 8
     assert not config.cache_config.enable_prefix_caching
@@ -430,7 +430,7 @@ def test_the_gdn_tree_path_needs_float32_or_bf16_states_and_serves_prefix_cachin
     amx = torch.cpu._is_amx_tile_supported() and not torch.cuda.is_available()
     for states in ("float32", "bfloat16"):
         kwargs = {"mamba_ssm_cache_dtype": states, "enable_prefix_caching": False}
-        if states == "bfloat16" and not amx and not torch.cuda.is_available():
+        if states == "bfloat16" and cpu_gdn_states_must_be_float32():
             with pytest.raises(DDTreeConfigError, match="--mamba-ssm-cache-dtype float32"):
                 engine_config(target, spec, **kwargs)
             continue

@@ -11,6 +11,15 @@ HELPER = os.path.join(HELPER_DIR, "run_vllm_generate.py")
 TREE_ATTN_ACTIVE = "TREE_ATTN: tree attention backend active"
 
 
+def cpu_gdn_states_must_be_float32() -> bool:
+    """Whether this host is a CPU without AMX tiles, where vLLM-CPU's GatedDeltaNet prefill
+    takes float32 SSM states only and vLLM does not pick them by itself (it does with AMX):
+    a hybrid engine here needs ``--mamba-ssm-cache-dtype float32``."""
+    import torch
+
+    return not torch.cuda.is_available() and not torch.cpu._is_amx_tile_supported()
+
+
 def run_helper(
     script: str,
     *args: str,
