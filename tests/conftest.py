@@ -17,6 +17,34 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
+def _cores_of_this_worker() -> list[int] | None:
+    """Under pytest-xdist, this worker's share of the machine's cores (None outside xdist, or
+    with more workers than cores).
+
+    Every process a test starts would otherwise run torch's OpenMP team on all the machine's
+    cores: two workers' engines then oversubscribe the cores, and OpenMP's spinning barriers
+    make each test about three times slower than alone (the hybrid lifecycle fuzz's two cases
+    side by side on two cores: 160 s with a core's worth of threads each, 472 s without). A
+    worker's processes get as many threads as its share of cores; engines started as servers
+    (vLLM's CPU worker binds its threads where ``VLLM_CPU_OMP_THREADS_BIND`` says, by default
+    the same cores for every engine) bind to the share."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or count < 2 or count > len(cores):
+        return None
+    index = int(worker.removeprefix("gw"))
+    share = len(cores) // count
+    return cores[index * share : (index + 1) * share]
+
+
+_WORKER_CORES = _cores_of_this_worker()
+if _WORKER_CORES is not None and "OMP_NUM_THREADS" not in os.environ:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _WORKER_CORES)))
+    os.environ["OMP_NUM_THREADS"] = str(len(_WORKER_CORES))
+    torch.set_num_threads(len(_WORKER_CORES))
+
+
 @pytest.fixture(scope="session")
 def tiny_spec() -> TinyQwen3Spec:
     return TinyQwen3Spec()
@@ -39,3 +67,17 @@ def tiny_target(tiny_target_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_path, dtype=torch.float32)
     return model.eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n 2 --dist loadgroup`` (README's command) tests go to the workers one by
+    one, so that a file's slow tests run side by side; tests that use a module- or class-scoped
+    fixture (an engine's outputs, a built tree) stay together on one worker, which builds the
+    fixture once."""
+    for item in items:
+        fixture_info = getattr(item, "_fixtureinfo", None)
+        if fixture_info is None:
+            continue
+        scopes = {defs[-1].scope for defs in fixture_info.name2fixturedefs.values() if defs}
+        if scopes & {"module", "class"}:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -48,6 +48,8 @@ def test_a_data_parallel_ddtree_server_serves_one_budget_exactly(tmp_path):
     common += ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4"]
     common += ["--enforce-eager"]  # no compilation: the engines start in seconds
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # vLLM's own core binding for two data-parallel ranks, not a test worker's share of cores.
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     seen = {}
     port = free_port()
     with served([*common, "--port", str(port)], env, port, tmp_path / "target.log"):
