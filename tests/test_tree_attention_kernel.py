@@ -107,10 +107,10 @@ def test_launch_takes_wide_blocks_for_a_verify_and_small_ones_for_decode():
     assert choose_launch(6, 129, 256) == (16, 32, None)
     # A head group wider than 16 rows: one row per grouped head at least.
     assert choose_launch(32, 1, 128) == (32, 64, None)
-    # The in-block pass after a merged context: 128-key tiles whatever the verify's width.
-    assert choose_launch(4, 17, 128, merges_context=True) == (32, 128, 8)
-    assert choose_launch(4, 65, 128, merges_context=True) == (32, 128, 8)
-    assert choose_launch(4, 257, 128, merges_context=True) == (32, 128, 8)
+    # The in-block pass after a merged context: 32-key tiles whatever the verify's width.
+    assert choose_launch(4, 17, 128, merges_context=True) == (32, 32, 4)
+    assert choose_launch(4, 65, 128, merges_context=True) == (32, 32, 4)
+    assert choose_launch(4, 257, 128, merges_context=True) == (32, 32, 4)
     assert choose_launch(4, 1, 128, merges_context=True) == (16, 64, None)
 
 
