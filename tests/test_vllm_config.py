@@ -539,7 +539,7 @@ def test_every_verify_batch_an_engine_can_run_replays_a_full_graph(
     the V1 dispatcher's own ``dispatch``: every uniform verify batch up to ``max_num_seqs``
     trees lands on a FULL graph on either runner. With vLLM's default (at most 512 tokens) 16
     trees of budget 32 (528 tokens) ran without one (0.36x the chain on an H200)."""
-    from vllm_ddtree.compat.installer import VERIFY_GRAPH_TOKENS
+    from vllm_ddtree.budget.cost_model import VERIFY_GRAPH_TOKENS
 
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": budget}
     args = engine_args(tiny_target_path, spec, max_num_seqs=max_num_seqs)
@@ -566,7 +566,7 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
     fits the largest graph: also at 4 requests, whose schedule has one budget (the others
     have entries past ``max_num_seqs`` for their graphs)."""
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
-    from vllm_ddtree.compat.installer import verify_graph_sizes
+    from vllm_ddtree.graph_sizes import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path}
@@ -598,14 +598,6 @@ def test_every_verify_batch_of_autos_schedule_replays_a_full_graph(
     assert "tree_budget 'auto' per batch size" in caplog.text
 
 
-def test_vllms_default_sizes_leave_sixteen_trees_of_budget_32_without_a_full_graph():
-    """What the plugin's sizing is for, on both runners' dispatch: with vLLM's own default
-    sizes (at most 512 tokens) the verify of 16 trees of budget 32 (528 tokens) has no graph."""
-    sizes = vllm_default_sizes(16, 32)
-    for modes in (vllm_v2_verify_modes(sizes, 16, 33), vllm_v1_verify_modes(sizes, 16, 33)):
-        assert modes[15] == "FULL" and modes[16] == "NONE", modes
-
-
 def test_verify_batches_past_the_largest_graph_are_named_at_start(
     tiny_target_path, tiny_drafter_path, caplog
 ):
@@ -618,51 +610,6 @@ def test_verify_batches_past_the_largest_graph_are_named_at_start(
         args.create_engine_config()
     assert "verify batches of 32 to 64 requests (65 tokens each)" in caplog.text
     assert "lower tree_budget or max_num_seqs" in caplog.text
-
-
-@pytest.mark.parametrize("budget", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("max_num_seqs", [1, 4, 16, 64, 256])
-def test_with_vllms_default_graph_sizes_every_verify_batch_of_a_wide_tree_has_a_full_graph(
-    budget, max_num_seqs
-):
-    """An engine without chosen graph sizes gets vLLM's defaults (steps of 8, then 16 tokens):
-    for a tree of budget 16 and up (verify width 17 and up) every uniform verify batch within
-    the largest graph has a FULL graph in vLLM's V2 manager (its own ``dispatch``), unlike the
-    bench's ladder of ea98718. Narrower trees (budgets 4 and 8) leave some batch sizes
-    piecewise there, which the plugin's sizes fill (the test after this one)."""
-    sizes = vllm_default_sizes(max_num_seqs=max_num_seqs, num_speculative_tokens=budget)
-    modes = vllm_v2_verify_modes(sizes, max_num_seqs, 1 + budget)
-    within = {b: mode for b, mode in modes.items() if b * (1 + budget) <= max(sizes)}
-    assert within and set(within.values()) == {"FULL"}, within
-
-
-@pytest.mark.parametrize(
-    "max_num_seqs,budget", [(4, 4), (16, 4), (64, 4), (64, 8), (256, 8), (64, 16)]
-)
-def test_narrow_trees_get_a_full_graph_at_every_batch_size_on_v2(max_num_seqs, budget):
-    """vLLM's default sizes step by 8 tokens, then 16: a verify width below 16 can fall between
-    two sizes, and vLLM's V2 graph manager then has no FULL graph for that batch (budget 4 at
-    3 requests; budget 8 from 30 requests up). The plugin adds ``requests x width`` for each
-    such batch, so every uniform verify batch within the largest graph lands on a FULL graph
-    (vLLM's own ``_init_candidates`` and ``dispatch``); widths of 17 and more add nothing."""
-    from vllm_ddtree.compat.installer import largest_graph_for, verify_graph_sizes
-
-    width = 1 + budget
-    defaults = vllm_default_sizes(max_num_seqs, budget, largest_graph_for(max_num_seqs, budget, 15))
-
-    def holes(sizes):
-        modes = vllm_v2_verify_modes(sizes, max_num_seqs, width)
-        return [b for b, mode in modes.items() if mode != "FULL" and b * width <= max(sizes)]
-
-    sizes = verify_graph_sizes(defaults, [width], max_num_seqs)
-    assert holes(sizes) == []
-    assert set(defaults) <= set(sizes) and max(sizes) == max(defaults)
-    added = sorted(set(sizes) - set(defaults))
-    assert all(size % width == 0 for size in added)
-    if budget < 16 and max_num_seqs > 4:
-        assert holes(defaults) and added  # what the added sizes are for
-    if budget >= 16:
-        assert added == []
 
 
 def test_a_v2_engine_s_capture_sizes_cover_every_width_it_can_serve():
@@ -825,7 +772,7 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
     from vllm_ddtree.budget.cost_model import choose_live_schedule, load_profile
     from vllm_ddtree.budget.online import max_verify_tokens, moves_online
-    from vllm_ddtree.compat.installer import verify_graph_sizes
+    from vllm_ddtree.graph_sizes import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path}

@@ -65,7 +65,7 @@ HOLD_MARGIN = 0.03
 SCHEDULE_CANDIDATES = tuple(b for b in BUDGET_CANDIDATES if b >= 16)
 # What an online "auto" on V2 may move down to once it learns the acceptance: budget 8 as well,
 # whose verify batches get FULL graphs from the sizes the plugin adds
-# (``installer.verify_graph_sizes``). At many requests a tree of 9 verify tokens a request
+# (``graph_sizes.verify_graph_sizes``). At many requests a tree of 9 verify tokens a request
 # can beat the chain's 16 where a tree of 17 cannot: on the 8B scale model budget 16 accepts
 # little more than the chain there (benchmarks/results/2026-12-04_cd5632b_scale-8b-flash-context).
 ONLINE_CANDIDATES = tuple(b for b in BUDGET_CANDIDATES if b >= 8)

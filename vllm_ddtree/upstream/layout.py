@@ -27,6 +27,7 @@ MODULES: dict[str, str] = {
     "vllm_ddtree.budget": "vllm.v1.spec_decode.ddtree.budget",
     "vllm_ddtree.budget.cost_model": "vllm.v1.spec_decode.ddtree.budget.cost_model",
     "vllm_ddtree.budget.choice": "vllm.v1.spec_decode.ddtree.budget.choice",
+    "vllm_ddtree.graph_sizes": "vllm.v1.spec_decode.ddtree.graph_sizes",
     "vllm_ddtree.ops": "vllm.v1.spec_decode.ddtree.ops",
     **{
         f"vllm_ddtree.ops.{name}": f"vllm.v1.spec_decode.ddtree.ops.{name}"
@@ -49,6 +50,7 @@ MODULES: dict[str, str] = {
         )
     },
     "tests.stats": "tests.v1.spec_decode.ddtree.stats",
+    "tests.vllm_graphs": "tests.v1.spec_decode.ddtree.vllm_graphs",
 }
 # Project tests -> vLLM test files.
 TESTS: dict[str, str] = {
@@ -61,6 +63,7 @@ TESTS: dict[str, str] = {
     "tests/test_tree_causal_conv.py": "tests/v1/spec_decode/ddtree/test_tree_causal_conv.py",
     "tests/test_gdn_commit.py": "tests/v1/spec_decode/ddtree/test_gdn_commit.py",
     "tests/test_config.py": "tests/v1/spec_decode/ddtree/test_config.py",
+    "tests/test_graph_sizes.py": "tests/v1/spec_decode/ddtree/test_graph_sizes.py",
 }
 # Top-level names whose modules belong to the project (an import of any other module of
 # theirs has no place in vLLM's tree).

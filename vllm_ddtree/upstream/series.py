@@ -188,4 +188,27 @@ the sampling parameters the tree sampler refuses (CPU).""",
         ),
         edits=(COST_PROFILES_DATA,),
     ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: CUDA-graph sizes for tree verifies",
+        body="""\
+vLLM sizes an engine's CUDA graphs for `1 + num_speculative_tokens` tokens a request, at
+most 512 tokens, and its V2 graph manager captures one FULL graph per size rounded up to a
+multiple of the verify width. For DDTree `num_speculative_tokens` is the tree budget, so a
+verify batch of 16 trees of budget 32 (528 tokens) has no FULL graph and runs piecewise, and
+a verify width below 16 can fall between two of vLLM's default sizes. This adds what a tree
+engine's graphs need: the largest graph holding the whole verify batch (up to 2048 tokens)
+and the drafter's batch, the sizes to add so that every uniform verify batch of each width
+the engine serves has a FULL graph, and, where the user chose the sizes, the budget per
+batch size whose verify one of them holds.
+
+Nothing calls it yet; the engine's arguments reach it with the proposer, later in this
+series.
+
+Tests: tests/v1/spec_decode/ddtree/test_graph_sizes.py runs vLLM's own size rule, V2 graph
+manager and V1 dispatcher on stand-in configs (CPU): with vLLM's defaults 16 trees of budget
+32 have no FULL graph; with the added sizes every verify batch of budgets 4-256 at 1-256
+requests within the largest graph has one; the schedule fitted to given sizes.""",
+        modules=("vllm_ddtree.graph_sizes", "tests.vllm_graphs"),
+        tests=("tests/test_graph_sizes.py",),
+    ),
 )
