@@ -214,6 +214,31 @@ def test_serve_cli_arguments_accept_ddtree(tiny_target_path, tiny_drafter_path):
     assert (ddtree.tree_budget, ddtree.tree_top_k, ddtree.depth) == (32, 4, 15)
 
 
+def test_the_spec_flags_give_a_ddtree_engine(tiny_target_path, tiny_drafter_path):
+    """``--spec-method ddtree --spec-model DRAFTER --spec-tokens 7`` (vLLM's flags for the
+    speculative config's keys) serve DDTree as the dict would; a flag and the dict's own key
+    together are refused as vLLM refuses them."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    common = {"model": tiny_target_path, "skip_tokenizer_init": True, "max_model_len": 512}
+    flags = {"spec_method": "ddtree", "spec_model": tiny_drafter_path, "spec_tokens": 7}
+    config = EngineArgs(
+        **common, **flags, speculative_config={"tree_budget": 16}
+    ).create_engine_config()
+    assert config.speculative_config.method == "dflash"
+    ddtree = get_ddtree_config(config.speculative_config)
+    assert (ddtree.tree_budget, ddtree.depth) == (16, 7)
+    both = {"method": "ddtree", "model": tiny_drafter_path}
+    with pytest.raises(DDTreeConfigError, match="--spec-method and .*mutually exclusive"):
+        EngineArgs(**common, spec_method="ddtree", speculative_config=both).create_engine_config()
+
+
+def test_ddtree_keys_under_another_method_are_refused(tiny_target_path, tiny_drafter_path):
+    spec = {"method": "dflash", "model": tiny_drafter_path, "tree_budget": 8}
+    with pytest.raises(DDTreeConfigError, match=r"\['tree_budget'\] need \"method\": \"ddtree\""):
+        engine_config(tiny_target_path, spec)
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

@@ -7,7 +7,8 @@ when vLLM imports a runner. This module holds the engine-level wrappers:
 
 * ``EngineArgs.create_speculative_config`` (in the API / ``LLM`` process, before any engine
   process starts): a ``"method": "ddtree"`` request is validated and rewritten to vLLM's DFlash
-  request, the runner chosen, and the ``DDTreeConfig`` attached to the resulting
+  request, the runner chosen and the graphs sized (``spec_request``: what the in-tree form
+  calls too), TREE_ATTN chosen for the target, and the ``DDTreeConfig`` attached to the resulting
   ``SpeculativeConfig`` as ``ddtree_config`` (a plain attribute: it pickles with the config
   into engine-core and worker processes). ``create_engine_config``: the checks that need the
   resolved config (GatedDeltaNet tree states must fit the memory vLLM may use).
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 from vllm_ddtree import envs
 from vllm_ddtree.compat import (
@@ -55,34 +55,28 @@ from vllm_ddtree.compat.tree_attn_slot import (
     take_slot,
 )
 from vllm_ddtree.config import (
-    DDTREE_METHOD,
     SCHEDULE_KEY,
     DDTreeConfig,
     DDTreeConfigError,
     check_cpu_gdn_state_dtype,
-    check_drafter_is_dflash,
-    check_engine_is_supported,
     check_sampling_params,
-    check_target_is_supported,
-    choose_runner,
-    gives_batch_size_schedule,
-    split_speculative_config,
 )
 from vllm_ddtree.graph_sizes import (
-    largest_graph_for,
     schedule_within_graphs,
     verify_graph_sizes,
-    vllm_largest_graph,
 )
 from vllm_ddtree.requests.options import check_request_options, install_stats_book
+from vllm_ddtree.spec_request import (
+    check_ddtree_drafter,
+    data_parallel_size,
+    ddtree_request,
+    fold_spec_method,
+    has_recurrent_layers,
+    size_tree_graphs,
+    ssm_state_dtype,
+)
 
 logger = logging.getLogger("vllm.ddtree")
-
-
-def _speculative_config_fields() -> list[str]:
-    from vllm.config import SpeculativeConfig
-
-    return [f.name for f in dataclasses.fields(SpeculativeConfig)]
 
 
 def _check_vllm_shape() -> None:
@@ -133,87 +127,38 @@ def _wrap_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
         kept = held(self, ArgsState)  # an earlier call's, for DDTree engines only
         ddtree: DDTreeConfig | None = kept.config if kept is not None else None
-        if getattr(self, "spec_method", None) == DDTREE_METHOD:
-            # `--spec-method ddtree`: fold it into the dict the way vLLM folds the flag.
-            self.speculative_config = dict(self.speculative_config or {})
-            if "method" in self.speculative_config:
-                raise DDTreeConfigError(
-                    "--spec-method and --speculative-config['method'] are mutually exclusive"
-                )
-            self.speculative_config["method"] = DDTREE_METHOD
-            self.spec_method = None
-        raw = self.speculative_config
-        asked_for_ddtree = False
-        if isinstance(raw, dict):
-            merged = dict(raw)
-            if getattr(self, "spec_model", None) is not None and "model" not in merged:
-                merged["model"] = self.spec_model
-            if getattr(self, "spec_tokens", None) is not None:
-                merged.setdefault("num_speculative_tokens", self.spec_tokens)
-            runner = None
-            asked_for_ddtree = merged.get("method") == DDTREE_METHOD
-            if asked_for_ddtree:
-                # The target first: refused whatever budget "auto" would choose.
-                check_target_is_supported(
-                    getattr(target_model_config.hf_config, "architectures", None),
-                    _has_recurrent_layers(target_model_config),
-                    _ssm_state_dtype(
-                        getattr(self, "mamba_ssm_cache_dtype", None), target_model_config
-                    ),
-                    getattr(self, "mamba_cache_mode", None),
-                )
-                check_engine_is_supported(
-                    getattr(target_model_config.hf_config, "layer_types", None),
-                    getattr(target_parallel_config, "pipeline_parallel_size", 1),
-                    getattr(self, "logits_processors", None),
-                )
-                if gives_batch_size_schedule(merged):
-                    _check_batch_size_schedule(merged)
-                runner = _choose_runner(target_model_config, target_parallel_config)
-            vllm_dict, parsed = split_speculative_config(
-                merged,
-                _speculative_config_fields(),
-                max_num_seqs=_max_num_seqs(self),
-                runner=runner,
-                tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
-                target=getattr(target_model_config, "model", None),
-                data_parallel_size=_data_parallel_size(target_parallel_config),
+        fold_spec_method(self)
+        request = ddtree_request(self, target_model_config, target_parallel_config)
+        if request is not None and request.ddtree is not None:
+            ddtree = request.ddtree
+            _choose_target_attention_backend(self)
+            sizing = size_tree_graphs(
+                self,
+                ddtree,
+                request.speculative_config.get(SCHEDULE_KEY),
+                data_parallel_size(target_parallel_config),
             )
-            if parsed is not None:
-                ddtree = parsed
-                _choose_target_attention_backend(self)
-                fitted = _size_graphs(
-                    self,
-                    ddtree,
-                    vllm_dict.get(SCHEDULE_KEY),
-                    _data_parallel_size(target_parallel_config),
-                )
-                if fitted is not None:
-                    vllm_dict[SCHEDULE_KEY] = [list(entry) for entry in fitted]
-                hold(self, ArgsState).config = ddtree
-            if asked_for_ddtree:
-                # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
-                # chose); flags folded above must not be applied twice by vLLM.
-                self.spec_model = None
-                self.spec_tokens = None
-                self.speculative_config = vllm_dict
+            if sizing.schedule is not None:
+                request.speculative_config[SCHEDULE_KEY] = [list(e) for e in sizing.schedule]
+            state = hold(self, ArgsState)
+            state.config = ddtree
+            state.sized_graphs = sizing.sized_graphs
+            state.user_graph_sizes = sizing.user_graph_sizes
+        if request is not None:
+            # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
+            # chose); flags folded into it must not be applied twice by vLLM.
+            self.spec_model = None
+            self.spec_tokens = None
+            self.speculative_config = request.speculative_config
         spec = original(self, target_model_config, target_parallel_config)
         if ddtree is None and spec is not None:
             # "auto" chose the chain (now or in an earlier call with these arguments, after
             # which they hold vLLM's DFlash request).
-            if asked_for_ddtree or (kept is not None and kept.served_chain):
+            if request is not None or (kept is not None and kept.served_chain):
                 hold(self, ArgsState).served_chain = True
                 setattr(spec, DDTREE_CHAIN_ATTR, True)
         if ddtree is not None and spec is not None:
-            hf_config = spec.draft_model_config.hf_config if spec.draft_model_config else None
-            if hf_config is not None:
-                check_drafter_is_dflash(
-                    {
-                        "dflash_config": getattr(hf_config, "dflash_config", None),
-                        "architectures": getattr(hf_config, "architectures", None),
-                    },
-                    spec.model,
-                )
+            check_ddtree_drafter(spec)
             setattr(spec, DDTREE_ATTR, ddtree)
             logger.info(
                 "vllm-ddtree: method 'ddtree' (tree_budget=%d, tree_top_k=%d, depth=%d) on the "
@@ -249,7 +194,7 @@ def check_hybrid_state_memory(vllm_config) -> None:
     shapes = GDNStateShapes.from_hf_config(
         model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size
     )
-    ssm_dtype = _ssm_state_dtype(cache.mamba_ssm_cache_dtype, model_config)
+    ssm_dtype = ssm_state_dtype(cache.mamba_ssm_cache_dtype, model_config)
     check_slot_layout_fits(
         shapes,
         vllm_config.scheduler_config.max_num_seqs,
@@ -294,9 +239,9 @@ def _check_cpu_hybrid_states(vllm_config) -> None:
     model_config = vllm_config.model_config
     if not current_platform.is_cpu() or model_config is None:
         return
-    if _has_recurrent_layers(model_config):
+    if has_recurrent_layers(model_config):
         cache_dtype = vllm_config.cache_config.mamba_ssm_cache_dtype
-        check_cpu_gdn_state_dtype(_ssm_state_dtype(cache_dtype, model_config))
+        check_cpu_gdn_state_dtype(ssm_state_dtype(cache_dtype, model_config))
 
 
 def _wrap_drafting_slots(original):
@@ -390,10 +335,6 @@ def complete_verify_graph_sizes(vllm_config, ddtree: DDTreeConfig) -> None:
         compilation.post_init_cudagraph_sizes()
 
 
-def _data_parallel_size(parallel_config) -> int:
-    return int(getattr(parallel_config, "data_parallel_size", 1) or 1)
-
-
 def fit_schedule_to_users_graphs(vllm_config, ddtree: DDTreeConfig, given: list[int]) -> None:
     """On the V2 runner with the user's CUDA-graph sizes (kept as given): every batch size
     verifies a tree whose verify has a FULL graph, or drafts nothing (``schedule_within_graphs``
@@ -418,136 +359,6 @@ def fit_schedule_to_users_graphs(vllm_config, ddtree: DDTreeConfig, given: list[
         "holds them, tree nodes per batch size (requests: budget): %s%s",
         format_schedule(fitted),
         "; tree_budget 'auto' does not move online" if ddtree.online_budgets else "",
-    )
-
-
-def _size_graphs(engine_args, ddtree: DDTreeConfig, schedule=None, data_parallel_size: int = 1):
-    """Give every verify batch and the DFlash drafter's batches a FULL CUDA graph.
-
-    vLLM sizes its graphs for ``1 + num_speculative_tokens`` (here ``1 + tree_budget``) tokens
-    per request: its largest is ``min(2 * max_num_seqs * (1 + budget), 512)`` tokens, and its
-    graph managers keep only the FULL graphs of whole batches within it. A verify batch past
-    it runs without a FULL graph (16 requests x 33 tokens = 528: the engine ran at 0.36x the
-    chain), and so does a drafter batch when the tree is narrower than the drafter is deep
-    (budget 4, one request: largest graph 10 tokens, drafter batch 16). Unless the user chose
-    the graph sizes, the largest is set to ``largest_graph_for`` (``EngineArgs.
-    max_cudagraph_capture_size``, read when vLLM builds its compilation config). On the V2
-    runner, whose graphs cover every width of a per-batch-size schedule, an explicit budget
-    without a schedule of the user's whose verify batches would still exceed it is returned as
-    a schedule cutting those batches' trees to fit (``cost_model.fitting_schedule``), named in
-    one warning at start; elsewhere (the V1 runner's graphs have one width, the user's
-    schedule, or data parallelism, under which vLLM drops per-batch-size schedules) such
-    batches are named in one warning and run without a FULL graph. Returns the schedule to
-    serve, or None to keep the engine's."""
-    compilation = getattr(engine_args, "compilation_config", None)
-    chosen = (
-        getattr(engine_args, "cudagraph_capture_sizes", None),
-        getattr(engine_args, "max_cudagraph_capture_size", None),
-        getattr(compilation, "cudagraph_capture_sizes", None),
-        getattr(compilation, "max_cudagraph_capture_size", None),
-    )
-    if any(value is not None for value in chosen):
-        # The user's sizes stand; the schedule is fitted to them once the config is made.
-        hold(engine_args, ArgsState).user_graph_sizes = list(chosen[0] or chosen[2] or [])
-        return None
-    hold(engine_args, ArgsState).sized_graphs = True  # create_engine_config completes them
-    max_num_seqs = _max_num_seqs(engine_args) or 1
-    width = 1 + ddtree.tree_budget
-    largest = largest_graph_for(max_num_seqs, ddtree.tree_budget, ddtree.depth)
-    if largest != vllm_largest_graph(max_num_seqs, width):  # vLLM's own choice otherwise
-        engine_args.max_cudagraph_capture_size = largest
-    nodes = [ddtree.tree_budget] * (max_num_seqs + 1)
-    if schedule:
-        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
-        nodes = build_dynamic_sd_schedule_lookup(schedule, max_num_seqs, ddtree.tree_budget)
-    exceeding = [b for b in range(1, max_num_seqs + 1) if b * (1 + nodes[b]) > largest]
-    if not exceeding:
-        return None
-    widths = sorted({1 + nodes[b] for b in exceeding})
-    fits_by_schedule = ddtree.runner == "v2" and not schedule and data_parallel_size == 1
-    if fits_by_schedule and not getattr(engine_args, "enforce_eager", False):
-        from vllm_ddtree.budget.cost_model import fitting_schedule, format_schedule
-
-        fitted = fitting_schedule(max_num_seqs, ddtree.tree_budget, largest)
-        logger.warning(
-            "vllm-ddtree: verify batches of %d to %d requests (%s tokens each) would exceed the "
-            "largest CUDA graph (%d tokens); their trees are cut to fit it, tree nodes per "
-            "batch size (requests: budget): %s",
-            exceeding[0],
-            exceeding[-1],
-            "/".join(map(str, widths)),
-            largest,
-            format_schedule(fitted),
-        )
-        return fitted
-    logger.warning(
-        "vllm-ddtree: verify batches of %d to %d requests (%s tokens each) exceed the "
-        "largest CUDA graph (%d tokens) and run without a FULL graph; lower tree_budget "
-        "or max_num_seqs, or set max_cudagraph_capture_size",
-        exceeding[0],
-        exceeding[-1],
-        "/".join(map(str, widths)),
-        largest,
-    )
-    return None
-
-
-def _max_num_seqs(engine_args) -> int | None:
-    """The engine's request limit: the user's ``max_num_seqs``, else the largest of vLLM's
-    defaults on this platform (vLLM sets its default after the speculative config is made;
-    ``"tree_budget": "auto"`` must choose for as many concurrent requests as it may get)."""
-    if getattr(engine_args, "max_num_seqs", None) is not None:
-        return engine_args.max_num_seqs
-    try:
-        world_size = engine_args.pipeline_parallel_size * engine_args.tensor_parallel_size
-        _, defaults = engine_args.get_batch_defaults(world_size)
-        return max(defaults.values())
-    except Exception:  # noqa: BLE001 - another vLLM: choose for batch 1 as before
-        return None
-
-
-def _check_batch_size_schedule(raw: dict) -> None:
-    """vLLM's own check of ``SCHEDULE_KEY`` (ranges from batch size 1, not overlapping, nodes
-    >= 0), before any engine process starts: vLLM runs it only when its scheduler starts."""
-    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
-
-    schedule = next(v for k, v in raw.items() if str(k).replace("-", "_") == SCHEDULE_KEY)
-    try:
-        validate_and_normalize_dynamic_sd_schedule(schedule)
-    except (TypeError, ValueError) as error:
-        raise DDTreeConfigError(
-            f"speculative_config['{SCHEDULE_KEY}'] = {schedule!r}: {error} (allowed: a list of "
-            "[first batch size, last batch size, tree nodes] ranges, the first from 1)"
-        ) from error
-
-
-def _choose_runner(target_model_config, target_parallel_config) -> str:
-    """Choose the DDTree engine's model runner (``config.choose_runner``), "v1" or "v2",
-    before its config is made (the cost profile of ``"tree_budget": "auto"`` is the runner's).
-    The choice travels with the engine's config (``DDTreeConfig.runner``) to its processes."""
-    from vllm.platforms import current_platform
-
-    return choose_runner(
-        on_gpu=current_platform.is_cuda(),
-        has_recurrent_layers=_has_recurrent_layers(target_model_config),
-        tensor_parallel_size=getattr(target_parallel_config, "tensor_parallel_size", 1),
-        pipeline_parallel_size=getattr(target_parallel_config, "pipeline_parallel_size", 1),
-        vllm_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
-    )
-
-
-def _ssm_state_dtype(cache_dtype: str | None, model_config) -> str | None:
-    """The SSM state dtype name a ``mamba_ssm_cache_dtype`` setting gives ("auto": the model's
-    dtype, as vLLM resolves it for GatedDeltaNet layers)."""
-    if cache_dtype in (None, "auto"):
-        return str(getattr(model_config, "dtype", "")).removeprefix("torch.") or cache_dtype
-    return cache_dtype
-
-
-def _has_recurrent_layers(model_config) -> bool:
-    return bool(
-        model_config.is_hybrid or model_config.has_inner_state or model_config.is_attention_free
     )
 
 
