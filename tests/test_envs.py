@@ -46,7 +46,7 @@ def test_only_envs_reads_the_environment():
     with a fixed identity."""
     allowed = {
         "vllm_ddtree/envs.py",
-        "vllm_ddtree/compat/installer.py:VLLM_USE_V2_MODEL_RUNNER",
+        "vllm_ddtree/spec_request.py:VLLM_USE_V2_MODEL_RUNNER",
         "vllm_ddtree/demo.py:HF_HUB_OFFLINE",
         "vllm_ddtree/upstream/export.py:GIT_IDENTITY",
     }
