@@ -644,8 +644,8 @@ def test_a_v2_engine_s_capture_sizes_cover_every_width_it_can_serve():
     sizes to the width)."""
     from types import SimpleNamespace
 
-    from vllm_ddtree.compat.installer import complete_verify_graph_sizes
     from vllm_ddtree.config import DDTreeConfig
+    from vllm_ddtree.spec_request import complete_verify_graph_sizes
 
     def config(runner, online=()):
         posted = []

@@ -20,6 +20,12 @@ from vllm_ddtree import envs
 
 DDTREE_METHOD = "ddtree"
 DFLASH_METHOD = "dflash"
+# Where an engine's DDTree settings travel: the ``DDTreeConfig`` on vLLM's SpeculativeConfig
+# (it pickles with the config into the engine's processes), and the mark of an engine asked for
+# "ddtree" whose "tree_budget": "auto" chose vLLM's DFlash chain (the runner hooks still guard
+# its CUDA-graph dispatch). Fields of SpeculativeConfig in the in-tree form.
+DDTREE_ATTR = "ddtree_config"
+DDTREE_CHAIN_ATTR = "ddtree_served_chain"
 MIN_TREE_BUDGET = 1
 MAX_TREE_BUDGET = 1024
 # Per-depth candidate cap. Lemma 1 of the paper needs min(budget, V) for exact optimality, but

@@ -1,13 +1,16 @@
 """A ``"method": "ddtree"`` speculative config made into vLLM's DFlash request, before vLLM
-builds its ``SpeculativeConfig`` (``EngineArgs.create_speculative_config``).
+builds its ``SpeculativeConfig`` (``EngineArgs.create_speculative_config``), and the engine's
+config finished for the tree once vLLM has made it (``EngineArgs.create_engine_config``).
 
-``fold_spec_method`` folds ``--spec-method ddtree`` into the dict the way vLLM folds the flag;
-``ddtree_request`` checks the target and the engine (whatever budget "auto" would choose),
-chooses the model runner and splits the dict into vLLM's DFlash request and the tree's
-settings (``config.split_speculative_config``); ``size_tree_graphs`` gives every verify batch
-and the drafter's batches a FULL CUDA graph (``graph_sizes``); ``check_ddtree_drafter`` checks
-that the drafter vLLM loaded is a DFlash one. The helpers read vLLM's engine arguments and
-configs only.
+``serve_ddtree_request`` is what ``create_speculative_config`` calls: ``ddtree_request``
+checks the target and the engine (whatever budget "auto" would choose), chooses the model
+runner and splits the dict into vLLM's DFlash request and the tree's settings
+(``config.split_speculative_config``); TREE_ATTN is selected for the target
+(``select_tree_attention``); ``size_tree_graphs`` gives every verify batch and the drafter's
+batches a FULL CUDA graph (``graph_sizes``). ``finish_tree_engine_config`` completes the
+capture sizes once vLLM has made them. ``fold_spec_method`` folds ``--spec-method ddtree`` into
+the dict the way vLLM folds the flag; ``check_ddtree_drafter`` checks that the drafter vLLM
+loaded is a DFlash one. The helpers read and set vLLM's engine arguments and configs only.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_ddtree.config import (
+    DDTREE_ATTR,
     DDTREE_METHOD,
     SCHEDULE_KEY,
     DDTreeConfig,
@@ -30,9 +35,17 @@ from vllm_ddtree.config import (
     gives_batch_size_schedule,
     split_speculative_config,
 )
-from vllm_ddtree.graph_sizes import largest_graph_for, vllm_largest_graph
+from vllm_ddtree.graph_sizes import (
+    largest_graph_for,
+    schedule_within_graphs,
+    verify_graph_sizes,
+    vllm_largest_graph,
+)
 
 logger = logging.getLogger("vllm.ddtree")
+
+# The attention backend that verifies draft trees.
+TREE_ATTN_NAME = "TREE_ATTN"
 
 
 @dataclass
@@ -115,6 +128,120 @@ def ddtree_request(
     return DDTreeRequest(speculative_config=vllm_dict, ddtree=ddtree)
 
 
+def serve_ddtree_request(
+    engine_args,
+    target_model_config,
+    target_parallel_config,
+    is_tree_attention: Callable[[Any], bool],
+) -> tuple[DDTreeRequest, TreeGraphSizing] | None:
+    """Make ``engine_args.speculative_config``, a ``"method": "ddtree"`` dict, into vLLM's
+    DFlash request (``ddtree_request``); for a tree (not the chain "auto" may choose), select
+    TREE_ATTN for the target (``is_tree_attention`` says whether a backend of vLLM's is it) and
+    size the CUDA graphs (``size_tree_graphs``). Returns the request and the sizing decided,
+    or None (``engine_args`` untouched) for any other config."""
+    request = ddtree_request(engine_args, target_model_config, target_parallel_config)
+    if request is None:
+        return None
+    sizing = TreeGraphSizing()
+    if request.ddtree is not None:
+        select_tree_attention(engine_args, is_tree_attention)
+        sizing = size_tree_graphs(
+            engine_args,
+            request.ddtree,
+            request.speculative_config.get(SCHEDULE_KEY),
+            data_parallel_size(target_parallel_config),
+        )
+        if sizing.schedule is not None:
+            request.speculative_config[SCHEDULE_KEY] = [list(e) for e in sizing.schedule]
+    # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto" chose); flags
+    # folded into it must not be applied twice by vLLM.
+    engine_args.spec_model = None
+    engine_args.spec_tokens = None
+    engine_args.speculative_config = request.speculative_config
+    return request, sizing
+
+
+def select_tree_attention(engine_args, is_tree_attention: Callable[[Any], bool]) -> None:
+    """DDTree verifies with TREE_ATTN: select it for the target when none was chosen, and
+    refuse a backend that cannot do tree attention. The (non-causal) DFlash drafter's backend
+    stays vLLM's choice, as for the DFlash chain: vLLM selects one for the drafter
+    independently of the target's unless ``speculative_config['attention_backend']`` names one
+    (on an H200 in bf16: FLASH_ATTN, whose KV writes are one C++ launch per layer)."""
+    config_backend = getattr(engine_args.attention_config, "backend", None)
+    chosen = attention_backend(engine_args.attention_backend) or attention_backend(config_backend)
+    if chosen is None:
+        engine_args.attention_backend = TREE_ATTN_NAME
+        chosen = attention_backend(TREE_ATTN_NAME)
+    if not is_tree_attention(chosen):
+        raise DDTreeConfigError(
+            f"method 'ddtree' verifies draft trees with the TREE_ATTN attention backend; the "
+            f"target's attention backend {chosen.name} cannot do tree attention. Use "
+            "--attention-backend TREE_ATTN or leave it unset (speculative_config"
+            "['attention_backend'] chooses the drafter's backend)."
+        )
+
+
+def attention_backend(value):
+    """vLLM's ``AttentionBackendEnum`` member an ``attention_backend`` setting names."""
+    from vllm.config.attention import AttentionConfig
+
+    return AttentionConfig.validate_backend_before(value) if isinstance(value, str) else value
+
+
+def finish_tree_engine_config(vllm_config, ddtree: DDTreeConfig, sizing: TreeGraphSizing) -> None:
+    """Once vLLM has made a tree engine's config: complete the capture sizes DDTree raised for
+    every verify width (``complete_verify_graph_sizes``), or fit the batch-size schedule to the
+    user's sizes (``fit_schedule_to_users_graphs``)."""
+    if sizing.sized_graphs:
+        complete_verify_graph_sizes(vllm_config, ddtree)
+    elif sizing.user_graph_sizes:
+        fit_schedule_to_users_graphs(vllm_config, ddtree, sizing.user_graph_sizes)
+
+
+def complete_verify_graph_sizes(vllm_config, ddtree: DDTreeConfig) -> None:
+    """On the V2 runner, once vLLM has made the engine's capture sizes, add what every verify
+    width the engine can serve needs (``verify_graph_sizes`` of
+    ``DDTreeConfig.served_verify_widths``). The V1 runner's dispatcher rounds the sizes to the
+    width itself."""
+    compilation = vllm_config.compilation_config
+    pass_config = getattr(compilation, "pass_config", None)
+    if ddtree.runner != "v2" or getattr(pass_config, "enable_sp", False):
+        return  # (sequence parallelism keeps sizes that are multiples of its world size)
+    sizes = list(compilation.cudagraph_capture_sizes or [])
+    schedule = getattr(vllm_config.speculative_config, SCHEDULE_KEY, None)
+    completed = verify_graph_sizes(
+        sizes, ddtree.served_verify_widths(schedule), vllm_config.scheduler_config.max_num_seqs
+    )
+    if completed != sorted(sizes):
+        compilation.cudagraph_capture_sizes = completed
+        compilation.post_init_cudagraph_sizes()
+
+
+def fit_schedule_to_users_graphs(vllm_config, ddtree: DDTreeConfig, given: list[int]) -> None:
+    """On the V2 runner with the user's CUDA-graph sizes (kept as given): every batch size
+    verifies a tree whose verify has a FULL graph, or drafts nothing (``schedule_within_graphs``
+    of the sizes vLLM captures, else those given), and "auto" does not move online (its other
+    widths may have no graph). Said in one line at start."""
+    from vllm_ddtree.budget.cost_model import format_schedule
+
+    speculative = vllm_config.speculative_config
+    sizes = list(vllm_config.compilation_config.cudagraph_capture_sizes or given)
+    if ddtree.runner != "v2" or not sizes or vllm_config.parallel_config.data_parallel_size > 1:
+        return
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    schedule = getattr(speculative, SCHEDULE_KEY, None)
+    fitted = schedule_within_graphs(schedule, ddtree.tree_budget, sizes, max_num_seqs)
+    setattr(speculative, SCHEDULE_KEY, [tuple(entry) for entry in fitted])
+    if ddtree.online_budgets:
+        setattr(speculative, DDTREE_ATTR, dataclasses.replace(ddtree, online_budgets=()))
+    logger.info(
+        "vllm-ddtree: with the CUDA-graph sizes given, trees are verified where a FULL graph "
+        "holds them, tree nodes per batch size (requests: budget): %s%s",
+        format_schedule(fitted),
+        "; tree_budget 'auto' does not move online" if ddtree.online_budgets else "",
+    )
+
+
 def check_ddtree_drafter(speculative_config) -> None:
     """The drafter vLLM loaded for a tree engine is a DFlash one
     (``config.check_drafter_is_dflash``)."""
@@ -128,6 +255,17 @@ def check_ddtree_drafter(speculative_config) -> None:
             "architectures": getattr(hf_config, "architectures", None),
         },
         speculative_config.model,
+    )
+
+
+def log_tree_engine(ddtree: DDTreeConfig) -> None:
+    logger.info(
+        "vllm-ddtree: method 'ddtree' (tree_budget=%d, tree_top_k=%d, depth=%d) on the %s model "
+        "runner with TREE_ATTN",
+        ddtree.tree_budget,
+        ddtree.tree_top_k,
+        ddtree.depth,
+        ddtree.runner.upper(),
     )
 
 

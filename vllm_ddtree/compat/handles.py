@@ -10,7 +10,7 @@ object per vLLM object, always on the attribute ``HANDLE``:
 * ``EngineArgs`` (where the config is made): an ``ArgsState``: the parsed ``DDTreeConfig``
   and what the next ``create_speculative_config`` call must know.
 
-What DDTree adds to vLLM's messages rides beside them instead (``compat.DDTREE_ATTR`` on the
+What DDTree adds to vLLM's messages rides beside them instead (``config.DDTREE_ATTR`` on the
 speculative config, the trees' parents on vLLM's draft-token output and requests, "auto"'s
 payload on ``SchedulerStats``): data that travels, not a handle.
 """
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from vllm_ddtree.budget.online import OnlineBudget
     from vllm_ddtree.config import DDTreeConfig
     from vllm_ddtree.requests.options import RequestStatsBook
+    from vllm_ddtree.spec_request import TreeGraphSizing
 
 HANDLE = "_ddtree"
 
@@ -48,8 +49,8 @@ class ArgsState:
 
     config: DDTreeConfig | None = None  # the parsed DDTree settings
     served_chain: bool = False  # "auto" chose vLLM's DFlash chain
-    user_graph_sizes: list[int] | None = None  # the user's cudagraph_capture_sizes
-    sized_graphs: bool = False  # DDTree sized the graphs; create_engine_config completes them
+    # How the graphs were sized; create_engine_config finishes them (spec_request).
+    sizing: TreeGraphSizing | None = None
 
 
 def held(owner: Any, kind: type[T]) -> T | None:

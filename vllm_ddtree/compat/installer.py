@@ -55,24 +55,20 @@ from vllm_ddtree.compat.tree_attn_slot import (
     take_slot,
 )
 from vllm_ddtree.config import (
-    SCHEDULE_KEY,
     DDTreeConfig,
     DDTreeConfigError,
     check_cpu_gdn_state_dtype,
     check_sampling_params,
 )
-from vllm_ddtree.graph_sizes import (
-    schedule_within_graphs,
-    verify_graph_sizes,
-)
 from vllm_ddtree.requests.options import check_request_options, install_stats_book
 from vllm_ddtree.spec_request import (
+    attention_backend,
     check_ddtree_drafter,
-    data_parallel_size,
-    ddtree_request,
+    finish_tree_engine_config,
     fold_spec_method,
     has_recurrent_layers,
-    size_tree_graphs,
+    log_tree_engine,
+    serve_ddtree_request,
     ssm_state_dtype,
 )
 
@@ -86,34 +82,6 @@ def _check_vllm_shape() -> None:
         raise incompatible("EngineArgs has no speculative_config field")
 
 
-def _as_backend(value):
-    from vllm.config.attention import AttentionConfig
-
-    return AttentionConfig.validate_backend_before(value) if isinstance(value, str) else value
-
-
-def _choose_target_attention_backend(engine_args) -> None:
-    """DDTree verifies with TREE_ATTN: select it for the target when none was chosen, and
-    refuse a backend that cannot do tree attention. The (non-causal) DFlash drafter's backend
-    stays vLLM's choice, as for the DFlash chain: vLLM selects one for the drafter
-    independently of the target's unless ``speculative_config['attention_backend']`` names one
-    (on an H200 in bf16: FLASH_ATTN, whose KV writes are one C++ launch per layer)."""
-    config_backend = getattr(engine_args.attention_config, "backend", None)
-    chosen = _as_backend(engine_args.attention_backend) or _as_backend(config_backend)
-    if chosen is None:
-        engine_args.attention_backend = TREE_ATTN_NAME
-        chosen = _as_backend(TREE_ATTN_NAME)
-    if chosen is _as_backend(TREE_ATTN_NAME):  # TREE_ATTN, or the CUSTOM slot it fills
-        _take_custom_slot()
-    if not is_tree_attention(chosen):
-        raise DDTreeConfigError(
-            f"method 'ddtree' verifies draft trees with the TREE_ATTN attention backend; the "
-            f"target's attention backend {chosen.name} cannot do tree attention. Use "
-            "--attention-backend TREE_ATTN or leave it unset (speculative_config"
-            "['attention_backend'] chooses the drafter's backend)."
-        )
-
-
 def _take_custom_slot() -> None:
     """TREE_ATTN in vLLM's CUSTOM slot for this engine, or a config error naming the holder."""
     try:
@@ -123,33 +91,28 @@ def _take_custom_slot() -> None:
         raise DDTreeConfigError(message) from error
 
 
+def _tree_attention_here(backend) -> bool:
+    """Whether ``backend`` is TREE_ATTN in this process: the ``CUSTOM`` member it aliases,
+    whose slot this engine takes (``tree_attn_slot``)."""
+    if backend is attention_backend(TREE_ATTN_NAME):
+        _take_custom_slot()
+    return is_tree_attention(backend)
+
+
 def _wrap_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
         kept = held(self, ArgsState)  # an earlier call's, for DDTree engines only
         ddtree: DDTreeConfig | None = kept.config if kept is not None else None
         fold_spec_method(self)
-        request = ddtree_request(self, target_model_config, target_parallel_config)
-        if request is not None and request.ddtree is not None:
-            ddtree = request.ddtree
-            _choose_target_attention_backend(self)
-            sizing = size_tree_graphs(
-                self,
-                ddtree,
-                request.speculative_config.get(SCHEDULE_KEY),
-                data_parallel_size(target_parallel_config),
-            )
-            if sizing.schedule is not None:
-                request.speculative_config[SCHEDULE_KEY] = [list(e) for e in sizing.schedule]
+        served = serve_ddtree_request(
+            self, target_model_config, target_parallel_config, _tree_attention_here
+        )
+        request = served[0] if served is not None else None
+        if served is not None and served[0].ddtree is not None:
+            ddtree = served[0].ddtree
             state = hold(self, ArgsState)
             state.config = ddtree
-            state.sized_graphs = sizing.sized_graphs
-            state.user_graph_sizes = sizing.user_graph_sizes
-        if request is not None:
-            # vLLM gets the DFlash request (a tree's, or the chain "tree_budget": "auto"
-            # chose); flags folded into it must not be applied twice by vLLM.
-            self.spec_model = None
-            self.spec_tokens = None
-            self.speculative_config = request.speculative_config
+            state.sizing = served[1]
         spec = original(self, target_model_config, target_parallel_config)
         if ddtree is None and spec is not None:
             # "auto" chose the chain (now or in an earlier call with these arguments, after
@@ -160,14 +123,7 @@ def _wrap_create_speculative_config(original):
         if ddtree is not None and spec is not None:
             check_ddtree_drafter(spec)
             setattr(spec, DDTREE_ATTR, ddtree)
-            logger.info(
-                "vllm-ddtree: method 'ddtree' (tree_budget=%d, tree_top_k=%d, depth=%d) on the "
-                "%s model runner with TREE_ATTN",
-                ddtree.tree_budget,
-                ddtree.tree_top_k,
-                ddtree.depth,
-                ddtree.runner.upper(),
-            )
+            log_tree_engine(ddtree)
         return spec
 
     return create_speculative_config
@@ -221,10 +177,8 @@ def _wrap_create_engine_config(original):
             take_slot()
             mark_uses_tree_attention(config)
         held_args = held(self, ArgsState)
-        if ddtree is not None and held_args is not None and held_args.sized_graphs:
-            complete_verify_graph_sizes(config, ddtree)
-        elif ddtree is not None and held_args is not None and held_args.user_graph_sizes:
-            fit_schedule_to_users_graphs(config, ddtree, held_args.user_graph_sizes)
+        if ddtree is not None and held_args is not None and held_args.sizing is not None:
+            finish_tree_engine_config(config, ddtree, held_args.sizing)
         return config
 
     return create_engine_config
@@ -312,54 +266,6 @@ def _wrap_get_attn_backend_cls(original):
         return original(cls, selected_backend, *args, **kwargs)
 
     return get_attn_backend_cls
-
-
-def complete_verify_graph_sizes(vllm_config, ddtree: DDTreeConfig) -> None:
-    """On the V2 runner, once vLLM has made the engine's capture sizes, add what every verify
-    width the engine can serve needs (``verify_graph_sizes`` of
-    ``DDTreeConfig.served_verify_widths``). The V1 runner's dispatcher rounds the sizes to the
-    width itself."""
-    compilation = vllm_config.compilation_config
-    pass_config = getattr(compilation, "pass_config", None)
-    if ddtree.runner != "v2" or getattr(pass_config, "enable_sp", False):
-        return  # (sequence parallelism keeps sizes that are multiples of its world size)
-    sizes = list(compilation.cudagraph_capture_sizes or [])
-    schedule = getattr(
-        vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None
-    )
-    completed = verify_graph_sizes(
-        sizes, ddtree.served_verify_widths(schedule), vllm_config.scheduler_config.max_num_seqs
-    )
-    if completed != sorted(sizes):
-        compilation.cudagraph_capture_sizes = completed
-        compilation.post_init_cudagraph_sizes()
-
-
-def fit_schedule_to_users_graphs(vllm_config, ddtree: DDTreeConfig, given: list[int]) -> None:
-    """On the V2 runner with the user's CUDA-graph sizes (kept as given): every batch size
-    verifies a tree whose verify has a FULL graph, or drafts nothing (``schedule_within_graphs``
-    of the sizes vLLM captures, else those given), and "auto" does not move online (its other
-    widths may have no graph). Said in one line at start."""
-    from dataclasses import replace
-
-    from vllm_ddtree.budget.cost_model import format_schedule
-
-    speculative = vllm_config.speculative_config
-    sizes = list(vllm_config.compilation_config.cudagraph_capture_sizes or given)
-    if ddtree.runner != "v2" or not sizes or vllm_config.parallel_config.data_parallel_size > 1:
-        return
-    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-    schedule = getattr(speculative, SCHEDULE_KEY, None)
-    fitted = schedule_within_graphs(schedule, ddtree.tree_budget, sizes, max_num_seqs)
-    setattr(speculative, SCHEDULE_KEY, [tuple(entry) for entry in fitted])
-    if ddtree.online_budgets:
-        setattr(speculative, DDTREE_ATTR, replace(ddtree, online_budgets=()))
-    logger.info(
-        "vllm-ddtree: with the CUDA-graph sizes given, trees are verified where a FULL graph "
-        "holds them, tree nodes per batch size (requests: budget): %s%s",
-        format_schedule(fitted),
-        "; tree_budget 'auto' does not move online" if ddtree.online_budgets else "",
-    )
 
 
 def apply() -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_ddtree.compat.wrapping import alias_enum_member, get_ddtree_config
+from vllm_ddtree.spec_request import TREE_ATTN_NAME
 
-TREE_ATTN_NAME = "TREE_ATTN"
 TREE_ATTN_PATH = "tree_attn_backend.backend.TreeAttentionBackend"
 # A key of an engine's ``VllmConfig.additional_config`` (vLLM's place for plugins' settings:
 # it pickles with the config into the engine's processes and survives vLLM's config copies):

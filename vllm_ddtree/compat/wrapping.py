@@ -21,14 +21,10 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from vllm_ddtree.config import DDTREE_ATTR, DDTREE_CHAIN_ATTR
+
 WRITTEN_FOR_VLLM = "0.26.0"
 APPLIED = "__vllm_ddtree_patched__"
-# The DDTreeConfig on vLLM's SpeculativeConfig (a plain attribute: it pickles with the config
-# into the engine's processes).
-DDTREE_ATTR = "ddtree_config"
-# Set on the SpeculativeConfig of an engine asked for "ddtree" whose "tree_budget": "auto" chose
-# vLLM's DFlash chain (the runner hooks still guard its CUDA-graph dispatch).
-DDTREE_CHAIN_ATTR = "ddtree_served_chain"
 
 
 class VLLMIncompatibleError(RuntimeError):
