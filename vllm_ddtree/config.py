@@ -500,7 +500,8 @@ def split_speculative_config(
         except CostProfileError as exc:
             raise DDTreeConfigError(str(exc)) from None
         if choice.tree_budget is None:
-            config.pop("tree_top_k", None)
+            if "tree_top_k" in config:  # checked though the chain has no use for it
+                _check_int("tree_top_k", config.pop("tree_top_k"), 1, MAX_TREE_BUDGET)
             config["method"] = DFLASH_METHOD
             config["num_speculative_tokens"] = depth
             return config, None

@@ -1,0 +1,122 @@
+"""``"method": "ddtree"`` through vLLM's engine arguments, as a user passes it: the engine's
+config is vLLM's DFlash one carrying the tree's settings, verifying with TREE_ATTN.
+
+Only vLLM's public config API is used, so the same tests run with the plugin and, from vLLM's
+tests tree, against vLLM patched with the upstream series and no plugin loaded
+(``tests/test_upstream.py``). Tiny random checkpoints, CPU only.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from vllm_ddtree.config import DDTreeConfigError
+from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, str]:
+    """(target, drafter) checkpoints."""
+    root = tmp_path_factory.mktemp("ddtree-engine-config")
+    spec = TinyQwen3Spec()
+    return (
+        make_tiny_qwen3(str(root / "target"), spec),
+        make_tiny_dflash(str(root / "drafter"), spec),
+    )
+
+
+def engine_args(target: str, speculative_config: dict, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=target,
+        speculative_config=speculative_config,
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        **kwargs,
+    )
+
+
+def test_method_ddtree_gives_vllms_dflash_engine_carrying_the_tree(models):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    target, drafter = models
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": 8, "tree_top_k": 4}
+    config = engine_args(target, spec, max_num_seqs=4).create_engine_config()
+    speculative = config.speculative_config
+    # vLLM serves the DFlash drafter; its verify width is the tree's budget.
+    assert speculative.method == "dflash" and speculative.num_speculative_tokens == 8
+    ddtree = speculative.ddtree_config
+    assert (ddtree.tree_budget, ddtree.tree_top_k, ddtree.depth) == (8, 4, 15)
+    assert config.attention_config.backend is AttentionBackendEnum["TREE_ATTN"]
+    # The drafter adds one new slot per mask query but the first, whatever the budget.
+    assert speculative.max_num_new_slots_for_drafting == ddtree.depth - 1
+    # The engine's processes get the config pickled.
+    assert pickle.loads(pickle.dumps(config)).speculative_config.ddtree_config == ddtree
+
+
+def test_the_same_arguments_give_the_same_engine_again(models):
+    """vLLM may make an engine's config twice from one ``EngineArgs`` (the first call leaves
+    it holding vLLM's DFlash request)."""
+    target, drafter = models
+    args = engine_args(target, {"method": "ddtree", "model": drafter, "tree_budget": 16})
+    first = args.create_engine_config().speculative_config
+    again = args.create_engine_config().speculative_config
+    assert again.ddtree_config == first.ddtree_config and again.num_speculative_tokens == 16
+
+
+def test_the_spec_flags_name_ddtree(models):
+    target, drafter = models
+    args = engine_args(
+        target, {"tree_budget": 8}, spec_method="ddtree", spec_model=drafter, spec_tokens=15
+    )
+    speculative = args.create_engine_config().speculative_config
+    assert speculative.method == "dflash" and speculative.ddtree_config.depth == 15
+
+
+def test_dflash_without_ddtree_is_vllms_own(models):
+    target, drafter = models
+    spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
+    config = engine_args(target, spec).create_engine_config()
+    # (A field of vLLM's SpeculativeConfig in-tree; the plugin sets it on DDTree engines only.)
+    assert getattr(config.speculative_config, "ddtree_config", None) is None
+    assert config.speculative_config.max_num_new_slots_for_drafting == 14
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"tree_budget": 0}, r"tree_budget'\] must be in 1\.\.1024"),
+        ({"tree_top_k": "wide"}, r"tree_top_k"),
+        ({"tree_width": 3}, r"unknown speculative_config keys .*tree_width"),
+    ],
+)
+def test_bad_ddtree_keys_are_refused_naming_the_field(models, extra, message):
+    target, drafter = models
+    spec = {"method": "ddtree", "model": drafter, **extra}
+    with pytest.raises(DDTreeConfigError, match=message):
+        engine_args(target, spec).create_engine_config()
+
+
+def test_ddtree_keys_under_another_method_are_refused(models):
+    target, drafter = models
+    spec = {"method": "dflash", "model": drafter, "tree_budget": 8}
+    with pytest.raises(DDTreeConfigError, match=r"\['tree_budget'\] need \"method\": \"ddtree\""):
+        engine_args(target, spec).create_engine_config()
+
+
+def test_a_target_backend_without_tree_attention_is_refused(models):
+    target, drafter = models
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": 8}
+    args = engine_args(target, spec, attention_backend="FLEX_ATTENTION")
+    with pytest.raises(DDTreeConfigError, match="FLEX_ATTENTION cannot do tree attention"):
+        args.create_engine_config()
+
+
+def test_a_drafter_that_is_not_dflash_is_refused(models):
+    target, _ = models
+    spec = {"method": "ddtree", "model": target, "tree_budget": 8}
+    with pytest.raises(DDTreeConfigError, match="DFlash"):
+        engine_args(target, spec).create_engine_config()
