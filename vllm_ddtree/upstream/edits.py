@@ -1,10 +1,12 @@
 """The hand-written changes: edits of vLLM's own files and words of generated ones.
 
 What the generated modules cannot say by themselves: a member of vLLM's attention backend
-enum, a pytest marker, a package-data pattern. Each ``Edit`` names the file, the anchor (text
-that must occur exactly once in vLLM's file, so an edit never lands in the wrong place of
-another version), the text inserted after it and why. ``apply_edit`` refuses an anchor that
-is missing or repeated.
+enum, a pytest marker, a package-data pattern, and the calls by which vLLM's own engine
+arguments and configs reach DDTree's (``SPEC_CONFIG_EDITS``). Each ``Edit`` names the file,
+the anchor (text that must occur exactly once in vLLM's file, so an edit never lands in the
+wrong place of another version), the text inserted after it (or, for ``replaces_anchor``, in
+its place) and why. ``apply_edit`` refuses an anchor that is missing or repeated. Inserted
+code is written at vLLM's line length (88).
 
 Where a plugin module says something only a plugin says (a logger named for vLLM's logging
 configuration from outside vLLM's package), a ``Substitution`` gives its in-tree words; its
@@ -28,6 +30,7 @@ class Edit:
     anchor: str
     text: str  # inserted right after the anchor
     why: str
+    replaces_anchor: bool = False  # the text takes the anchor's place
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,11 @@ def apply_edit(root: str, edit: Edit) -> None:
             f"{edit.path}: the anchor of the edit '{edit.why}' occurs {count} times (must be "
             f"once): {edit.anchor!r}"
         )
-    at = source.index(edit.anchor) + len(edit.anchor)
+    start = source.index(edit.anchor)
+    end = start + len(edit.anchor)
+    at = start if edit.replaces_anchor else end
     with open(path, "w") as f:
-        f.write(source[:at] + edit.text + source[at:])
+        f.write(source[:at] + edit.text + source[end:])
 
 
 TREE_ATTN_MEMBER = Edit(
@@ -87,6 +92,136 @@ COST_PROFILES_DATA = Edit(
     anchor='        "model_executor/layers/quantization/utils/configs/*.json",\n',
     text='        "v1/spec_decode/ddtree/budget/cost_profiles/*.json",\n',
     why='the cost profiles "tree_budget": "auto" reads, in vLLM\'s wheel',
+)
+
+# method="ddtree" through vLLM's engine arguments: the plugin's installer wraps the same
+# places (compat/seams.py: EngineArgs.create_speculative_config and create_engine_config,
+# SpeculativeConfig.max_num_new_slots_for_drafting, VllmConfig.use_v2_model_runner) and calls
+# the same functions (spec_request).
+DDTREE_CONFIG_FIELDS = Edit(
+    path="vllm/config/speculative.py",
+    anchor='''    Each entry is ``(range_start, range_end, num_speculative_tokens)`` with an
+    inclusive batch-size range.
+    """
+''',
+    text='''
+    # DDTree: method "ddtree" is served with the DFlash drafter (method "dflash")
+    # verifying best-first draft trees of its proposals.
+    ddtree_config: SkipValidation[DDTreeConfig | None] = None
+    """DDTree's tree settings, made from `method="ddtree"` and its keys by
+    `EngineArgs.create_speculative_config`. Not in `compute_hash`: the verify's
+    width is `num_speculative_tokens` and its attention backend TREE_ATTN."""
+    ddtree_served_chain: bool = False
+    """Asked for `method="ddtree"` with `tree_budget="auto"`, which chose the
+    DFlash chain for this engine."""
+''',
+    why="SpeculativeConfig carries DDTree's settings (the plugin sets an attribute)",
+)
+DDTREE_CONFIG_IMPORT = Edit(
+    path="vllm/config/speculative.py",
+    anchor="from vllm.v1.attention.backends.registry import AttentionBackendEnum\n",
+    text="from vllm.v1.spec_decode.ddtree.config import DDTreeConfig\n",
+    why="the type of SpeculativeConfig.ddtree_config",
+)
+DDTREE_DRAFTING_SLOTS = Edit(
+    path="vllm/config/speculative.py",
+    anchor='''        Calculate the maximum number of new slots that might be added to the batch
+        when drafting.
+        """
+''',
+    text="""        if self.ddtree_config is not None:
+            # A DDTree drafter runs `depth` mask queries, not num_speculative_tokens
+            # (the tree budget): one new slot per mask query but the first.
+            draft_model_slot = 1 if self.uses_draft_model() else 0
+            return self.ddtree_config.depth - 1 + draft_model_slot
+""",
+    why="a DDTree drafter's new slots follow its depth, not the tree budget",
+)
+DDTREE_REQUEST = Edit(
+    path="vllm/engine/arg_utils.py",
+    anchor="""        self.speculative_config = {
+            k.replace("-", "_"): v for k, v in self.speculative_config.items()
+        }
+""",
+    text="""
+        # DDTree: method "ddtree" becomes the DFlash drafter's request carrying the
+        # tree's settings (or the chain its "tree_budget": "auto" chose); the target
+        # verifies trees with TREE_ATTN, in CUDA graphs sized for them.
+        from vllm.v1.spec_decode.ddtree.spec_request import serve_ddtree_request
+
+        served = serve_ddtree_request(
+            self,
+            target_model_config,
+            target_parallel_config,
+            lambda backend: backend is AttentionBackendEnum.TREE_ATTN,
+        )
+        if served is not None:
+            request, self._ddtree_graph_sizing = served
+            if request.ddtree is not None:
+                self.speculative_config["ddtree_config"] = request.ddtree
+            else:
+                self.speculative_config["ddtree_served_chain"] = True
+""",
+    why="method 'ddtree' made into vLLM's DFlash request with the tree's settings",
+)
+DDTREE_DRAFTER_CHECK = Edit(
+    path="vllm/engine/arg_utils.py",
+    anchor="        return SpeculativeConfig(**self.speculative_config)\n",
+    text="""        speculative_config = SpeculativeConfig(**self.speculative_config)
+        if speculative_config.ddtree_config is not None:
+            from vllm.v1.spec_decode.ddtree.spec_request import (
+                check_ddtree_drafter,
+                log_tree_engine,
+            )
+
+            check_ddtree_drafter(speculative_config)
+            log_tree_engine(speculative_config.ddtree_config)
+        return speculative_config
+""",
+    why="a DDTree engine's drafter must be a DFlash one; its tree is named at start",
+    replaces_anchor=True,
+)
+DDTREE_ENGINE_CONFIG = Edit(
+    path="vllm/engine/arg_utils.py",
+    anchor="""            shutdown_timeout=self.shutdown_timeout,
+        )
+""",
+    text="""        if speculative_config is not None and speculative_config.ddtree_config:
+            # DDTree: the capture sizes completed for every verify width, or the
+            # batch-size schedule fitted to the user's sizes.
+            from vllm.v1.spec_decode.ddtree.spec_request import (
+                finish_tree_engine_config,
+            )
+
+            finish_tree_engine_config(
+                config,
+                speculative_config.ddtree_config,
+                getattr(self, "_ddtree_graph_sizing", None),
+            )
+""",
+    why="a DDTree engine's CUDA-graph sizes, once vLLM has made them",
+)
+DDTREE_RUNNER = Edit(
+    path="vllm/config/vllm.py",
+    anchor="    def use_v2_model_runner(self) -> bool:\n",
+    text="""        speculative_config = self.speculative_config
+        if (
+            speculative_config is not None
+            and speculative_config.ddtree_config is not None
+            and speculative_config.ddtree_config.runner == "v1"
+        ):
+            return False  # the runner DDTree chose (its GatedDeltaNet tree step: V1)
+""",
+    why="the model runner DDTree chose for the engine, carried by its config",
+)
+SPEC_CONFIG_EDITS = (
+    DDTREE_CONFIG_IMPORT,
+    DDTREE_CONFIG_FIELDS,
+    DDTREE_DRAFTING_SLOTS,
+    DDTREE_REQUEST,
+    DDTREE_DRAFTER_CHECK,
+    DDTREE_ENGINE_CONFIG,
+    DDTREE_RUNNER,
 )
 
 SUBSTITUTIONS: tuple[Substitution, ...] = (

@@ -51,6 +51,9 @@ MODULES: dict[str, str] = {
     },
     "tests.stats": "tests.v1.spec_decode.ddtree.stats",
     "tests.vllm_graphs": "tests.v1.spec_decode.ddtree.vllm_graphs",
+    "vllm_ddtree.spec_request": "vllm.v1.spec_decode.ddtree.spec_request",
+    "vllm_ddtree.dflash_drafter": "tests.v1.spec_decode.ddtree.dflash_drafter",
+    "vllm_ddtree.testing": "tests.v1.spec_decode.ddtree.tiny_models",
 }
 # Project tests -> vLLM test files.
 TESTS: dict[str, str] = {
@@ -64,6 +67,7 @@ TESTS: dict[str, str] = {
     "tests/test_gdn_commit.py": "tests/v1/spec_decode/ddtree/test_gdn_commit.py",
     "tests/test_config.py": "tests/v1/spec_decode/ddtree/test_config.py",
     "tests/test_graph_sizes.py": "tests/v1/spec_decode/ddtree/test_graph_sizes.py",
+    "tests/test_ddtree_engine_config.py": "tests/v1/spec_decode/ddtree/test_engine_config.py",
 }
 # Top-level names whose modules belong to the project (an import of any other module of
 # theirs has no place in vLLM's tree).

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from vllm_ddtree.upstream.edits import (
     COST_PROFILES_DATA,
     INTERPRETER_MARKER,
+    SPEC_CONFIG_EDITS,
     TREE_ATTN_MEMBER,
     Edit,
 )
@@ -210,5 +211,36 @@ manager and V1 dispatcher on stand-in configs (CPU): with vLLM's defaults 16 tre
 requests within the largest graph has one; the schedule fitted to given sizes.""",
         modules=("vllm_ddtree.graph_sizes", "tests.vllm_graphs"),
         tests=("tests/test_graph_sizes.py",),
+    ),
+    PatchStep(
+        subject='[Spec Decode] DDTree: method "ddtree" in the engine arguments',
+        body="""\
+A user asks for DDTree as for any method, `--speculative-config '{"method": "ddtree",
+"model": DFLASH_DRAFTER, "tree_budget": 32}'` (or `--spec-method ddtree`). DDTree drafts
+with vLLM's DFlash drafter, so the request becomes vLLM's DFlash one with the verify width
+`num_speculative_tokens` = the tree budget, and the tree's settings ride on the
+SpeculativeConfig as `ddtree_config` (from patch 5's keys; `tree_budget: "auto"` may choose
+the DFlash chain instead, marked `ddtree_served_chain`). EngineArgs checks the target and
+the engine before any process starts, selects TREE_ATTN for the target (refusing a backend
+that cannot do tree attention), sizes the CUDA graphs for the verify (patch 6) and, once
+vLLM has made the capture sizes, completes them for every verify width. The config also
+answers for the tree engine: the drafter's new slots follow its depth, not the budget, and
+the engine runs the model runner DDTree chose.
+
+An engine that does not ask for DDTree is made exactly as before: every hunk is behind
+`method == "ddtree"` or `ddtree_config`.
+
+Tests: tests/v1/spec_decode/ddtree/test_engine_config.py makes engine configs from
+EngineArgs with tiny random checkpoints (CPU): vLLM's DFlash config carrying the tree, the
+same config from the same arguments twice, the `--spec-*` flags, plain DFlash unchanged, and
+clear errors naming the field for bad DDTree keys, DDTree keys under another method, a
+target backend without tree attention and a drafter that is not DFlash.""",
+        modules=(
+            "vllm_ddtree.spec_request",
+            "vllm_ddtree.dflash_drafter",
+            "vllm_ddtree.testing",
+        ),
+        tests=("tests/test_ddtree_engine_config.py",),
+        edits=SPEC_CONFIG_EDITS,
     ),
 )
