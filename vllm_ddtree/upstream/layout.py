@@ -69,6 +69,25 @@ TESTS: dict[str, str] = {
     "tests/test_graph_sizes.py": "tests/v1/spec_decode/ddtree/test_graph_sizes.py",
     "tests/test_ddtree_engine_config.py": "tests/v1/spec_decode/ddtree/test_engine_config.py",
 }
+# vLLM's own tests, from its tests tree, of what the series touches that run on CPU machines
+# in seconds: the attention backend registry and selection, batch splitting and reordering,
+# Mamba block tables, the engine arguments and config helpers, sampling parameters, DFlash
+# and the synthetic rejection sampler. Run on vLLM patched and unpatched: each passes on both
+# or on neither (``tests/test_upstream.py``).
+VLLM_OWN_TESTS: tuple[str, ...] = (
+    "tests/test_attention_backend_registry.py",
+    "tests/test_config.py",
+    "tests/test_sampling_params.py",
+    "tests/engine/test_arg_utils.py",
+    "tests/config/test_config_utils.py",
+    "tests/v1/attention/test_attention_backends_selection.py",
+    "tests/v1/attention/test_backend_per_kind.py",
+    "tests/v1/attention/test_batch_reordering.py",
+    "tests/v1/attention/test_attention_splitting.py",
+    "tests/v1/attention/test_mamba_update_block_table.py",
+    "tests/v1/spec_decode/test_dflash_causality.py",
+    "tests/v1/spec_decode/test_synthetic_rejection_sampler_utils.py",
+)
 # Top-level names whose modules belong to the project (an import of any other module of
 # theirs has no place in vLLM's tree).
 PROJECT_ROOTS = ("vllm_ddtree", "tree_attn_backend", "tests")
