@@ -13,7 +13,12 @@ import pickle
 import pytest
 
 from vllm_ddtree.config import DDTreeConfigError
-from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
+from vllm_ddtree.testing import (
+    TinyQwen3Spec,
+    make_tiny_dflash,
+    make_tiny_qwen3,
+    make_tiny_qwen3_next,
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +125,33 @@ def test_a_drafter_that_is_not_dflash_is_refused(models):
     spec = {"method": "ddtree", "model": target, "tree_budget": 8}
     with pytest.raises(DDTreeConfigError, match="DFlash"):
         engine_args(target, spec).create_engine_config()
+
+
+def test_a_hybrid_tree_whose_states_cannot_fit_is_refused_naming_what_fits(models, tmp_path):
+    """A GatedDeltaNet target's tree keeps 1 + tree_budget state blocks per request. When
+    those alone exceed the memory vLLM may use, the engine is refused before it starts, and the
+    message names a tree_budget and a max_num_seqs that fit (checked here to fit)."""
+    from transformers import AutoConfig
+
+    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, slot_layout_bytes
+
+    _, drafter = models
+    target = make_tiny_qwen3_next(str(tmp_path / "hybrid"))
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": 64}
+    common = dict(mamba_ssm_cache_dtype="float32", enable_prefix_caching=False, max_num_seqs=16)
+    shapes = GDNStateShapes.from_hf_config(AutoConfig.from_pretrained(target))
+    available = slot_layout_bytes(shapes, 16, 64) // 2
+    with pytest.raises(DDTreeConfigError) as refused:
+        engine_args(target, spec, kv_cache_memory_bytes=available, **common).create_engine_config()
+    message = str(refused.value)
+    assert "tree_budget=64 with max_num_seqs=16" in message
+    budget = int(message.split("tree_budget <= ")[1].split()[0])
+    seqs = int(message.split("max_num_seqs <= ")[1].split()[0])
+    assert 1 <= budget < 64 and 1 <= seqs < 16
+    assert slot_layout_bytes(shapes, 16, budget) <= available < slot_layout_bytes(shapes, 16, 64)
+    assert slot_layout_bytes(shapes, 16, budget + 1) > available
+    assert slot_layout_bytes(shapes, seqs, 64) <= available
+    args = engine_args(target, spec, kv_cache_memory_bytes=4 * available, **common)
+    config = args.create_engine_config()
+    assert config.speculative_config.ddtree_config.tree_budget == 64
+    assert config.scheduler_config.max_num_seqs == 16

@@ -499,36 +499,6 @@ def test_prefix_caching_needs_state_blocks_longer_than_a_verify():
         check_align_block_size(16, 16)
 
 
-def test_a_hybrid_tree_whose_states_cannot_fit_is_refused_naming_what_fits(
-    tmp_path, tiny_drafter_path
-):
-    """The GDN tree path keeps 1 + tree_budget state blocks per request (vLLM's layout). When
-    those alone exceed the memory vLLM may use, the engine is refused before it starts, and the
-    message names a tree_budget and a max_num_seqs that fit (checked here to fit)."""
-    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, slot_layout_bytes
-
-    target = tiny_qwen3_next(tmp_path)
-    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 64}
-    common = dict(mamba_ssm_cache_dtype="float32", enable_prefix_caching=False, max_num_seqs=16)
-    available = 256 << 20
-    with pytest.raises(DDTreeConfigError) as refused:
-        engine_config(target, spec, kv_cache_memory_bytes=available, **common)
-    message = str(refused.value)
-    assert "tree_budget=64 with max_num_seqs=16" in message
-    budget = int(message.split("tree_budget <= ")[1].split()[0])
-    seqs = int(message.split("max_num_seqs <= ")[1].split()[0])
-    from transformers import AutoConfig
-
-    shapes = GDNStateShapes.from_hf_config(AutoConfig.from_pretrained(target))
-    assert 1 <= budget < 64 and 1 <= seqs < 16
-    assert slot_layout_bytes(shapes, 16, budget) <= available < slot_layout_bytes(shapes, 16, 64)
-    assert slot_layout_bytes(shapes, 16, budget + 1) > available
-    assert slot_layout_bytes(shapes, seqs, 64) <= available
-    config = engine_config(target, spec, kv_cache_memory_bytes=1 << 30, **common)
-    assert get_ddtree_config(config.speculative_config).tree_budget == 64
-    assert config.scheduler_config.max_num_seqs == 16
-
-
 def test_a_tree_narrower_than_the_drafter_is_deep_still_gets_drafter_sized_graphs(
     tiny_target_path, tiny_drafter_path
 ):

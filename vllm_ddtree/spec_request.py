@@ -24,10 +24,12 @@ from typing import Any
 
 from vllm_ddtree.config import (
     DDTREE_ATTR,
+    DDTREE_CHAIN_ATTR,
     DDTREE_METHOD,
     SCHEDULE_KEY,
     DDTreeConfig,
     DDTreeConfigError,
+    check_cpu_gdn_state_dtype,
     check_drafter_is_dflash,
     check_engine_is_supported,
     check_target_is_supported,
@@ -188,14 +190,71 @@ def attention_backend(value):
     return AttentionConfig.validate_backend_before(value) if isinstance(value, str) else value
 
 
-def finish_tree_engine_config(vllm_config, ddtree: DDTreeConfig, sizing: TreeGraphSizing) -> None:
-    """Once vLLM has made a tree engine's config: complete the capture sizes DDTree raised for
-    every verify width (``complete_verify_graph_sizes``), or fit the batch-size schedule to the
-    user's sizes (``fit_schedule_to_users_graphs``)."""
+def finish_tree_engine_config(vllm_config, sizing: TreeGraphSizing | None) -> None:
+    """Once vLLM has made the config of an engine asked for DDTree (a tree's, or the chain
+    "auto" chose): check a GatedDeltaNet target's states (``check_cpu_hybrid_states``,
+    ``check_hybrid_state_memory``), then, for a tree, complete the capture sizes DDTree raised
+    for every verify width (``complete_verify_graph_sizes``) or fit the batch-size schedule to
+    the user's sizes (``fit_schedule_to_users_graphs``), as ``sizing`` (what
+    ``serve_ddtree_request`` decided) says. Any other engine's config is left alone."""
+    speculative = vllm_config.speculative_config
+    ddtree = getattr(speculative, DDTREE_ATTR, None)
+    if ddtree is None and not getattr(speculative, DDTREE_CHAIN_ATTR, False):
+        return
+    if ddtree is not None:
+        check_hybrid_state_memory(vllm_config, ddtree)
+    check_cpu_hybrid_states(vllm_config)
+    if ddtree is None or sizing is None:
+        return
     if sizing.sized_graphs:
         complete_verify_graph_sizes(vllm_config, ddtree)
     elif sizing.user_graph_sizes:
         fit_schedule_to_users_graphs(vllm_config, ddtree, sizing.user_graph_sizes)
+
+
+def check_hybrid_state_memory(vllm_config, ddtree: DDTreeConfig) -> None:
+    """A tree engine on a GatedDeltaNet target: its tree states must fit the memory vLLM may
+    use (``gdn_state.check_slot_layout_fits``), checked on the final config (``max_num_seqs``
+    is resolved after the speculative config). (Its state blocks get their final size only when
+    the engine starts: ``gdn_layer.hybrid_tree_step`` checks them there.)"""
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.is_hybrid:
+        return
+    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, check_slot_layout_fits
+
+    cache = vllm_config.cache_config
+    aligned = cache.mamba_cache_mode == "align"
+    available = cache.kv_cache_memory_bytes
+    if not available:
+        from vllm.platforms import current_platform
+
+        available = int(current_platform.get_device_total_memory() * cache.gpu_memory_utilization)
+    shapes = GDNStateShapes.from_hf_config(
+        model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size
+    )
+    ssm_dtype = ssm_state_dtype(cache.mamba_ssm_cache_dtype, model_config)
+    check_slot_layout_fits(
+        shapes,
+        vllm_config.scheduler_config.max_num_seqs,
+        ddtree.tree_budget,
+        available,
+        ssm_bytes=2 if ssm_dtype == "bfloat16" else 4,
+        extra_blocks=1 if aligned else 0,
+    )
+
+
+def check_cpu_hybrid_states(vllm_config) -> None:
+    """An engine asked for DDTree on a GatedDeltaNet target on the CPU platform: the SSM state
+    dtype vLLM-CPU's prefill kernel takes (``config.check_cpu_gdn_state_dtype``), read after
+    vLLM's platform settled it."""
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    if not current_platform.is_cpu() or model_config is None:
+        return
+    if has_recurrent_layers(model_config):
+        cache_dtype = vllm_config.cache_config.mamba_ssm_cache_dtype
+        check_cpu_gdn_state_dtype(ssm_state_dtype(cache_dtype, model_config))
 
 
 def complete_verify_graph_sizes(vllm_config, ddtree: DDTreeConfig) -> None:

@@ -57,7 +57,6 @@ from vllm_ddtree.compat.tree_attn_slot import (
 from vllm_ddtree.config import (
     DDTreeConfig,
     DDTreeConfigError,
-    check_cpu_gdn_state_dtype,
     check_sampling_params,
 )
 from vllm_ddtree.requests.options import check_request_options, install_stats_book
@@ -66,10 +65,8 @@ from vllm_ddtree.spec_request import (
     check_ddtree_drafter,
     finish_tree_engine_config,
     fold_spec_method,
-    has_recurrent_layers,
     log_tree_engine,
     serve_ddtree_request,
-    ssm_state_dtype,
 )
 
 logger = logging.getLogger("vllm.ddtree")
@@ -129,73 +126,23 @@ def _wrap_create_speculative_config(original):
     return create_speculative_config
 
 
-def check_hybrid_state_memory(vllm_config) -> None:
-    """A DDTree engine on a GatedDeltaNet target: its tree states must fit the memory vLLM may
-    use (``gdn_state.check_slot_layout_fits``), checked on the final config (``max_num_seqs``
-    is resolved after the speculative config). (Its state blocks get their final size only when
-    the engine starts: ``gdn_layer.hybrid_tree_step`` checks them there.)"""
-    ddtree = get_ddtree_config(vllm_config.speculative_config)
-    model_config = vllm_config.model_config
-    if ddtree is None or model_config is None or not model_config.is_hybrid:
-        return
-    from vllm_ddtree.hybrid.gdn_state import GDNStateShapes, check_slot_layout_fits
-
-    cache = vllm_config.cache_config
-    aligned = cache.mamba_cache_mode == "align"
-    available = cache.kv_cache_memory_bytes
-    if not available:
-        from vllm.platforms import current_platform
-
-        available = int(current_platform.get_device_total_memory() * cache.gpu_memory_utilization)
-    shapes = GDNStateShapes.from_hf_config(
-        model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size
-    )
-    ssm_dtype = ssm_state_dtype(cache.mamba_ssm_cache_dtype, model_config)
-    check_slot_layout_fits(
-        shapes,
-        vllm_config.scheduler_config.max_num_seqs,
-        ddtree.tree_budget,
-        available,
-        ssm_bytes=2 if ssm_dtype == "bfloat16" else 4,
-        extra_blocks=1 if aligned else 0,
-    )
-
-
 def _wrap_create_engine_config(original):
-    """``EngineArgs.create_engine_config``: the checks that need the resolved config; an
-    engine that attends with TREE_ATTN (a DDTree engine, or one naming it) is marked so."""
+    """``EngineArgs.create_engine_config``: a DDTree engine's config finished
+    (``spec_request.finish_tree_engine_config``); an engine that attends with TREE_ATTN (a
+    DDTree engine, or one naming it) is marked so."""
 
     def create_engine_config(self, *args, **kwargs):
         named_tree_attention = names_tree_attention(getattr(self, "attention_backend", None))
         config = original(self, *args, **kwargs)
-        check_hybrid_state_memory(config)
-        ddtree = get_ddtree_config(config.speculative_config)
-        if ddtree is not None or serves_chain_for_ddtree(config.speculative_config):
-            _check_cpu_hybrid_states(config)
-        if ddtree is not None or named_tree_attention:
+        held_args = held(self, ArgsState)
+        finish_tree_engine_config(config, held_args.sizing if held_args is not None else None)
+        if get_ddtree_config(config.speculative_config) is not None or named_tree_attention:
             # Its processes take vLLM's CUSTOM slot for TREE_ATTN (compat/tree_attn_slot.py).
             take_slot()
             mark_uses_tree_attention(config)
-        held_args = held(self, ArgsState)
-        if ddtree is not None and held_args is not None and held_args.sizing is not None:
-            finish_tree_engine_config(config, ddtree, held_args.sizing)
         return config
 
     return create_engine_config
-
-
-def _check_cpu_hybrid_states(vllm_config) -> None:
-    """A DDTree engine on a GatedDeltaNet target on the CPU platform: the SSM state dtype
-    vLLM-CPU's prefill kernel takes (``config.check_cpu_gdn_state_dtype``), read after vLLM's
-    platform settled it."""
-    from vllm.platforms import current_platform
-
-    model_config = vllm_config.model_config
-    if not current_platform.is_cpu() or model_config is None:
-        return
-    if has_recurrent_layers(model_config):
-        cache_dtype = vllm_config.cache_config.mamba_ssm_cache_dtype
-        check_cpu_gdn_state_dtype(ssm_state_dtype(cache_dtype, model_config))
 
 
 def _wrap_drafting_slots(original):

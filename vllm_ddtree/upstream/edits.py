@@ -186,20 +186,19 @@ DDTREE_ENGINE_CONFIG = Edit(
     anchor="""            shutdown_timeout=self.shutdown_timeout,
         )
 """,
-    text="""        if speculative_config is not None and speculative_config.ddtree_config:
-            # DDTree: the capture sizes completed for every verify width, or the
-            # batch-size schedule fitted to the user's sizes.
+    text="""        if speculative_config is not None:
+            # DDTree: a GatedDeltaNet target's tree states checked, the capture sizes
+            # completed for every verify width or the batch-size schedule fitted to the
+            # user's sizes (nothing for engines not asked for DDTree).
             from vllm.v1.spec_decode.ddtree.spec_request import (
                 finish_tree_engine_config,
             )
 
             finish_tree_engine_config(
-                config,
-                speculative_config.ddtree_config,
-                getattr(self, "_ddtree_graph_sizing", None),
+                config, getattr(self, "_ddtree_graph_sizing", None)
             )
 """,
-    why="a DDTree engine's CUDA-graph sizes, once vLLM has made them",
+    why="a DDTree engine's state checks and CUDA-graph sizes, once vLLM has made them",
 )
 DDTREE_RUNNER = Edit(
     path="vllm/config/vllm.py",

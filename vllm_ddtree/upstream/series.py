@@ -223,7 +223,10 @@ SpeculativeConfig as `ddtree_config` (from patch 5's keys; `tree_budget: "auto"`
 the DFlash chain instead, marked `ddtree_served_chain`). EngineArgs checks the target and
 the engine before any process starts, selects TREE_ATTN for the target (refusing a backend
 that cannot do tree attention), sizes the CUDA graphs for the verify (patch 6) and, once
-vLLM has made the capture sizes, completes them for every verify width. The config also
+vLLM has made the capture sizes, completes them for every verify width. On a GatedDeltaNet
+target the tree keeps `budget + 1` recurrent states a request: an engine whose states cannot
+fit the memory vLLM may use is refused, naming a `tree_budget` and a `max_num_seqs` that fit
+(gdn_state). The config also
 answers for the tree engine: the drafter's new slots follow its depth, not the budget, and
 the engine runs the model runner DDTree chose.
 
@@ -234,13 +237,16 @@ Tests: tests/v1/spec_decode/ddtree/test_engine_config.py makes engine configs fr
 EngineArgs with tiny random checkpoints (CPU): vLLM's DFlash config carrying the tree, the
 same config from the same arguments twice, the `--spec-*` flags, plain DFlash unchanged, and
 clear errors naming the field for bad DDTree keys, DDTree keys under another method, a
-target backend without tree attention and a drafter that is not DFlash.""",
+target backend without tree attention, a drafter that is not DFlash and hybrid tree states
+that cannot fit; tests/v1/spec_decode/ddtree/test_gdn_state.py checks the state layouts'
+sizes on Qwen3-Next and Qwen3.5 configs and the budget the check names.""",
         modules=(
             "vllm_ddtree.spec_request",
+            "vllm_ddtree.hybrid.gdn_state",
             "vllm_ddtree.dflash_drafter",
             "vllm_ddtree.testing",
         ),
-        tests=("tests/test_ddtree_engine_config.py",),
+        tests=("tests/test_ddtree_engine_config.py", "tests/test_gdn_state.py"),
         edits=SPEC_CONFIG_EDITS,
     ),
 )
