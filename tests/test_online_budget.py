@@ -15,8 +15,7 @@ from tests.profiles import write_cheap_tree_profile  # noqa: E402
 from vllm_ddtree.budget import metrics as budget_metrics
 from vllm_ddtree.budget import online as online_budget  # noqa: E402
 from vllm_ddtree.compat.handles import HANDLE  # noqa: E402
-from vllm_ddtree.compat.wrapping import DDTREE_ATTR  # noqa: E402
-from vllm_ddtree.config import DDTreeConfig  # noqa: E402
+from vllm_ddtree.config import DDTREE_ATTR, DDTreeConfig  # noqa: E402
 from vllm_ddtree.spec_decode.engine_step import READERS, _wrap_engine_step  # noqa: E402
 from vllm_ddtree.spec_decode.step_state import StepState  # noqa: E402
 

@@ -526,3 +526,16 @@ def split_speculative_config(
         cost_profile=os.path.abspath(cost_profile) if cost_profile else None,
     )
     return config, ddtree
+
+
+def get_ddtree_config(speculative_config) -> DDTreeConfig | None:
+    """The ``DDTreeConfig`` a vLLM ``SpeculativeConfig`` carries (None if not DDTree)."""
+    if speculative_config is None:
+        return None
+    return getattr(speculative_config, DDTREE_ATTR, None)
+
+
+def serves_chain_for_ddtree(speculative_config) -> bool:
+    """Whether an engine asked for ``"method": "ddtree"`` got vLLM's DFlash chain from
+    ``"tree_budget": "auto"``."""
+    return bool(getattr(speculative_config, DDTREE_CHAIN_ATTR, False))

@@ -232,7 +232,7 @@ def _wrap_prometheus_init(original):
     """``PrometheusStatLogger.__init__`` (front end): a DDTree engine's ``BudgetProm``."""
 
     def __init__(self, vllm_config, *args, **kwargs):
-        from vllm_ddtree.compat import get_ddtree_config
+        from vllm_ddtree.config import get_ddtree_config
 
         original(self, vllm_config, *args, **kwargs)
         ddtree = get_ddtree_config(vllm_config.speculative_config)

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_ddtree.budget.metrics import set_predictions
-from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.compat.handles import SchedulerState, hold
+from vllm_ddtree.config import get_ddtree_config
 
 if TYPE_CHECKING:
     from vllm_ddtree.budget.step_costs import MeasuredStepCosts

@@ -6,7 +6,8 @@
 * ``wrapping.py``: how a seam is applied: one applied-marker (``APPLIED``; wrapping again is a
   no-op), one error type (``VLLMIncompatibleError``, naming the installed vLLM's version and the
   symbol), the original kept as ``__wrapped__``, arguments bound by name
-  (``bind_arguments``); and the ``DDTreeConfig`` an engine's config carries.
+  (``bind_arguments``). The ``DDTreeConfig`` an engine's config carries is read with
+  ``config.get_ddtree_config`` (re-exported here).
 
 No other module of the plugin assigns to a vLLM attribute. Nothing here imports vLLM at module
 level.
@@ -14,22 +15,24 @@ level.
 
 from vllm_ddtree.compat.wrapping import (
     APPLIED,
-    DDTREE_ATTR,
-    DDTREE_CHAIN_ATTR,
     WRITTEN_FOR_VLLM,
     VLLMIncompatibleError,
     alias_enum_member,
     bind_arguments,
     check_signature,
-    get_ddtree_config,
     incompatible,
     is_applied,
     replace_attribute,
-    serves_chain_for_ddtree,
     vllm_version,
     wrap_classmethod,
     wrap_function,
     wrap_property,
+)
+from vllm_ddtree.config import (
+    DDTREE_ATTR,
+    DDTREE_CHAIN_ATTR,
+    get_ddtree_config,
+    serves_chain_for_ddtree,
 )
 
 __all__ = [

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_ddtree.compat.wrapping import alias_enum_member, get_ddtree_config
+from vllm_ddtree.compat.wrapping import alias_enum_member
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.spec_request import TREE_ATTN_NAME
 
 TREE_ATTN_PATH = "tree_attn_backend.backend.TreeAttentionBackend"

@@ -9,9 +9,8 @@ through the helpers here (called by ``seams.install``), so that all of them shar
   version and the first symbol that is gone or whose leading parameters changed;
 * the wrapped original as the wrapper's ``__wrapped__``.
 
-It also holds what the plugin's modules share about the engine's config (the ``DDTreeConfig``
-carried on vLLM's ``SpeculativeConfig``), so that no module has to import the installer
-(``compat.installer``) to read it. Nothing here imports vLLM at module level.
+(How an engine's config carries DDTree's is ``config.get_ddtree_config``, re-exported by
+``compat``.) Nothing here imports vLLM at module level.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from vllm_ddtree.config import DDTREE_ATTR, DDTREE_CHAIN_ATTR
 
 WRITTEN_FOR_VLLM = "0.26.0"
 APPLIED = "__vllm_ddtree_patched__"
@@ -45,19 +42,6 @@ def incompatible(what: str) -> VLLMIncompatibleError:
         f"vllm-ddtree: {what}; this plugin was written for vLLM {WRITTEN_FOR_VLLM}, "
         f"installed: vLLM {vllm_version()}"
     )
-
-
-def get_ddtree_config(speculative_config) -> Any:
-    """The ``DDTreeConfig`` attached to a vLLM ``SpeculativeConfig`` (None if not DDTree)."""
-    if speculative_config is None:
-        return None
-    return getattr(speculative_config, DDTREE_ATTR, None)
-
-
-def serves_chain_for_ddtree(speculative_config) -> bool:
-    """Whether an engine asked for ``"method": "ddtree"`` got vLLM's DFlash chain from
-    ``"tree_budget": "auto"``."""
-    return bool(getattr(speculative_config, DDTREE_CHAIN_ATTR, False))
 
 
 def is_applied(fn: Any) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_ddtree.compat import get_ddtree_config
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.hybrid.gdn_layer import check_index_range, checking_indices
 
 # The state-index fields of vLLM's GatedDeltaNet metadata (all index the mamba cache's blocks).

@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 
 from vllm_ddtree.budget import metrics as budget_metrics
-from vllm_ddtree.compat import bind_arguments, get_ddtree_config
+from vllm_ddtree.compat import bind_arguments
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.requests.options import stats_book
 
 

@@ -216,7 +216,7 @@ def with_tree_parents(taken, parents_to_host: ParentsToHost):
 
 
 def _is_ddtree_engine(vllm_config) -> bool:
-    from vllm_ddtree.compat import get_ddtree_config
+    from vllm_ddtree.config import get_ddtree_config
 
     return get_ddtree_config(getattr(vllm_config, "speculative_config", None)) is not None
 

@@ -19,9 +19,8 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import envs
 from vllm_ddtree.budget.online import make_tracker
-from vllm_ddtree.compat import get_ddtree_config
 from vllm_ddtree.compat.cpu_dflash import use_per_layer_k_norm
-from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.hybrid import gdn_layer
 from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.keyed_gumbel import couple_draft_logits

@@ -17,7 +17,8 @@ import torch
 
 from vllm_ddtree import envs
 from vllm_ddtree.budget.online import make_tracker
-from vllm_ddtree.compat import bind_arguments, get_ddtree_config
+from vllm_ddtree.compat import bind_arguments
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.hybrid.gdn_layer import hybrid_tree_step
 from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.drafter_rows import move_path_rows

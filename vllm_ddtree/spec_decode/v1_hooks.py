@@ -26,7 +26,7 @@ import logging
 import numpy as np
 import torch
 
-from vllm_ddtree import compat
+from vllm_ddtree import config
 from vllm_ddtree.compat import bind_arguments
 from vllm_ddtree.compat.handles import held
 from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
@@ -113,7 +113,7 @@ def rows_without_drafts(spec_decode_metadata) -> bool:
 def serves_chain_for_ddtree(runner) -> bool:
     """Whether ``runner``'s engine was asked for ``"method": "ddtree"`` and ``"tree_budget":
     "auto"`` chose vLLM's DFlash chain for it."""
-    return compat.serves_chain_for_ddtree(getattr(runner, "speculative_config", None))
+    return config.serves_chain_for_ddtree(getattr(runner, "speculative_config", None))
 
 
 def _wrap_determine_batch_execution(original):

@@ -38,7 +38,7 @@ from vllm_ddtree.budget.step_costs import (
     time_graphs_as_captured,
     times_graphs_at_capture,
 )
-from vllm_ddtree.compat import get_ddtree_config
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
 from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.path_tokens import row_layout, row_path_tokens
