@@ -62,6 +62,21 @@ def test_method_ddtree_gives_vllms_dflash_engine_carrying_the_tree(models):
     assert pickle.loads(pickle.dumps(config)).speculative_config.ddtree_config == ddtree
 
 
+def test_the_target_attends_with_tree_attn(models):
+    """The engine's target layers get TREE_ATTN from vLLM's backend selection under the
+    engine's config, on this platform too (vLLM-CPU answers its own backend to any other)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    target, drafter = models
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": 8}
+    config = engine_args(target, spec).create_engine_config()
+    with set_current_vllm_config(config):
+        backend = get_attn_backend(64, torch.bfloat16, "auto")
+    assert backend.get_name() == "TREE_ATTN"
+
+
 def test_the_same_arguments_give_the_same_engine_again(models):
     """vLLM may make an engine's config twice from one ``EngineArgs`` (the first call leaves
     it holding vLLM's DFlash request)."""

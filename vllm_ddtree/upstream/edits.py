@@ -96,8 +96,8 @@ COST_PROFILES_DATA = Edit(
 
 # method="ddtree" through vLLM's engine arguments: the plugin's installer wraps the same
 # places (compat/seams.py: EngineArgs.create_speculative_config and create_engine_config,
-# SpeculativeConfig.max_num_new_slots_for_drafting, VllmConfig.use_v2_model_runner) and calls
-# the same functions (spec_request).
+# SpeculativeConfig.max_num_new_slots_for_drafting, VllmConfig.use_v2_model_runner,
+# CpuPlatform.get_attn_backend_cls) and calls the same functions (spec_request).
 DDTREE_CONFIG_FIELDS = Edit(
     path="vllm/config/speculative.py",
     anchor='''    Each entry is ``(range_start, range_end, num_speculative_tokens)`` with an
@@ -213,6 +213,17 @@ DDTREE_RUNNER = Edit(
 """,
     why="the model runner DDTree chose for the engine, carried by its config",
 )
+CPU_TREE_ATTN = Edit(
+    path="vllm/platforms/cpu.py",
+    anchor="""        if selected_backend and selected_backend != AttentionBackendEnum.CPU_ATTN:
+""",
+    text="""        if selected_backend == AttentionBackendEnum.TREE_ATTN:
+            return selected_backend.get_path()  # its PyTorch path: DDTree's verify
+        if selected_backend and selected_backend != AttentionBackendEnum.CPU_ATTN:
+""",
+    why="vLLM-CPU answers TREE_ATTN when selected (it answers CPU_ATTN to all others)",
+    replaces_anchor=True,
+)
 SPEC_CONFIG_EDITS = (
     DDTREE_CONFIG_IMPORT,
     DDTREE_CONFIG_FIELDS,
@@ -221,6 +232,7 @@ SPEC_CONFIG_EDITS = (
     DDTREE_DRAFTER_CHECK,
     DDTREE_ENGINE_CONFIG,
     DDTREE_RUNNER,
+    CPU_TREE_ATTN,
 )
 
 SUBSTITUTIONS: tuple[Substitution, ...] = (
