@@ -77,6 +77,40 @@ def test_the_target_attends_with_tree_attn(models):
     assert backend.get_name() == "TREE_ATTN"
 
 
+def test_the_scheduler_reserves_the_slots_the_drafter_writes(models):
+    """Each step's KV lookahead covers the longest path a verify commits and the drafter's
+    bonus and mask queries after it: ``max(budget, depth) + 1`` slots, where vLLM's DFlash
+    reserves ``budget + 1`` (too few for a tree narrower than the drafter is deep)."""
+    import torch
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    target, drafter = models
+    for budget, lookahead in ((4, 16), (32, 33)):
+        spec = {"method": "ddtree", "model": drafter, "tree_budget": budget}
+        config = engine_args(target, spec).create_engine_config()
+        block_size = config.cache_config.block_size
+        attention = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=64,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], attention)],
+        )
+        config.cache_config.num_gpu_blocks = 64
+        register_all_kvcache_specs(config)
+        scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=block_size,
+        )
+        assert scheduler.num_lookahead_tokens == lookahead
+
+
 def test_the_same_arguments_give_the_same_engine_again(models):
     """vLLM may make an engine's config twice from one ``EngineArgs`` (the first call leaves
     it holding vLLM's DFlash request)."""

@@ -97,7 +97,8 @@ COST_PROFILES_DATA = Edit(
 # method="ddtree" through vLLM's engine arguments: the plugin's installer wraps the same
 # places (compat/seams.py: EngineArgs.create_speculative_config and create_engine_config,
 # SpeculativeConfig.max_num_new_slots_for_drafting, VllmConfig.use_v2_model_runner,
-# CpuPlatform.get_attn_backend_cls) and calls the same functions (spec_request).
+# Scheduler.__init__'s lookahead, CpuPlatform.get_attn_backend_cls) and calls the same
+# functions (spec_request).
 DDTREE_CONFIG_FIELDS = Edit(
     path="vllm/config/speculative.py",
     anchor='''    Each entry is ``(range_start, range_end, num_speculative_tokens)`` with an
@@ -224,6 +225,17 @@ CPU_TREE_ATTN = Edit(
     why="vLLM-CPU answers TREE_ATTN when selected (it answers CPU_ATTN to all others)",
     replaces_anchor=True,
 )
+DDTREE_LOOKAHEAD = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="                self.num_lookahead_tokens = self.num_spec_tokens + 1\n",
+    text="""                if speculative_config.ddtree_config is not None:
+                    # DDTree: the longest path a verify commits, then the drafter's
+                    # bonus and mask queries (its depth, not the tree budget).
+                    ddtree_config = speculative_config.ddtree_config
+                    self.num_lookahead_tokens = ddtree_config.kv_lookahead
+""",
+    why="a DDTree step's KV lookahead covers every slot its drafter writes",
+)
 SPEC_CONFIG_EDITS = (
     DDTREE_CONFIG_IMPORT,
     DDTREE_CONFIG_FIELDS,
@@ -232,6 +244,7 @@ SPEC_CONFIG_EDITS = (
     DDTREE_DRAFTER_CHECK,
     DDTREE_ENGINE_CONFIG,
     DDTREE_RUNNER,
+    DDTREE_LOOKAHEAD,
     CPU_TREE_ATTN,
 )
 

@@ -227,8 +227,9 @@ the verify (patch 6) and, once vLLM has made the capture sizes, completes them f
 verify width. On a GatedDeltaNet target the tree keeps `budget + 1` recurrent states a
 request: an engine whose states cannot fit the memory vLLM may use is refused, naming a
 `tree_budget` and a `max_num_seqs` that fit (gdn_state). The config also answers for the
-tree engine: the drafter's new slots follow its depth, not the budget, and the engine runs
-the model runner DDTree chose.
+tree engine: the drafter's new slots follow its depth, not the budget, the scheduler's KV
+lookahead covers every slot the drafter writes after the longest committed path, and the
+engine runs the model runner DDTree chose.
 
 An engine that does not ask for DDTree is made exactly as before: every hunk is behind
 `method == "ddtree"`, `ddtree_config` or the TREE_ATTN backend.
@@ -236,9 +237,9 @@ An engine that does not ask for DDTree is made exactly as before: every hunk is 
 Tests: tests/v1/spec_decode/ddtree/test_engine_config.py makes engine configs from
 EngineArgs with tiny random checkpoints (CPU): vLLM's DFlash config carrying the tree, the
 same config from the same arguments twice, TREE_ATTN selected for the target's layers, the
-`--spec-*` flags, plain DFlash unchanged, and clear errors naming the field for bad DDTree
-keys, DDTree keys under another method, a target backend without tree attention, a drafter
-that is not DFlash and hybrid tree states that cannot fit;
+scheduler's lookahead, the `--spec-*` flags, plain DFlash unchanged, and clear errors naming
+the field for bad DDTree keys, DDTree keys under another method, a target backend without
+tree attention, a drafter that is not DFlash and hybrid tree states that cannot fit;
 tests/v1/spec_decode/ddtree/test_gdn_state.py checks the state layouts' sizes on Qwen3-Next
 and Qwen3.5 configs and the budget the check names.""",
         modules=(
