@@ -139,6 +139,80 @@ def test_dflash_without_ddtree_is_vllms_own(models):
     assert config.speculative_config.max_num_new_slots_for_drafting == 14
 
 
+def test_the_request_options_the_chain_serves_pass_vllms_validation_with_ddtree(models):
+    """vLLM validates each request against the engine's config before it reaches the engine:
+    with DDTree on the V1 runner (this CPU engine's), plain sampling (temperature,
+    top-k/top-p, min_tokens), logprobs (the whole vocabulary's and in a processed mode),
+    penalties, allowed token ids, structured outputs and thinking token budgets pass, as they
+    do with DFlash alone (what the V2 runner refuses: test_config)."""
+    from vllm import SamplingParams
+
+    target, drafter = models
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": 8}
+    config = engine_args(target, spec).create_engine_config()
+
+    def verify(params, cfg=config):
+        params.verify(cfg.model_config, cfg.speculative_config, None, None)
+
+    verify(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_tokens=4, seed=1))
+    verify(SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, logprobs=2))
+    verify(SamplingParams(allowed_token_ids=[1, 2]))
+    from vllm.sampling_params import StructuredOutputsParams
+
+    verify(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
+    verify(SamplingParams(thinking_token_budget=16))
+    processed = engine_args(target, spec, logprobs_mode="processed_logprobs").create_engine_config()
+    verify(SamplingParams(logprobs=2), processed)
+    whole_vocabulary = engine_args(target, spec, max_logprobs=-1).create_engine_config()
+    verify(SamplingParams(logprobs=-1), whole_vocabulary)
+    chain = engine_args(
+        target, {"method": "dflash", "model": drafter, "num_speculative_tokens": 7}
+    ).create_engine_config()
+    verify(SamplingParams(repetition_penalty=1.2, logprobs=2), chain)
+
+
+def test_what_the_tree_sampler_cannot_apply_is_refused_when_vllm_validates_it(models, monkeypatch):
+    """A request asking for what the engine's tree sampler cannot apply (on the V2 runner: a
+    thinking token budget) is refused by vLLM's request validation, naming the field."""
+    from vllm import SamplingParams
+
+    target, drafter = models
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": 8}
+    config = engine_args(target, spec).create_engine_config()
+    assert config.speculative_config.ddtree_config.runner == "v2"
+    params = SamplingParams(thinking_token_budget=16)
+    with pytest.raises(DDTreeConfigError, match="thinking_token_budget"):
+        params.verify(config.model_config, config.speculative_config, None, None)
+
+
+def test_a_requests_own_tree_budget_is_checked_when_vllm_validates_it(models):
+    """``extra_args`` (the OpenAI server's ``vllm_xargs``) ``tree_budget``: an int up to the
+    engine's budget or 'auto' passes vLLM's request validation; anything else is refused there
+    (the server's 400), naming the key and the allowed values. The chain is unaffected."""
+    from vllm import SamplingParams
+
+    target, drafter = models
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": 8}
+    config = engine_args(target, spec).create_engine_config()
+
+    def verify(extra, cfg=config):
+        SamplingParams(extra_args=extra).verify(
+            cfg.model_config, cfg.speculative_config, None, None
+        )
+
+    for extra in ({"tree_budget": 1}, {"tree_budget": 8}, {"tree_budget": "auto"}, {}):
+        verify(extra)
+    with pytest.raises(DDTreeConfigError, match=r"tree_budget.*1\.\.8"):
+        verify({"tree_budget": 9})
+    with pytest.raises(DDTreeConfigError, match="ddtree_stats"):
+        verify({"ddtree_stats": "yes"})
+    chain = engine_args(
+        target, {"method": "dflash", "model": drafter, "num_speculative_tokens": 7}
+    ).create_engine_config()
+    verify({"tree_budget": 9}, chain)
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

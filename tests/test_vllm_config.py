@@ -126,69 +126,6 @@ def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
     assert not hasattr(args, HANDLE) and not hasattr(plain, HANDLE)
 
 
-def test_the_request_options_the_chain_serves_pass_vllms_validation_with_ddtree(
-    tiny_target_path, tiny_drafter_path
-):
-    """vLLM validates each request against the engine's config before it reaches the engine:
-    with DDTree on the V1 runner (this CPU engine's), plain sampling (temperature,
-    top-k/top-p, min_tokens), logprobs (the whole vocabulary's and in a processed mode),
-    penalties, allowed token ids, structured outputs and thinking token budgets pass, as they
-    do with DFlash alone (what the V2 runner refuses: test_config)."""
-    from vllm import SamplingParams
-
-    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
-    config = engine_config(tiny_target_path, spec)
-
-    def verify(params, cfg=config):
-        params.verify(cfg.model_config, cfg.speculative_config, None, None)
-
-    verify(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_tokens=4, seed=1))
-    verify(SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, logprobs=2))
-    verify(SamplingParams(allowed_token_ids=[1, 2]))
-    from vllm.sampling_params import StructuredOutputsParams
-
-    verify(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
-    verify(SamplingParams(thinking_token_budget=16))
-    processed = engine_config(tiny_target_path, spec, logprobs_mode="processed_logprobs")
-    verify(SamplingParams(logprobs=2), processed)
-    whole_vocabulary = engine_config(tiny_target_path, spec, max_logprobs=-1)
-    verify(SamplingParams(logprobs=-1), whole_vocabulary)
-    chain = engine_config(
-        tiny_target_path,
-        {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},
-    )
-    verify(SamplingParams(repetition_penalty=1.2, logprobs=2), chain)
-
-
-def test_a_requests_own_tree_budget_is_checked_when_vllm_validates_it(
-    tiny_target_path, tiny_drafter_path
-):
-    """``extra_args`` (the OpenAI server's ``vllm_xargs``) ``tree_budget``: an int up to the
-    engine's budget or 'auto' passes vLLM's request validation; anything else is refused there
-    (the server's 400), naming the key and the allowed values. The chain is unaffected."""
-    from vllm import SamplingParams
-
-    spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 8}
-    config = engine_config(tiny_target_path, spec)
-
-    def verify(extra, cfg=config):
-        SamplingParams(extra_args=extra).verify(
-            cfg.model_config, cfg.speculative_config, None, None
-        )
-
-    for extra in ({"tree_budget": 1}, {"tree_budget": 8}, {"tree_budget": "auto"}, {}):
-        verify(extra)
-    with pytest.raises(DDTreeConfigError, match=r"tree_budget.*1\.\.8"):
-        verify({"tree_budget": 9})
-    with pytest.raises(DDTreeConfigError, match="ddtree_stats"):
-        verify({"ddtree_stats": "yes"})
-    chain = engine_config(
-        tiny_target_path,
-        {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7},
-    )
-    verify({"tree_budget": 9}, chain)
-
-
 def test_serve_cli_arguments_accept_ddtree(tiny_target_path, tiny_drafter_path):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import make_arg_parser

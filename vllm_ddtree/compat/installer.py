@@ -57,9 +57,9 @@ from vllm_ddtree.compat.tree_attn_slot import (
 from vllm_ddtree.config import (
     DDTreeConfig,
     DDTreeConfigError,
-    check_sampling_params,
 )
-from vllm_ddtree.requests.options import check_request_options, install_stats_book
+from vllm_ddtree.requests.options import check_ddtree_request
+from vllm_ddtree.requests.scheduler_hooks import install_stats_book
 from vllm_ddtree.spec_request import (
     attention_backend,
     check_ddtree_drafter,
@@ -194,12 +194,7 @@ def _wrap_validate_spec_decode(original):
 
     def _validate_spec_decode(self, speculative_config, *args, **kwargs):
         original(self, speculative_config, *args, **kwargs)
-        ddtree = get_ddtree_config(speculative_config)
-        if ddtree is not None:
-            check_sampling_params(self, ddtree.runner)
-            check_request_options(self, ddtree.tree_budget)
-        elif serves_chain_for_ddtree(speculative_config):  # "auto" chose the chain
-            check_request_options(self, None)
+        check_ddtree_request(self, speculative_config)
 
     return _validate_spec_decode
 

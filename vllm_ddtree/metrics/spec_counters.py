@@ -21,7 +21,7 @@ import functools
 from vllm_ddtree.budget import metrics as budget_metrics
 from vllm_ddtree.compat import bind_arguments
 from vllm_ddtree.config import get_ddtree_config
-from vllm_ddtree.requests.options import stats_book
+from vllm_ddtree.requests.scheduler_hooks import stats_book
 
 
 def tree_positions(ddtree) -> int:

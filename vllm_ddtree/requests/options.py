@@ -17,8 +17,9 @@ A request asks through ``SamplingParams.extra_args`` (the OpenAI server's ``vllm
   ``"ddtree_stats"``, beside whatever a KV connector put there. A request the front end stops
   (a stop string) finishes without a final engine output: its statistics are in the log only.
 
-Both are checked when vLLM validates the request (``check_request_options``): a bad value is
-refused before the request reaches the engine, naming the key and the values allowed. An
+Both are checked when vLLM validates the request (``check_ddtree_request``): a bad value is
+refused before the request reaches the engine, naming the key and the values allowed. The
+scheduler's side (each request's cut and statistics) is ``scheduler_hooks.py``. An
 engine where ``"tree_budget": "auto"`` chose vLLM's DFlash chain takes the same options: a
 request's ``tree_budget`` (an int >= 1 or ``"auto"``) caps its chain's draft tokens, and its
 statistics count the chain's verify steps and say ``"served": "dflash_chain"``.
@@ -30,13 +31,21 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_ddtree.compat.handles import SchedulerState, held, hold
-from vllm_ddtree.config import AUTO_BUDGET, DDTreeConfigError
+from vllm_ddtree.config import (
+    AUTO_BUDGET,
+    DDTreeConfigError,
+    check_sampling_params,
+    get_ddtree_config,
+    serves_chain_for_ddtree,
+)
 
 logger = logging.getLogger("vllm.ddtree")
 
 REQUEST_BUDGET_KEY = "tree_budget"
 REQUEST_STATS_KEY = "ddtree_stats"
+STATS_RESPONSE_KEY = "ddtree_stats"  # in a finished request's kv_transfer_params
+# What its engine verified, in a request's returned statistics ("served").
+SERVED_TREES, SERVED_CHAIN = "ddtree", "dflash_chain"
 
 
 def _extra_args(params: Any) -> dict:
@@ -77,6 +86,19 @@ def wants_tree_stats(params: Any) -> bool:
     raise DDTreeConfigError(
         f"extra_args['{REQUEST_STATS_KEY}'] (vllm_xargs) = {value!r}: allowed are true or false"
     )
+
+
+def check_ddtree_request(params: Any, speculative_config: Any) -> None:
+    """Where vLLM validates a request against the engine's speculative config: with DDTree,
+    what the tree sampler cannot apply (``config.check_sampling_params``) and the request's
+    DDTree options (``check_request_options``; an engine where "auto" chose the chain checks
+    the options too) raise ``DDTreeConfigError`` naming the fields. Nothing for other engines."""
+    ddtree = get_ddtree_config(speculative_config)
+    if ddtree is not None:
+        check_sampling_params(params, ddtree.runner)
+        check_request_options(params, ddtree.tree_budget)
+    elif serves_chain_for_ddtree(speculative_config):
+        check_request_options(params, None)
 
 
 def check_request_options(params: Any, engine_budget: int | None) -> None:
@@ -156,64 +178,3 @@ class RequestStatsBook:
 
     def __len__(self) -> int:
         return len(self._by_request)
-
-
-def stats_book(scheduler) -> RequestStatsBook | None:
-    """The scheduler's ``RequestStatsBook`` (``compat.handles.SchedulerState``), or None."""
-    state = held(scheduler, SchedulerState)
-    return state.stats_book if state is not None else None
-
-
-def _wrap_schedule(original):
-    """``Scheduler.schedule``: requests' own tree budgets cap their draft tokens first."""
-
-    def schedule(self, *args, **kwargs):
-        if stats_book(self) is not None:  # an engine asked for DDTree (trees or the chain)
-            cap_request_budgets(self.running)
-        return original(self, *args, **kwargs)
-
-    return schedule
-
-
-STATS_RESPONSE_KEY = "ddtree_stats"  # in a finished request's kv_transfer_params
-# What its engine verified, in a request's returned statistics ("served").
-SERVED_TREES, SERVED_CHAIN = "ddtree", "dflash_chain"
-
-
-def _wrap_free_request(original):
-    """``Scheduler._free_request``: a finished request's tree statistics go to the log and, when
-    it asked for them, into the ``kv_transfer_params`` of its final output."""
-
-    def _free_request(self, request, *args, **kwargs):
-        book = stats_book(self)
-        if book is None:  # not the scheduler of an engine asked for DDTree
-            return original(self, request, *args, **kwargs)
-        stats = book.finish(request.request_id)
-        try:
-            asked = wants_tree_stats(request.sampling_params)
-        except DDTreeConfigError:  # a request that skipped vLLM's validation: not asked
-            asked = False
-        if asked and stats is None:  # finished before its first tree
-            stats = RequestTreeStats()
-        served = SERVED_CHAIN if book.serves_chain else SERVED_TREES
-        if stats is not None:
-            level = logging.INFO if asked else logging.DEBUG
-            described = stats.describe()
-            if book.serves_chain:
-                described += " (vLLM's DFlash chain: tree_budget 'auto' chose it)"
-            logger.log(level, "vllm-ddtree: request %s: %s", request.request_id, described)
-        freed = original(self, request, *args, **kwargs)
-        if asked:
-            kv_params, *rest = freed
-            returned = {**stats.as_dict(), "served": served}
-            kv_params = {**(kv_params or {}), STATS_RESPONSE_KEY: returned}
-            freed = (kv_params, *rest)
-        return freed
-
-    return _free_request
-
-
-def install_stats_book(scheduler, serves_chain: bool = False) -> None:
-    """The scheduler of an engine asked for DDTree keeps a ``RequestStatsBook`` (its
-    ``__init__`` wrapper); ``serves_chain``: "auto" chose vLLM's DFlash chain."""
-    hold(scheduler, SchedulerState).stats_book = RequestStatsBook(serves_chain)

@@ -236,6 +236,20 @@ DDTREE_LOOKAHEAD = Edit(
 """,
     why="a DDTree step's KV lookahead covers every slot its drafter writes",
 )
+DDTREE_REQUEST_CHECK = Edit(
+    path="vllm/sampling_params.py",
+    anchor="""                "The min_p and logit_bias sampling parameters "
+                "are not yet supported with speculative decoding."
+            )
+""",
+    text="""        # DDTree: what its tree sampler cannot apply, and the request's own DDTree
+        # options (extra_args "tree_budget", "ddtree_stats"), refused naming them.
+        from vllm.v1.spec_decode.ddtree.request_options import check_ddtree_request
+
+        check_ddtree_request(self, speculative_config)
+""",
+    why="a request is checked against the tree engine where vLLM validates it",
+)
 SPEC_CONFIG_EDITS = (
     DDTREE_CONFIG_IMPORT,
     DDTREE_CONFIG_FIELDS,

@@ -53,6 +53,7 @@ MODULES: dict[str, str] = {
     "tests.vllm_graphs": "tests.v1.spec_decode.ddtree.vllm_graphs",
     "vllm_ddtree.spec_request": "vllm.v1.spec_decode.ddtree.spec_request",
     "vllm_ddtree.hybrid.gdn_state": "vllm.v1.spec_decode.ddtree.gdn_state",
+    "vllm_ddtree.requests.options": "vllm.v1.spec_decode.ddtree.request_options",
     "vllm_ddtree.dflash_drafter": "tests.v1.spec_decode.ddtree.dflash_drafter",
     "vllm_ddtree.testing": "tests.v1.spec_decode.ddtree.tiny_models",
 }
@@ -70,6 +71,7 @@ TESTS: dict[str, str] = {
     "tests/test_graph_sizes.py": "tests/v1/spec_decode/ddtree/test_graph_sizes.py",
     "tests/test_ddtree_engine_config.py": "tests/v1/spec_decode/ddtree/test_engine_config.py",
     "tests/test_gdn_state.py": "tests/v1/spec_decode/ddtree/test_gdn_state.py",
+    "tests/test_request_options.py": "tests/v1/spec_decode/ddtree/test_request_options.py",
 }
 # vLLM's own tests, from its tests tree, of what the series touches that run on CPU machines
 # in seconds: the attention backend registry and selection, batch splitting and reordering,

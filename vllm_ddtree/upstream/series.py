@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm_ddtree.upstream.edits import (
     COST_PROFILES_DATA,
+    DDTREE_REQUEST_CHECK,
     INTERPRETER_MARKER,
     SPEC_CONFIG_EDITS,
     TREE_ATTN_MEMBER,
@@ -250,5 +251,25 @@ and Qwen3.5 configs and the budget the check names.""",
         ),
         tests=("tests/test_ddtree_engine_config.py", "tests/test_gdn_state.py"),
         edits=SPEC_CONFIG_EDITS,
+    ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: requests checked against the tree engine",
+        body="""\
+A request may ask DDTree for its own tree budget (`extra_args` / the OpenAI server's
+`vllm_xargs` "tree_budget": an int up to the engine's budget, or "auto") and for its tree
+statistics ("ddtree_stats"). Where vLLM validates a request against the engine's speculative
+config, a DDTree engine now refuses a bad value of either, naming the key and the values
+allowed (the OpenAI server's 400), and a request asking for what the tree sampler cannot
+apply (on the V2 runner: a thinking token budget); an engine where "auto" chose the chain
+checks the options too. The scheduler's use of the options (each request's cut, its
+statistics) follows with the proposer.
+
+Tests: tests/v1/spec_decode/ddtree/test_request_options.py checks the options' values as the
+OpenAI server passes them, the scheduler's cut and the statistics' counts (CPU);
+test_engine_config.py's validation tests run vLLM's SamplingParams.verify against tree, V2
+tree and chain engines.""",
+        modules=("vllm_ddtree.requests.options",),
+        tests=("tests/test_request_options.py",),
+        edits=(DDTREE_REQUEST_CHECK,),
     ),
 )
