@@ -103,6 +103,7 @@ def test_every_step_generates_from_the_project_without_the_plugin():
             if path.endswith(".py"):
                 assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n"), path
             assert "vllm_ddtree" not in text and "tree_attn_backend" not in text, path
+            assert "vllm-ddtree" not in text, path  # its log lines say DDTree
 
 
 def test_each_patch_imports_only_what_it_or_an_earlier_patch_brings():

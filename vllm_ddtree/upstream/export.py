@@ -19,6 +19,7 @@ from vllm_ddtree.upstream.edits import SUBSTITUTIONS, apply_edit, substitute
 from vllm_ddtree.upstream.layout import (
     TESTS,
     data_target,
+    in_tree_words,
     rewrite,
     source_and_target,
     unmapped_imports,
@@ -98,7 +99,7 @@ def generated_files(step: PatchStep, project_root: str = PROJECT_ROOT) -> dict[s
     for target, (source, module) in sources.items():
         with open(os.path.join(project_root, source)) as f:
             original = f.read()
-        text = rewrite(substitute(module, original, SUBSTITUTIONS))
+        text = in_tree_words(rewrite(substitute(module, original, SUBSTITUTIONS)))
         leftover = unplaced_imports(original, project_root) + unmapped_imports(text)
         if leftover:
             raise ExportError(

@@ -151,6 +151,15 @@ def rewrite(text: str) -> str:
     return whole_name.sub(lambda match: MODULES[match.group(1)], text)
 
 
+_PROJECT_NAME = re.compile(r"\bvllm-ddtree\b(?!-)")
+
+
+def in_tree_words(text: str) -> str:
+    """``text`` with the plugin's name, which its log lines and docstrings say
+    (``"vllm-ddtree: ..."``), as the feature's in vLLM: DDTree."""
+    return _PROJECT_NAME.sub("DDTree", text)
+
+
 _FROM_IMPORT = re.compile(
     rf"^\s*from\s+((?:{_ROOTS})(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n]*)", re.MULTILINE
 )
