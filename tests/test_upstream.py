@@ -174,10 +174,15 @@ def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]
                 os.remove(target)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(os.path.join(tree, path), target)
-    checkout = os.path.join(root, "checkout")
+    return site, vllm_tests_checkout(tree, os.path.join(root, "checkout"))
+
+
+def vllm_tests_checkout(tree: str, checkout: str) -> str:
+    """``checkout``: vLLM's tests tree and ``pyproject.toml`` from ``tree`` without its
+    ``vllm`` sources, from where ``python -m pytest`` imports the installed vLLM."""
     shutil.copytree(os.path.join(tree, "tests"), os.path.join(checkout, "tests"))
     shutil.copyfile(os.path.join(tree, "pyproject.toml"), os.path.join(checkout, "pyproject.toml"))
-    return site, checkout
+    return checkout
 
 
 def test_the_series_tests_pass_against_vllm_patched_with_it(vllm_src, series, tmp_path):
@@ -246,11 +251,7 @@ def test_vllms_own_tests_pass_on_vllm_patched_with_the_series_as_unpatched(
     with the series (``VLLM_PLUGINS=""`` both): every test that passes unpatched passes
     patched (vLLM-CPU fails a few of them unpatched too)."""
     site, patched_checkout = patched_vllm(vllm_src, series, str(tmp_path / "patched"))
-    plain_checkout = str(tmp_path / "plain")
-    shutil.copytree(os.path.join(vllm_src, "tests"), os.path.join(plain_checkout, "tests"))
-    shutil.copyfile(
-        os.path.join(vllm_src, "pyproject.toml"), os.path.join(plain_checkout, "pyproject.toml")
-    )
+    plain_checkout = vllm_tests_checkout(vllm_src, str(tmp_path / "plain"))
     runs = {}
     for name, cwd, env in (
         ("plain", plain_checkout, vllm_tests_env(plain_checkout)),

@@ -104,12 +104,12 @@ def _wrap_create_speculative_config(original):
         served = serve_ddtree_request(
             self, target_model_config, target_parallel_config, _tree_attention_here
         )
-        request = served[0] if served is not None else None
-        if served is not None and served[0].ddtree is not None:
-            ddtree = served[0].ddtree
+        request, sizing = served if served is not None else (None, None)
+        if request is not None and request.ddtree is not None:
+            ddtree = request.ddtree
             state = hold(self, ArgsState)
             state.config = ddtree
-            state.sizing = served[1]
+            state.sizing = sizing
         spec = original(self, target_model_config, target_parallel_config)
         if ddtree is None and spec is not None:
             # "auto" chose the chain (now or in an earlier call with these arguments, after

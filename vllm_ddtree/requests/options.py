@@ -27,7 +27,6 @@ statistics count the chain's verify steps and say ``"served": "dflash_chain"``.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +37,6 @@ from vllm_ddtree.config import (
     get_ddtree_config,
     serves_chain_for_ddtree,
 )
-
-logger = logging.getLogger("vllm.ddtree")
 
 REQUEST_BUDGET_KEY = "tree_budget"
 REQUEST_STATS_KEY = "ddtree_stats"
