@@ -79,10 +79,10 @@ def test_only_float32_calls_leave_vllms_kernel():
 def test_install_wraps_both_forwards_of_vllms_op_once(monkeypatch):
     import importlib
 
-    from vllm_ddtree.hybrid import gdn_layer
+    from vllm_ddtree.compat.gdn_dispatch import GDN_MODULE
     from vllm_ddtree.testing import float32_gdn_prefill
 
-    module = importlib.import_module(gdn_layer.GDN_MODULE)
+    module = importlib.import_module(GDN_MODULE)
     op = module.ChunkGatedDeltaRule
     originals = {name: getattr(op, name) for name in ("forward_native", "forward_cuda")}
     for name, fn in originals.items():

@@ -399,16 +399,17 @@ def test_install_routes_only_the_speculative_gdn_calls_of_a_ddtree_forward(monke
 
     from vllm.forward_context import override_forward_context
 
+    from vllm_ddtree.compat import gdn_dispatch
     from vllm_ddtree.hybrid import gdn_layer
     from vllm_ddtree.spec_decode.step_state import StepState
 
-    module = importlib.import_module(gdn_layer.GDN_MODULE)
+    module = importlib.import_module(gdn_dispatch.GDN_MODULE)
     calls = []
     monkeypatch.setattr(module, "causal_conv1d_update", lambda *a, **k: calls.append("conv"))
     monkeypatch.setattr(
         module, "fused_sigmoid_gating_delta_rule_update", lambda *a, **k: calls.append("rec")
     )
-    gdn_layer.install(torch.device("cpu"))
+    gdn_dispatch.install(torch.device("cpu"))
     step = gdn_layer.HybridTreeStep(max_rows=2, tree_budget=2, device=torch.device("cpu"))
     monkeypatch.setattr(step, "tree_conv", lambda *a: calls.append("tree_conv"))
     monkeypatch.setattr(step, "tree_recurrence", lambda *a: calls.append("tree_rec"))
@@ -443,7 +444,7 @@ def test_install_routes_only_the_speculative_gdn_calls_of_a_ddtree_forward(monke
     with override_forward_context(tree_forward):
         every_call()
     assert calls == ["conv", "tree_conv", "rec", "tree_rec"]
-    gdn_layer.install(torch.device("cpu"))
+    gdn_dispatch.install(torch.device("cpu"))
     assert module.causal_conv1d_update is conv, "installing twice does not wrap twice"
     calls.clear()
     every_call()  # outside a forward
@@ -465,8 +466,8 @@ def test_every_hybrid_architecture_accepted_uses_the_gdn_layer_the_tree_path_rou
     pytest.importorskip("vllm")
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
+    from vllm_ddtree.compat.gdn_dispatch import GDN_MODULE
     from vllm_ddtree.config import GDN_TREE_ARCHITECTURES
-    from vllm_ddtree.hybrid.gdn_layer import GDN_MODULE
 
     for architecture in GDN_TREE_ARCHITECTURES:
         module_name, class_name = _VLLM_MODELS[architecture]
@@ -541,11 +542,9 @@ def test_a_step_with_a_prefill_never_replays_the_full_verify_graph():
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_ddtree.compat.v1_runner import _wrap_determine_batch_execution
     from vllm_ddtree.spec_decode.step_state import runner_step_state
-    from vllm_ddtree.spec_decode.v1_hooks import (
-        _wrap_determine_batch_execution,
-        rows_without_drafts,
-    )
+    from vllm_ddtree.spec_decode.v1_hooks import rows_without_drafts
 
     budget = 8
     # vLLM's own rule: one 9-token prefill at budget 8 is a "uniform decode" batch.
@@ -599,9 +598,9 @@ def test_a_chain_served_for_ddtree_gets_the_same_guard():
     from types import SimpleNamespace
 
     from vllm_ddtree.compat import DDTREE_CHAIN_ATTR
-    from vllm_ddtree.compat.handles import HANDLE
+    from vllm_ddtree.compat.v1_runner import _wrap_prepare_inputs
+    from vllm_ddtree.handles import HANDLE
     from vllm_ddtree.spec_decode.step_state import runner_step_state
-    from vllm_ddtree.spec_decode.v1_hooks import _wrap_prepare_inputs
 
     with_a_prefill = SimpleNamespace(num_draft_tokens=[15, 0])
     prepare = _wrap_prepare_inputs(lambda self, out, counts: (None, with_a_prefill))
@@ -620,6 +619,7 @@ def test_layer_buffers_exist_while_vllm_profiles_memory(monkeypatch):
     share), so they are counted as the engine's own memory."""
     from types import SimpleNamespace
 
+    from vllm_ddtree.compat import v1_runner
     from vllm_ddtree.spec_decode import v1_hooks
     from vllm_ddtree.spec_decode.step_state import StepState
 
@@ -627,8 +627,8 @@ def test_layer_buffers_exist_while_vllm_profiles_memory(monkeypatch):
     layer, _, step = layer_table_step(2, 4, gen)
     model = torch.nn.Sequential(GDNLikeModule(layer))
     drafter = SimpleNamespace(state=StepState(hybrid=step))
-    monkeypatch.setattr(v1_hooks, "_ddtree_proposer", lambda runner: drafter)
+    monkeypatch.setattr(v1_hooks, "ddtree_proposer", lambda runner: drafter)
     seen = []
-    profile_run = v1_hooks._wrap_profile_run(lambda runner: seen.append(len(step.layers)))
+    profile_run = v1_runner._wrap_profile_run(lambda runner: seen.append(len(step.layers)))
     profile_run(SimpleNamespace(get_model=lambda: model))
     assert seen == [1]

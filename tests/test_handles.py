@@ -1,4 +1,4 @@
-"""DDTree keeps what it owns per engine on one attribute of a vLLM object (``compat/handles.py``)
+"""DDTree keeps what it owns per engine on one attribute of a vLLM object (``handles.py``)
 and adds no other attribute of its own naming to vLLM's objects."""
 
 from __future__ import annotations
@@ -7,11 +7,13 @@ import ast
 import os
 from types import SimpleNamespace
 
-from vllm_ddtree.compat.handles import HANDLE, ArgsState, SchedulerState, held, hold
+from vllm_ddtree.compat.installer import ArgsState
+from vllm_ddtree.handles import HANDLE, held, hold
+from vllm_ddtree.scheduler_state import SchedulerState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Data that rides with vLLM's messages (a request's tree parents, "auto"'s payload on a
-# SchedulerStats), named in compat/handles.py's docstring: not a handle.
+# SchedulerStats), named in handles.py's docstring: not a handle.
 MESSAGE_DATA = {"_ddtree_tree_parents", "_ddtree_payload"}
 
 

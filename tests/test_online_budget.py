@@ -14,8 +14,9 @@ from vllm.config import CUDAGraphMode  # noqa: E402
 from tests.profiles import write_cheap_tree_profile  # noqa: E402
 from vllm_ddtree.budget import metrics as budget_metrics
 from vllm_ddtree.budget import online as online_budget  # noqa: E402
-from vllm_ddtree.compat.handles import HANDLE  # noqa: E402
+from vllm_ddtree.budget.acceptance import make_tracker  # noqa: E402
 from vllm_ddtree.config import DDTREE_ATTR, DDTreeConfig  # noqa: E402
+from vllm_ddtree.handles import HANDLE  # noqa: E402
 from vllm_ddtree.spec_decode.engine_step import READERS, _wrap_engine_step  # noqa: E402
 from vllm_ddtree.spec_decode.step_state import StepState  # noqa: E402
 
@@ -33,7 +34,7 @@ def engine_core(tmp_path, cudagraph_mode=CUDAGraphMode.NONE, budgets=(4, 8, 16, 
             cudagraph_mode=cudagraph_mode, max_cudagraph_capture_size=64
         ),
     )
-    tracker = online_budget.make_tracker(config, torch.device("cpu"))
+    tracker = make_tracker(config, torch.device("cpu"))
     worker = SimpleNamespace(
         model_runner=SimpleNamespace(**{HANDLE: StepState(acceptance=tracker)})
     )

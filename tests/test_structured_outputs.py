@@ -169,34 +169,3 @@ def test_while_reasoning_a_path_is_constrained_after_its_end_marker():
     assert torch.equal(torch.from_numpy(rows[4]), rows_along([A]))
     assert torch.equal(torch.from_numpy(rows[6]), rows_along([A, X]))
     assert grammar.num_processed_tokens == 0
-
-
-@pytest.mark.parametrize("in_output", [False, True], ids=["sync", "async"])
-def test_engines_without_ddtree_keep_vllms_draft_update(in_output):
-    """The wrapped draft updates of an engine without DDTree do what vLLM's do, and nothing
-    more: rows zipped as vLLM zips them (no strict length check), requests untouched."""
-    from vllm_ddtree.requests.structured_outputs import (
-        REQUEST_PARENTS_ATTR,
-        _wrap_update_draft_token_ids,
-        _wrap_update_draft_token_ids_in_output,
-    )
-
-    calls = []
-    request = SimpleNamespace(
-        is_finished=lambda: False, is_prefill_chunk=False, use_structured_output=True
-    )
-    setattr(request, REQUEST_PARENTS_ATTR, [[-1]])  # another code path's attribute
-    scheduler = SimpleNamespace(
-        vllm_config=SimpleNamespace(speculative_config=SimpleNamespace(method="dflash")),
-        requests={"a": request, "b": request},
-    )
-    # One more request id than rows of drafts: vLLM's plain zip reads the rows it has.
-    drafts = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[1, 2]])
-    if in_output:
-        wrapped = _wrap_update_draft_token_ids_in_output(lambda *args: calls.append(args))
-        wrapped(scheduler, drafts, SimpleNamespace(scheduled_spec_decode_tokens={}))
-    else:
-        wrapped = _wrap_update_draft_token_ids(lambda *args: calls.append(args))
-        wrapped(scheduler, drafts)
-    assert len(calls) == 1 and calls[0][1] is drafts
-    assert getattr(request, REQUEST_PARENTS_ATTR) == [[-1]]

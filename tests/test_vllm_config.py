@@ -112,7 +112,7 @@ def test_auto_budget_chooses_for_the_engines_max_num_seqs(
 
 
 def test_plain_dflash_is_unchanged(tiny_target_path, tiny_drafter_path):
-    from vllm_ddtree.compat.handles import HANDLE
+    from vllm_ddtree.handles import HANDLE
 
     spec = {"method": "dflash", "model": tiny_drafter_path, "num_speculative_tokens": 7}
     args = engine_args(tiny_target_path, spec)
@@ -702,8 +702,9 @@ def test_every_schedule_the_online_auto_serves_on_v2_replays_a_full_graph(
     from vllm.config import CUDAGraphMode
 
     from tests.vllm_graphs import vllm_v2_scheduled_verify_modes
+    from vllm_ddtree.budget.acceptance import moves_online
     from vllm_ddtree.budget.cost_model import choose_live_schedule, load_profile
-    from vllm_ddtree.budget.online import max_verify_tokens, moves_online
+    from vllm_ddtree.budget.online import max_verify_tokens
     from vllm_ddtree.graph_sizes import verify_graph_sizes
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
@@ -748,7 +749,7 @@ def test_under_data_parallelism_the_start_up_log_says_what_the_ranks_serve(
     graph are named; and "auto" serves one budget every rank agrees on, with no online moves
     (vLLM-CPU makes a data-parallel engine's config on one host)."""
     from tests.test_cost_model import auto
-    from vllm_ddtree.budget.online import moves_online
+    from vllm_ddtree.budget.acceptance import moves_online
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
     spec = {"method": "ddtree", "model": tiny_drafter_path, "tree_budget": 64}

@@ -195,12 +195,17 @@ if __name__ == "__main__":
         os.environ.update(run_env)
         # The engine core runs in this process: an online "auto" engine's cadence, scaled
         # down so that a short run sees several refreshes (online_budget's constants).
+        from vllm_ddtree.budget import acceptance
         from vllm_ddtree.budget import online as online_budget
 
         cadence = run.get("online_budget", {})
-        saved_cadence = {name: getattr(online_budget, name) for name in cadence}
+        # Each constant where it is defined: the controller's, or the workers' tracker's.
+        homes = {
+            name: acceptance if hasattr(acceptance, name) else online_budget for name in cadence
+        }
+        saved_cadence = {name: getattr(homes[name], name) for name in cadence}
         for name, value in cadence.items():
-            setattr(online_budget, name, value)
+            setattr(homes[name], name, value)
         results[run["name"]] = generate(
             target,
             run["kwargs"],
@@ -212,7 +217,7 @@ if __name__ == "__main__":
             run.get("phases"),
         )
         for name, value in saved_cadence.items():
-            setattr(online_budget, name, value)
+            setattr(homes[name], name, value)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -22,6 +22,10 @@ from typing import Any
 
 import torch
 
+from vllm_ddtree.config import get_ddtree_config
+
+HALF_LIFE_STEPS = 256.0  # a verified step's weight halves after this many more steps
+
 
 def accepted_within_budgets(
     accepted: torch.Tensor, num_accepted: torch.Tensor, budgets: torch.Tensor
@@ -143,3 +147,29 @@ class OnlineAcceptance:
                 self._last_read = paired_estimates(self.budgets, *self._host[turn].tolist())
                 break
         return dict(self._last_read)
+
+
+def moves_online(vllm_config) -> bool:
+    """Whether this engine's "auto" moves its budget online: several budgets to move between
+    (``DDTreeConfig.online_budgets``), each with its verify graphs (V2: the schedule's widths)
+    or without graphs at all (V1: its graphs have one width), on one data-parallel rank."""
+    from vllm.config import CUDAGraphMode
+
+    ddtree = get_ddtree_config(vllm_config.speculative_config)
+    if ddtree is None or len(ddtree.online_budgets) < 2:
+        return False
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel_config, "data_parallel_size", 1) > 1:
+        return False  # each rank would move by its own acceptance: ranks must verify alike
+    return (
+        ddtree.runner == "v2" or vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    )
+
+
+def make_tracker(vllm_config, device: torch.device):
+    """The worker's ``OnlineAcceptance`` for an engine that moves its budget online, else
+    None."""
+    if not moves_online(vllm_config):
+        return None
+    ddtree = get_ddtree_config(vllm_config.speculative_config)
+    return OnlineAcceptance(list(ddtree.online_budgets), HALF_LIFE_STEPS, device)

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_ddtree.compat.handles import SchedulerState, held, hold
+from vllm_ddtree.handles import held, hold
+from vllm_ddtree.scheduler_state import SchedulerState
 
 PAYLOAD_KEY = "ddtree"  # in SchedulerStats.kv_connector_stats, engine core to front end
 PAYLOAD_ATTR = "_ddtree_payload"  # on a SchedulerStats once the front end took it out
@@ -76,7 +77,7 @@ class BudgetPredictions:
 
 
 def predictions(scheduler) -> BudgetPredictions | None:
-    """The scheduler's ``BudgetPredictions`` (``compat.handles.SchedulerState``), or None."""
+    """The scheduler's ``BudgetPredictions`` (``handles.SchedulerState``), or None."""
     state = held(scheduler, SchedulerState)
     return state.predictions if state is not None else None
 

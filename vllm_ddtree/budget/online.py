@@ -30,11 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from vllm_ddtree.budget.acceptance import moves_online
 from vllm_ddtree.budget.metrics import set_predictions
-from vllm_ddtree.compat.handles import SchedulerState, hold
 from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.handles import hold
+from vllm_ddtree.scheduler_state import SchedulerState
 
 if TYPE_CHECKING:
     from vllm_ddtree.budget.step_costs import MeasuredStepCosts
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.ddtree")
 
 REFRESH_STEPS = 32  # engine steps between reads of the workers' acceptance
-HALF_LIFE_STEPS = 256.0  # a verified step's weight halves after this many more steps
 MIN_TREES = 16.0  # decayed trees behind a live estimate before it replaces the profile's
 EXPLORE_EVERY = 8  # every 8th refresh tries the next larger budget without an estimate
 # Realised step times (step_costs.RealisedStepTimes): an engine's costs drift less than its
@@ -68,23 +67,6 @@ class WorkerReaders:
     step_costs: Callable[[Any], MeasuredStepCosts | None]
 
 
-def moves_online(vllm_config) -> bool:
-    """Whether this engine's "auto" moves its budget online: several budgets to move between
-    (``DDTreeConfig.online_budgets``), each with its verify graphs (V2: the schedule's widths)
-    or without graphs at all (V1: its graphs have one width), on one data-parallel rank."""
-    from vllm.config import CUDAGraphMode
-
-    ddtree = get_ddtree_config(vllm_config.speculative_config)
-    if ddtree is None or len(ddtree.online_budgets) < 2:
-        return False
-    parallel_config = getattr(vllm_config, "parallel_config", None)
-    if getattr(parallel_config, "data_parallel_size", 1) > 1:
-        return False  # each rank would move by its own acceptance: ranks must verify alike
-    return (
-        ddtree.runner == "v2" or vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
-    )
-
-
 def max_verify_tokens(vllm_config) -> int:
     """The widest verify batch a budget may be given: the step's token budget, and with CUDA
     graphs the largest graph (a wider batch would run without a FULL one)."""
@@ -95,17 +77,6 @@ def max_verify_tokens(vllm_config) -> int:
     if compilation.cudagraph_mode != CUDAGraphMode.NONE:
         limit = min(limit, compilation.max_cudagraph_capture_size)
     return limit
-
-
-def make_tracker(vllm_config, device: torch.device):
-    """The worker's ``OnlineAcceptance`` for an engine that moves its budget online, else
-    None."""
-    if not moves_online(vllm_config):
-        return None
-    from vllm_ddtree.budget.acceptance import OnlineAcceptance
-
-    ddtree = get_ddtree_config(vllm_config.speculative_config)
-    return OnlineAcceptance(list(ddtree.online_budgets), HALF_LIFE_STEPS, device)
 
 
 def tree_room(scheduler, request) -> int:

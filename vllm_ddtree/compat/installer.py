@@ -43,7 +43,6 @@ from vllm_ddtree.compat import (
     serves_chain_for_ddtree,
     vllm_version,
 )
-from vllm_ddtree.compat.handles import ArgsState, held, hold
 from vllm_ddtree.compat.tree_attn_slot import (
     TREE_ATTN_NAME,
     TREE_ATTN_PATH,
@@ -58,9 +57,11 @@ from vllm_ddtree.config import (
     DDTreeConfig,
     DDTreeConfigError,
 )
+from vllm_ddtree.handles import held, hold
 from vllm_ddtree.requests.options import check_ddtree_request
 from vllm_ddtree.requests.scheduler_hooks import install_stats_book
 from vllm_ddtree.spec_request import (
+    TreeGraphSizing,
     attention_backend,
     check_ddtree_drafter,
     finish_tree_engine_config,
@@ -70,6 +71,17 @@ from vllm_ddtree.spec_request import (
 )
 
 logger = logging.getLogger("vllm.ddtree")
+
+
+@dataclasses.dataclass
+class ArgsState:
+    """What the config rewrite keeps on vLLM's ``EngineArgs`` between its calls (its handle,
+    ``handles.hold``)."""
+
+    config: DDTreeConfig | None = None  # the parsed DDTree settings
+    served_chain: bool = False  # "auto" chose vLLM's DFlash chain
+    # How the graphs were sized; create_engine_config finishes them (spec_request).
+    sizing: TreeGraphSizing | None = None
 
 
 def _check_vllm_shape() -> None:

@@ -62,15 +62,15 @@ GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 GDN_CPU_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 GDN_METADATA_MODULE = "vllm.v1.attention.backends.gdn_attn"
 
-_V1 = "vllm_ddtree.spec_decode.v1_hooks"
+_V1 = "vllm_ddtree.compat.v1_runner"
 _V2 = "vllm_ddtree.spec_decode.v2_hooks"
 _ENGINE = "vllm_ddtree.compat.installer"
 _KV = "vllm_ddtree.compat.kv_specs"
-_GDN = "vllm_ddtree.hybrid.gdn_layer"
+_GDN = "vllm_ddtree.compat.gdn_dispatch"
 _GDN_METADATA = "vllm_ddtree.hybrid.gdn_metadata"
 _METRICS = "vllm_ddtree.metrics.spec_counters"
 _REQUESTS = "vllm_ddtree.requests.scheduler_hooks"
-_GRAMMAR = "vllm_ddtree.requests.structured_outputs"
+_GRAMMAR = "vllm_ddtree.compat.scheduler_grammar"
 _ENGINE_STEP = "vllm_ddtree.spec_decode.engine_step"
 _BUDGET_METRICS = "vllm_ddtree.budget.metrics"
 # vLLM's GDN metadata build, bound by name (gdn_metadata.build_wrapper).
@@ -314,7 +314,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{V1_RUNNER_MODULE}:DFlashProposer",
         V1_RUNNER,
-        "vllm_ddtree.spec_decode.proposer:DDTreeProposer",
+        f"{_V1}:PluginDDTreeProposer",
         kind=REPLACE,
     ),
     _runner("capture_model", f"{_V1}:_wrap_capture_model"),
@@ -664,7 +664,13 @@ def install(group: str) -> None:
         elif seam.kind == PROPERTY:
             wrap_property(owner, name, value)
         elif seam.kind == REPLACE:
-            replace_attribute(owner, name, seam.target, value, value.__mro__[1])
+            replace_attribute(owner, name, seam.target, value, vllm_base(value))
+
+
+def vllm_base(cls: type) -> type:
+    """The nearest of ``cls``'s bases that is vLLM's (a replacement subclasses vLLM's class,
+    maybe through the project's class that vLLM's tree would hold)."""
+    return next(base for base in cls.__mro__[1:] if base.__module__.startswith("vllm."))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -1,9 +1,10 @@
 """DDTree on hybrid (GatedDeltaNet) targets: every tree node's recurrent state.
 
-Owns the GDN layer's tree verify and commit (``gdn_layer``: dispatch of vLLM's GDN layers to the
-tree kernels, per-node conv and SSM state, the accepted node's state written where vLLM's chain
-would leave it), the state layout and its memory check before the engine starts (``gdn_state``),
-and the GDN attention metadata of a tree step (``gdn_metadata``). It may import ``config``,
-``envs``, ``compat`` and ``ops``; never ``spec_decode``, ``requests`` or ``budget``: the runner
-hooks call in with the step's tree and accepted paths.
+Owns the GDN layer's tree verify and commit (``gdn_layer``: the tree path that vLLM's GDN
+layers' speculative calls reach, routed there by the plugin in ``compat/gdn_dispatch.py``;
+per-node conv and SSM state; the accepted node's state written where vLLM's chain would leave
+it), the state layout and its memory check before the engine starts (``gdn_state``), and the
+GDN attention metadata of a tree step (``gdn_metadata``). It may import ``config``, ``envs``,
+``compat`` and ``ops``; never ``spec_decode``, ``requests`` or ``budget``: the runner hooks
+call in with the step's tree and accepted paths.
 """

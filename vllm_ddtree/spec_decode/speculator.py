@@ -16,7 +16,7 @@ import copy
 import torch
 
 from vllm_ddtree import envs
-from vllm_ddtree.budget.online import make_tracker
+from vllm_ddtree.budget.acceptance import make_tracker
 from vllm_ddtree.compat import bind_arguments
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.hybrid.gdn_layer import hybrid_tree_step

@@ -10,7 +10,7 @@ speculator's ``propose``). Everything one stage leaves for a later one lives in 
   step's trees from it, and report the slots they built back to it;
 * the GatedDeltaNet layers of a hybrid target reach it through the TREE_ATTN metadata of the
   forward they run in (``gdn_layer``);
-* the V1 runner holds it on DDTree's one handle (``compat/handles.py``, ``runner_step_state``):
+* the V1 runner holds it on DDTree's one handle (``handles.py``, ``runner_step_state``):
   its CUDA-graph dispatch needs it where no proposer is asked, and an engine whose ``"auto"``
   chose vLLM's chain keeps one too.
 """
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tree_attn_backend.tree_verify import TreeVerifyBatch, bind_tree_source
-from vllm_ddtree.compat.handles import HANDLE, held, hold
+from vllm_ddtree.handles import HANDLE, held, hold
 
 if TYPE_CHECKING:
     from vllm_ddtree.budget.acceptance import OnlineAcceptance
@@ -78,7 +78,7 @@ class StepState:
 
 
 def runner_step_state(runner, state: StepState | None = None) -> StepState:
-    """The V1 runner's ``StepState`` (``compat/handles.py``): ``state`` when given (the
+    """The V1 runner's ``StepState`` (``handles.py``): ``state`` when given (the
     proposer's), else the one the runner holds, made on first use (a runner serving vLLM's
     chain for ``"auto"``)."""
     if state is not None and held(runner, StepState) is not state:

@@ -143,17 +143,17 @@ def seeds_and_keys_of_rows(runner, num_reqs: int):
     return row_seeds_and_keys
 
 
-def sample_without_trees(runner, original, logits):
+def sample_without_trees(runner, logits):
     """A DDTree engine's step in which no request verifies a tree (prefills, the first step):
     greedy batches as vLLM samples them; otherwise one keyed sample per request
     (``target_tokens``, after vLLM's ``min_tokens`` processor), as in steps with trees, so a
     seeded request's tokens do not depend on which of its steps carried other requests' trees.
     A ``thinking_token_budget`` is applied as in steps with trees (``tree_thinking_budget``),
-    vLLM's chain holder hidden from its sampler."""
+    vLLM's chain holder hidden from its sampler. None where vLLM's sampler serves the step."""
     sampling_metadata = runner.input_batch.sampling_metadata
     thinking = thinking_budget_of(runner, logits.shape[0]) if logits is not None else None
     if logits is None or (sampling_metadata.all_greedy and thinking is None):
-        return original(runner, logits, None)
+        return None
     from vllm.v1.outputs import SamplerOutput
 
     runner.input_batch.update_async_output_token_ids()

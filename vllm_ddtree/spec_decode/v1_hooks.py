@@ -1,19 +1,22 @@
 """DDTree verification inside vLLM 0.26.0's V1 model runner (``GPUModelRunner``; the CPU
-runner inherits it). Its wrappers are the seam group ``V1_RUNNER`` (``compat/seams.py``),
-inert unless the runner's drafter is a ``DDTreeProposer`` with DDTree configured.
+runner inherits it): plain functions the runner calls at the start or end of its own methods,
+each a no-op unless the runner's drafter is a ``DDTreeProposer`` with DDTree configured. In
+vLLM's tree the runner's methods call them (upstream patch 9); the plugin calls them from
+wrappers of the same methods (``compat/v1_runner.py``, the seam group ``V1_RUNNER``).
 
 Per step, for requests that carry a tree (their scheduled draft tokens are the tree's nodes):
 
-1. ``_prepare_inputs`` (wrapped): RoPE positions of node tokens become ``root + depth`` (the
-   slot mapping keeps one KV slot per node), and the batch's bit-packed ancestor masks are
+1. ``after_prepare_inputs``: RoPE positions of node tokens become ``root + depth`` (the slot
+   mapping keeps one KV slot per node), and the batch's bit-packed ancestor masks are
    published for TREE_ATTN.
-2. ``_sample`` (wrapped): the target's token at every node (argmax, or one sample per node at
-   T > 0: sample-and-walk), ``follow_tree``, and the accepted path + bonus written as vLLM's
-   ``[R, budget + 1]`` sampled-token rows (``-1`` padded), so the scheduler's accounting holds;
-   then the accepted nodes' K/V move to contiguous slots in every TREE_ATTN layer.
-3. ``propose_draft_token_ids`` (wrapped): the accepted path's rows (token, position, target
-   hidden states) move to the front of each request's rows, so the DFlash drafter's context is
-   exactly the committed tokens in order.
+2. ``sample`` (in place of vLLM's ``_sample``): the target's token at every node (argmax, or
+   one sample per node at T > 0: sample-and-walk), ``follow_tree``, and the accepted path +
+   bonus written as vLLM's ``[R, budget + 1]`` sampled-token rows (``-1`` padded), so the
+   scheduler's accounting holds; then the accepted nodes' K/V move to contiguous slots in
+   every TREE_ATTN layer.
+3. ``before_propose``: the accepted path's rows (token, position, target hidden states) move
+   to the front of each request's rows, so the DFlash drafter's context is exactly the
+   committed tokens in order.
 
 On CUDA each of these is a few Triton launches (``vllm_ddtree/ops``) fed by one non-blocking
 copy of the step's per-request tables; nothing waits for the device.
@@ -27,8 +30,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree import config
-from vllm_ddtree.compat import bind_arguments
-from vllm_ddtree.compat.handles import held
+from vllm_ddtree.handles import held
 from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
 from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.drafter_rows import move_path_rows
@@ -62,7 +64,8 @@ from vllm_ddtree.spec_decode.tree_step import (
 logger = logging.getLogger("vllm.ddtree")
 
 
-def _ddtree_proposer(runner):
+def ddtree_proposer(runner) -> DDTreeProposer | None:
+    """``runner``'s drafter when it drafts DDTree trees, else None."""
     drafter = getattr(runner, "drafter", None)
     if isinstance(drafter, DDTreeProposer) and drafter.ddtree is not None:
         return drafter
@@ -75,30 +78,29 @@ def _upload(runner, state: StepState) -> StepTableUpload:
     return state.upload
 
 
-def _wrap_prepare_inputs(original):
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        result = original(self, scheduler_output, num_scheduled_tokens)
-        drafter = _ddtree_proposer(self)
-        logits_indices, spec_decode_metadata = result
-        # For the graph dispatch after this (in "auto"'s chain too, where the same bug hits).
-        if drafter is None and not serves_chain_for_ddtree(self):
-            return result
-        state = runner_step_state(self, drafter.state if drafter is not None else None)
-        state.step = None
-        state.logits_indices = logits_indices  # the sampled rows (keys of their noise)
-        state.rows_without_drafts = rows_without_drafts(spec_decode_metadata)
-        state.publish(None)
-        if drafter is None:
-            return result
-        state.bind_tree_attention(self.attn_groups)
-        if spec_decode_metadata is None:  # no drafts: the step takes its requests' trees
-            drafter.proposals.take(self.input_batch.req_ids[: len(num_scheduled_tokens)])
-            return result
-        with step_range("ddtree::prepare_tree_inputs"):
-            _prepare_tree_inputs(self, drafter, spec_decode_metadata, num_scheduled_tokens)
-        return result
-
-    return _prepare_inputs
+def after_prepare_inputs(
+    runner, num_scheduled_tokens, logits_indices, spec_decode_metadata
+) -> None:
+    """At the end of the runner's ``_prepare_inputs`` (its ``num_scheduled_tokens`` argument
+    and the ``logits_indices`` and ``spec_decode_metadata`` it returns): this step's trees
+    taken from their requests' proposals, their node positions set, their masks published."""
+    drafter = ddtree_proposer(runner)
+    # For the graph dispatch after this (in "auto"'s chain too, where the same bug hits).
+    if drafter is None and not serves_chain_for_ddtree(runner):
+        return
+    state = runner_step_state(runner, drafter.state if drafter is not None else None)
+    state.step = None
+    state.logits_indices = logits_indices  # the sampled rows (keys of their noise)
+    state.rows_without_drafts = rows_without_drafts(spec_decode_metadata)
+    state.publish(None)
+    if drafter is None:
+        return
+    state.bind_tree_attention(runner.attn_groups)
+    if spec_decode_metadata is None:  # no drafts: the step takes its requests' trees
+        drafter.proposals.take(runner.input_batch.req_ids[: len(num_scheduled_tokens)])
+        return
+    with step_range("ddtree::prepare_tree_inputs"):
+        _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_tokens)
 
 
 def rows_without_drafts(spec_decode_metadata) -> bool:
@@ -116,8 +118,10 @@ def serves_chain_for_ddtree(runner) -> bool:
     return config.serves_chain_for_ddtree(getattr(runner, "speculative_config", None))
 
 
-def _wrap_determine_batch_execution(original):
-    """A step with a request that verifies no tree never replays a FULL CUDA graph.
+def uniform_decode_choice(runner, force_uniform_decode: bool | None) -> bool | None:
+    """The ``force_uniform_decode`` the runner's ``_determine_batch_execution_and_padding``
+    goes on with: False for a step with a request that verifies no tree, so that it never
+    replays a FULL CUDA graph; else the value it was given.
 
     vLLM calls a batch a uniform decode (and replays the FULL graph captured for
     ``1 + budget``-token verify rows) whenever every request has ``1 + budget`` tokens
@@ -130,18 +134,11 @@ def _wrap_determine_batch_execution(original):
     Such a step runs piecewise instead, in DDTree engines and in engines where "auto" serves
     vLLM's chain, whose 16-token prompts the same bug hits.
     Capture runs (``force_uniform_decode`` given) are left as vLLM asks."""
-
-    def _determine_batch_execution_and_padding(self, *args, **kwargs):
-        state = held(self, StepState)
-        if state is None or not state.rows_without_drafts:
-            return original(self, *args, **kwargs)
-        state.rows_without_drafts = False  # one step's answer, read once
-        bound = bind_arguments(original, self, *args, **kwargs)
-        if bound.arguments.get("force_uniform_decode") is None:
-            bound.arguments["force_uniform_decode"] = False
-        return original(*bound.args, **bound.kwargs)
-
-    return _determine_batch_execution_and_padding
+    state = held(runner, StepState)
+    if state is None or not state.rows_without_drafts:
+        return force_uniform_decode
+    state.rows_without_drafts = False  # one step's answer, read once
+    return False if force_uniform_decode is None else force_uniform_decode
 
 
 def _prepare_tree_inputs(runner, drafter, spec_decode_metadata, num_scheduled_tokens) -> None:
@@ -210,136 +207,124 @@ def check_gdn_rows_are_tree_rows(num_decode_draft_tokens: np.ndarray, num_draft:
         )
 
 
-def _wrap_sample(original):
-    def _sample(self, logits, spec_decode_metadata):
-        if _ddtree_proposer(self) is None:
-            return original(self, logits, spec_decode_metadata)
-        state = runner_step_state(self)
-        step = state.step
-        if spec_decode_metadata is None:
-            return sample_without_trees(self, original, logits)
-        if step is None:
-            return original(self, logits, spec_decode_metadata)
-        from vllm.v1.outputs import SamplerOutput
+def sample(runner, logits, spec_decode_metadata):
+    """In place of the runner's ``_sample``: this step's ``SamplerOutput`` in a DDTree engine,
+    or None where vLLM's own sampling serves the step (no DDTree, greedy steps without trees,
+    drafts that are not this step's trees)."""
+    if ddtree_proposer(runner) is None:
+        return None
+    state = runner_step_state(runner)
+    step = state.step
+    if spec_decode_metadata is None:
+        return sample_without_trees(runner, logits)
+    if step is None:
+        return None
+    from vllm.v1.outputs import SamplerOutput
 
-        self.input_batch.update_async_output_token_ids()
-        sampling_metadata = self.input_batch.sampling_metadata
-        trees = step.trees
-        num_reqs = trees.num_requests
-        device = logits.device
-        # Logit rows: request r's rows are cu_sampled[r] - (1 + num_draft[r]) .. cu_sampled[r].
-        cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(device).long()
-        first_row = cu_sampled - 1 - step.num_draft
+    runner.input_batch.update_async_output_token_ids()
+    sampling_metadata = runner.input_batch.sampling_metadata
+    trees = step.trees
+    num_reqs = trees.num_requests
+    device = logits.device
+    # Logit rows: request r's rows are cu_sampled[r] - (1 + num_draft[r]) .. cu_sampled[r].
+    cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(device).long()
+    first_row = cu_sampled - 1 - step.num_draft
 
-        def request_of_row() -> torch.Tensor:
-            return torch.repeat_interleave(
-                torch.arange(num_reqs, device=device),
-                1 + step.num_draft,
-                output_size=logits.shape[0],
+    def request_of_row() -> torch.Tensor:
+        return torch.repeat_interleave(
+            torch.arange(num_reqs, device=device),
+            1 + step.num_draft,
+            output_size=logits.shape[0],
+        )
+
+    gdn = state.hybrid
+    if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
+        gdn.watch("in the target's forward after its last GDN layer, or its logits")
+    wants_logprobs = asks_for_logprobs(sampling_metadata)
+    processed_mode = processed_logprobs_mode(runner.sampler)
+    with step_range("ddtree::target_tokens"):
+        unban = ban_stop_tokens_before_min_tokens(
+            logits, sampling_metadata, trees, first_row, step.num_draft
+        )
+        keyed_rows = seeds_and_keys_of_rows(runner, num_reqs)
+        processed = logits
+        num_draft = [int(n) for n in spec_decode_metadata.num_draft_tokens]
+        thinking = thinking_budget_of(runner, num_reqs)
+        if needs_tree_processors(sampling_metadata) or thinking is not None:
+            processed = logits.to(torch.float32, copy=True)  # logprobs stay raw
+        if needs_tree_processors(sampling_metadata):
+            processed = apply_tree_processors(
+                processed, sampling_metadata, trees, num_draft, request_of_row()
             )
-
-        gdn = state.hybrid
-        if gdn is not None:  # a no-op unless VLLM_DDTREE_CHECK_INDICES=1 (debugging)
-            gdn.watch("in the target's forward after its last GDN layer, or its logits")
-        wants_logprobs = asks_for_logprobs(sampling_metadata)
-        processed_mode = processed_logprobs_mode(self.sampler)
-        with step_range("ddtree::target_tokens"):
-            unban = ban_stop_tokens_before_min_tokens(
-                logits, sampling_metadata, trees, first_row, step.num_draft
+        if thinking is not None:  # after penalties, as vLLM's sampler
+            budget, requests = thinking
+            budget.apply(
+                processed,
+                requests,
+                sampling_metadata.output_token_ids,
+                trees.token_ids.tolist(),
+                trees.parents.tolist(),
+                num_draft,
             )
-            keyed_rows = seeds_and_keys_of_rows(self, num_reqs)
-            processed = logits
-            num_draft = [int(n) for n in spec_decode_metadata.num_draft_tokens]
-            thinking = thinking_budget_of(self, num_reqs)
-            if needs_tree_processors(sampling_metadata) or thinking is not None:
-                processed = logits.to(torch.float32, copy=True)  # logprobs stay raw
-            if needs_tree_processors(sampling_metadata):
-                processed = apply_tree_processors(
-                    processed, sampling_metadata, trees, num_draft, request_of_row()
-                )
-            if thinking is not None:  # after penalties, as vLLM's sampler
-                budget, requests = thinking
-                budget.apply(
-                    processed,
-                    requests,
-                    sampling_metadata.output_token_ids,
-                    trees.token_ids.tolist(),
-                    trees.parents.tolist(),
-                    num_draft,
-                )
-            chosen, scored = target_tokens(processed, sampling_metadata, request_of_row, keyed_rows)
-            if not processed_mode:
-                scored = logits  # raw: the target's logits as they came
-                if unban is not None and wants_logprobs:
-                    unban()
+        chosen, scored = target_tokens(processed, sampling_metadata, request_of_row, keyed_rows)
+        if not processed_mode:
+            scored = logits  # raw: the target's logits as they came
+            if unban is not None and wants_logprobs:
+                unban()
+    if gdn is not None:
+        gdn.watch("in choosing the target's tokens")
+    # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
+    out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1
+    with step_range("ddtree::follow_tree"):
+        sampled = walk_tree_step(state, step, chosen, first_row, out_width, torch.int32)
+    accepted, num_accepted = step.accepted, step.num_accepted
+    if gdn is not None:
+        gdn.watch("in the walk")
+    with step_range("ddtree::commit_kv"):
+        commit_step_kv(runner, state, step)
         if gdn is not None:
-            gdn.watch("in choosing the target's tokens")
-        # vLLM's row format: accepted drafted tokens, then the bonus, then -1.
-        out_width = int(max(spec_decode_metadata.num_draft_tokens, default=0)) + 1
-        with step_range("ddtree::follow_tree"):
-            sampled = walk_tree_step(state, step, chosen, first_row, out_width, torch.int32)
-        accepted, num_accepted = step.accepted, step.num_accepted
-        if gdn is not None:
-            gdn.watch("in the walk")
-        with step_range("ddtree::commit_kv"):
-            commit_step_kv(self, state, step)
-            if gdn is not None:
-                gdn.watch("in the KV commit")
-                roots = self.positions.index_select(0, step.root_row.long())
-                gdn.commit(accepted, num_accepted, step.num_draft, roots)
-        logprobs_tensors = None
-        if wants_logprobs:
-            logprobs_tensors = tree_step_logprobs(
-                self.sampler, scored, first_row, accepted, num_accepted, sampled, sampling_metadata
-            )
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
-
-    return _sample
+            gdn.watch("in the KV commit")
+            roots = runner.positions.index_select(0, step.root_row.long())
+            gdn.commit(accepted, num_accepted, step.num_draft, roots)
+    logprobs_tensors = None
+    if wants_logprobs:
+        logprobs_tensors = tree_step_logprobs(
+            runner.sampler, scored, first_row, accepted, num_accepted, sampled, sampling_metadata
+        )
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
 
-def _wrap_propose(original):
-    def propose_draft_token_ids(self, *args, **kwargs):
-        drafter = _ddtree_proposer(self)
-        step = drafter.state.step if drafter is not None else None
-        if step is not None and step.accepted is not None:
-            bound = bind_arguments(original, self, *args, **kwargs)
-            aux_hidden_states = bound.arguments.get("aux_hidden_states")
-            with step_range("ddtree::move_path_rows_first"):
-                _move_path_rows_first(self, step, aux_hidden_states)
-        return original(self, *args, **kwargs)
-
-    return propose_draft_token_ids
+def before_propose(runner, aux_hidden_states) -> None:
+    """At the start of the runner's ``propose_draft_token_ids`` (its ``aux_hidden_states``
+    argument): the accepted paths' rows first in the rows the drafter reads."""
+    drafter = ddtree_proposer(runner)
+    step = drafter.state.step if drafter is not None else None
+    if step is not None and step.accepted is not None:
+        with step_range("ddtree::move_path_rows_first"):
+            _move_path_rows_first(runner, step, aux_hidden_states)
 
 
-def _wrap_copy_draft_token_ids_to_cpu(original):
-    """Where vLLM copies the drafts to the host (for the scheduler's grammar bitmask and
-    penalties), the trees' parents go along (``structured_outputs.ParentsToHost``)."""
-
-    def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only=False):
-        original(self, scheduler_output, zeros_only)
-        drafter = _ddtree_proposer(self)
-        if drafter is None:
-            return
-        parents = drafter.proposed_parents
-        copied = self._draft_token_req_ids is not None and torch.is_tensor(self._draft_token_ids)
-        if zeros_only or not copied or parents is None:
-            drafter.parents_to_host.clear()
-            return
-        drafter.parents_to_host.start(parents, getattr(self, "draft_token_ids_copy_stream", None))
-
-    return _copy_draft_token_ids_to_cpu
+def after_copy_draft_token_ids_to_cpu(runner, zeros_only: bool) -> None:
+    """At the end of the runner's ``_copy_draft_token_ids_to_cpu``: where vLLM copies the
+    drafts to the host (for the scheduler's grammar bitmask and penalties), the trees'
+    parents go along (``structured_outputs.ParentsToHost``)."""
+    drafter = ddtree_proposer(runner)
+    if drafter is None:
+        return
+    parents = drafter.proposed_parents
+    copied = runner._draft_token_req_ids is not None and torch.is_tensor(runner._draft_token_ids)
+    if zeros_only or not copied or parents is None:
+        drafter.parents_to_host.clear()
+        return
+    drafter.parents_to_host.start(parents, getattr(runner, "draft_token_ids_copy_stream", None))
 
 
-def _wrap_take_draft_token_ids(original):
-    """vLLM's ``DraftTokenIds`` for the scheduler also carries the trees' parents
+def with_tree_parents_of(runner, taken):
+    """What the runner's ``take_draft_token_ids`` returns (vLLM's ``DraftTokenIds`` for the
+    scheduler), carrying the trees' parents in a DDTree engine
     (``structured_outputs.TREE_PARENTS_ATTR``)."""
-
-    def take_draft_token_ids(self):
-        taken = original(self)
-        drafter = _ddtree_proposer(self)
-        return taken if drafter is None else with_tree_parents(taken, drafter.parents_to_host)
-
-    return take_draft_token_ids
+    drafter = ddtree_proposer(runner)
+    return taken if drafter is None else with_tree_parents(taken, drafter.parents_to_host)
 
 
 def _move_path_rows_first(runner, step: TreeStep, aux_hidden_states) -> None:
@@ -359,85 +344,46 @@ def _move_path_rows_first(runner, step: TreeStep, aux_hidden_states) -> None:
     )
 
 
-def _wrap_update_states_after_model_execute(original):
-    """A DDTree engine serving a hybrid target with prefix caching on a device without Triton
-    (vLLM-CPU): vLLM's step end, its ``align`` state copies done on the host
-    (``compat.cpu_mamba_align``; vLLM's own is a Triton kernel). Everywhere else vLLM's."""
-
-    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
-        if not _copies_align_states_on_host(self):
-            return original(self, output_token_ids, scheduler_output)
-        from vllm_ddtree.compat.cpu_mamba_align import postprocess_align
-
-        # vLLM's align branch, with its kernel's decisions and copies made on the host.
-        num_reqs = output_token_ids.size(0)
-        self.num_accepted_tokens.gpu[:num_reqs] = (output_token_ids != -1).sum(dim=1)
-        postprocess_align(self, num_reqs)
-        self.num_accepted_tokens_event.record()
-
-    return _update_states_after_model_execute
-
-
-def _copies_align_states_on_host(runner) -> bool:
-    """Whether ``runner`` is a DDTree engine's on a hybrid target in vLLM's prefix-caching
-    ``align`` layout, on a device vLLM's Triton kernels do not run on."""
-    from vllm.triton_utils import HAS_TRITON
-
-    if HAS_TRITON or _ddtree_proposer(runner) is None:
-        return False
-    speculating = runner.speculative_config is not None and runner.model_config.is_hybrid
-    return speculating and runner.cache_config.mamba_cache_mode == "align"
-
-
-def _wrap_input_fits_in_drafter(original):
-    """vLLM skips the drafter for a step when a request's drafter queries would pass the
-    drafter's length limit, from the end of the step's rows and counting ``1 +
+def drafter_input_fits(runner, common_attn_metadata) -> bool | None:
+    """In place of the runner's ``_input_fits_in_drafter`` in a DDTree engine (None: vLLM's
+    answer). vLLM skips the drafter for a step when a request's drafter queries would pass
+    the drafter's length limit, from the end of the step's rows and counting ``1 +
     num_speculative_tokens`` (= the budget) queries. A DDTree drafter runs ``1 + depth``
     queries from the end of the accepted path, which drops the tree's other rows: the longest
     path this step can commit (``TreeStep.max_path_end``) is where they start."""
+    drafter = ddtree_proposer(runner)
+    if drafter is None or common_attn_metadata is None:
+        return None
+    queries = 1 + drafter.ddtree.depth
+    limit = runner.effective_drafter_max_model_len
+    step = drafter.state.step
+    end = common_attn_metadata.max_seq_len
+    if step is not None and step.max_path_end is not None:
+        end = step.max_path_end
+    return end + queries <= limit
 
-    def _input_fits_in_drafter(self, common_attn_metadata):
-        drafter = _ddtree_proposer(self)
-        if drafter is None or common_attn_metadata is None:
-            return original(self, common_attn_metadata)
-        queries = 1 + drafter.ddtree.depth
-        limit = self.effective_drafter_max_model_len
-        step = drafter.state.step
-        end = common_attn_metadata.max_seq_len
-        if step is not None and step.max_path_end is not None:
-            end = step.max_path_end
-        return end + queries <= limit
 
-    return _input_fits_in_drafter
+def before_profile_run(runner) -> None:
+    """At the start of the runner's ``profile_run``: a hybrid target's GDN tree buffers
+    (``gdn_layer``) exist while vLLM profiles memory, so the KV cache it sizes after leaves
+    room for them (allocated later, a server at a high ``gpu_memory_utilization`` could run
+    out of memory at capture or under load)."""
+    _prepare_gdn_buffers(runner, "before memory profiling")
+
+
+def before_capture_model(runner) -> None:
+    """At the start of the runner's ``capture_model``: the GDN tree buffers exist before the
+    first capture (inside one they would come from the graph pool, which replays overwrite;
+    ``profile_run`` made them unless it did not run), and captured forwards reach the step
+    through TREE_ATTN."""
+    _prepare_gdn_buffers(runner, "before capture")
+    drafter = ddtree_proposer(runner)
+    if drafter is not None:
+        drafter.state.bind_tree_attention(runner.attn_groups)
 
 
 def _prepare_gdn_buffers(runner, when: str) -> None:
     """Hybrid targets: the GDN tree path's per-layer buffers (``gdn_layer``), allocated once."""
-    drafter = _ddtree_proposer(runner)
+    drafter = ddtree_proposer(runner)
     if drafter is not None:
         prepare_before_capture(drafter.state.hybrid, runner.get_model(), when)
-
-
-def _wrap_profile_run(original):
-    """The GDN tree buffers exist while vLLM profiles memory, so the KV cache it sizes after
-    leaves room for them (allocated later, a server at a high ``gpu_memory_utilization`` could
-    run out of memory at capture or under load)."""
-
-    def profile_run(self, *args, **kwargs):
-        _prepare_gdn_buffers(self, "before memory profiling")
-        return original(self, *args, **kwargs)
-
-    return profile_run
-
-
-def _wrap_capture_model(original):
-    def capture_model(self, *args, **kwargs):
-        # The buffers exist before the first capture (inside one they would come from the
-        # graph pool, which replays overwrite); profile_run made them unless it did not run.
-        _prepare_gdn_buffers(self, "before capture")
-        drafter = _ddtree_proposer(self)
-        if drafter is not None:  # captured forwards reach the step through TREE_ATTN
-            drafter.state.bind_tree_attention(self.attn_groups)
-        return original(self, *args, **kwargs)
-
-    return capture_model

@@ -66,7 +66,12 @@ def _wrap_init_speculator(original):
     def init_speculator(vllm_config, device):
         spec = vllm_config.speculative_config
         if get_ddtree_config(spec) is not None:
-            return ddtree_speculator_class()(vllm_config, device)
+            speculator = ddtree_speculator_class()(vllm_config, device)
+            if speculator.state.hybrid is not None:  # the GDN layers' calls to the tree path
+                from vllm_ddtree.compat.gdn_dispatch import install
+
+                install(device)
+            return speculator
         if getattr(spec, "method", None) == "dflash":  # the chain, drafting from its source
             source = draft_source(vllm_config, device)
             return source.v2_chain_speculator(vllm_config, device, original)

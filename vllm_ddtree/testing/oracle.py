@@ -27,6 +27,7 @@ Two forms of the same rule:
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import torch
@@ -272,7 +273,7 @@ def chain_oracle_speculator_class():
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-    from vllm_ddtree.compat import bind_arguments
+    sample_draft_signature = inspect.signature(DFlashSpeculator.sample_draft)
 
     class ChainOracleSpeculator(DFlashSpeculator):
         _speculator_name = "DFlash (test oracle)"
@@ -286,8 +287,7 @@ def chain_oracle_speculator_class():
         ):
             """vLLM's chain sampling (greedy, or its Gumbel draw keyed like the target's) over
             the oracle's logits for these mask rows; vLLM's arguments bound by name."""
-            bound = bind_arguments(
-                DFlashSpeculator.sample_draft,
+            bound = sample_draft_signature.bind(
                 self,
                 hidden_states,
                 positions,

@@ -1,0 +1,21 @@
+"""What a DDTree engine keeps on vLLM's scheduler (the engine core process), on its handle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_ddtree.budget.metrics import BudgetPredictions
+    from vllm_ddtree.budget.online import OnlineBudget
+    from vllm_ddtree.requests.options import RequestStatsBook
+
+
+@dataclass
+class SchedulerState:
+    """What a DDTree engine keeps on vLLM's scheduler (``handles.hold(scheduler, ...)``)."""
+
+    stats_book: RequestStatsBook | None = None  # engines asked for DDTree (trees or chain)
+    predictions: BudgetPredictions | None = None  # "auto"'s predicted tokens per verify
+    online_budget: OnlineBudget | None = None  # the engine core's online "auto"
+    online_budget_decided: bool = False  # online_budget was made (or found not to move)
