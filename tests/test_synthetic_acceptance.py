@@ -1,4 +1,4 @@
-"""The calibrated synthetic acceptance model (``vllm_ddtree/testing/synthetic_acceptance.py``):
+"""The calibrated synthetic acceptance model (``synthetic_acceptance``):
 the true token sits at its sampled rank in the synthetic logits, the simulated chain accepts
 what the model's closed form says, and trees accept more as the budget grows."""
 

@@ -21,6 +21,7 @@ import pytest
 from vllm_ddtree.upstream.edits import AnchorError, Edit, apply_edit
 from vllm_ddtree.upstream.export import PROJECT_ROOT, check, export, generated_files
 from vllm_ddtree.upstream.layout import (
+    E2E_TESTS,
     MODULES,
     TESTS,
     VLLM_OWN_TESTS,
@@ -280,3 +281,42 @@ def test_vllms_own_tests_pass_on_vllm_patched_with_the_series_as_unpatched(
     assert len(passed) > 100, plain  # the run tested something
     lost = {t: patched.get(t, "not collected") for t in passed if patched.get(t) != "passed"}
     assert not lost, lost
+
+
+@pytest.mark.vllm_engine
+def test_the_cpu_end_to_end_tests_pass_against_vllm_patched_with_the_series(
+    vllm_src, series, tmp_path
+):
+    """``layout.E2E_TESTS``, the project's CPU end-to-end tests of what the series serves,
+    against the installed vLLM with the series' files in place and the plugin not loaded
+    (``VLLM_PLUGINS=""``): DDTree engines made and run by vLLM's own code, each output
+    compared with the target alone's there. The tests import the project's test kit (tiny
+    checkpoints, the engine helper); the engines import only vLLM."""
+    site, _ = patched_vllm(vllm_src, series, str(tmp_path))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([site, PROJECT_ROOT]),
+        "VLLM_PLUGINS": "",
+        "PYTEST_ADDOPTS": "-p no:cacheprovider",  # not the outer run's options (its report)
+    }
+    probe = "import vllm.v1.spec_decode.ddtree.proposer as p; print(p.__file__)"
+    where = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    found = where.stdout.strip().splitlines()[-1:]  # after vLLM's log lines
+    assert where.returncode == 0 and found[0].startswith(site), where.stdout + where.stderr[-3000:]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", *E2E_TESTS],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert "failed" not in summary and "skipped" not in summary, summary

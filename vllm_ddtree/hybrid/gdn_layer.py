@@ -8,7 +8,7 @@ the depthwise conv1d update and the gated delta rule's recurrence (vLLM-CPU: its
 calls go to the tree path instead (``HybridTreeStep.tree_conv`` / ``tree_recurrence``, on the
 CPU ``tree_spec_forward_cpu``), with this step's parent pointers (``ops/tree_causal_conv.py``,
 ``ops/tree_gated_delta.py``); every other call (prefill, plain decode) stays vLLM's. The plugin
-routes them by wrapping the layer module's names (``compat/gdn_dispatch.py``).
+routes them by wrapping the layer module's names.
 
 State, in vLLM's speculative layout (``1 + budget`` blocks per request; its size:
 ``gdn_state.slot_layout_bytes``): node ``t``'s SSM state goes to block

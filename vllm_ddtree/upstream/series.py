@@ -14,7 +14,9 @@ from vllm_ddtree.upstream.edits import (
     DDTREE_REQUEST_CHECK,
     INTERPRETER_MARKER,
     SPEC_CONFIG_EDITS,
+    STRUCTURED_OUTPUT_EDITS,
     TREE_ATTN_MEMBER,
+    V1_RUNNER_EDITS,
     Edit,
 )
 
@@ -271,5 +273,95 @@ tree and chain engines.""",
         modules=("vllm_ddtree.requests.options",),
         tests=("tests/test_request_options.py",),
         edits=(DDTREE_REQUEST_CHECK,),
+    ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: draft trees verified in the V1 model runner",
+        body="""\
+A DDTree engine's V1 drafter is `DDTreeProposer`: vLLM's DFlash proposer runs its one
+drafter pass at the drafter's depth, and the mask rows' logits become a best-first tree per
+request on the device (patch 3's ops); the tree's nodes are the drafts vLLM schedules, its
+parents kept for the request's next step. The model runner then verifies each tree in one
+forward, through plain functions (v1_runner.py) called where its own methods prepare the
+inputs (node positions at root + depth, the ancestor masks published to TREE_ATTN), sample
+(the target's token at every node, argmax or keyed Gumbel draws shared with the drafts,
+the walk that commits the longest path the target agrees with plus a bonus token, written
+in vLLM's rejection-sampler row format, and the accepted nodes' K/V moved to contiguous
+slots), and propose (the accepted paths' rows first, so the drafter's context is the
+committed tokens in order). Request options apply on each tree row along its own node's
+path: penalties, bad words, allowed tokens, min_tokens, thinking budgets, logprobs in every
+mode. A step whose batch holds a request without a tree never replays a FULL CUDA graph
+sized for verifies. vLLM-CPU zeroes new TREE_ATTN blocks along the backend's block dim.
+
+Every call is a no-op unless the runner's drafter is a DDTreeProposer. Hybrid
+(GatedDeltaNet) targets are refused where the runner makes the drafter, until their layers
+verify trees; the scheduler's use of
+the per-request options, structured outputs, the V2 runner's speculator and "auto"'s
+online moves follow in this series. The oracle drafter (`VLLM_DDTREE_TEST_ORACLE`,
+synthetic drafts ranking the target's own future tokens) serves the tests.
+
+Tests: tests/v1/spec_decode/ddtree/test_tree_step.py, test_step_upload.py,
+test_proposal_store.py, test_request_seeds.py, test_tree_thinking_budget.py,
+test_synthetic_acceptance.py and test_oracle.py check the step's parts on CPU: the step's
+tables, each request's proposal good for its next step only, seeds, thinking budgets along
+tree paths, and the oracle drafter's host and device forms alike. The project's CPU
+end-to-end tests run vLLM-CPU patched with this series, the plugin not loaded: greedy and
+sampled outputs, logprobs and request options equal the target alone's, trees accepted
+deeply, through preemption and aborts.""",
+        modules=(
+            "vllm_ddtree.handles",
+            "vllm_ddtree.budget.acceptance",
+            "vllm_ddtree.budget.step_costs",
+            "vllm_ddtree.hybrid.gdn_layer",
+            "vllm_ddtree.metrics.step_ranges",
+            "vllm_ddtree.requests.structured_outputs",
+            "vllm_ddtree.spec_decode.step_state",
+            "vllm_ddtree.spec_decode.step_checks",
+            "vllm_ddtree.spec_decode.draft_source",
+            "vllm_ddtree.spec_decode.proposal_store",
+            "vllm_ddtree.spec_decode.request_seeds",
+            "vllm_ddtree.spec_decode.tree_step",
+            "vllm_ddtree.spec_decode.tree_logits_processors",
+            "vllm_ddtree.spec_decode.tree_logprobs",
+            "vllm_ddtree.spec_decode.tree_thinking_budget",
+            "vllm_ddtree.spec_decode.tree_sampling",
+            "vllm_ddtree.spec_decode.proposer",
+            "vllm_ddtree.spec_decode.v1_hooks",
+            "vllm_ddtree.testing.synthetic_acceptance",
+            "vllm_ddtree.testing.oracle",
+        ),
+        tests=(
+            "tests/test_tree_step.py",
+            "tests/test_step_upload.py",
+            "tests/test_proposal_store.py",
+            "tests/test_request_seeds.py",
+            "tests/test_tree_thinking_budget.py",
+            "tests/test_synthetic_acceptance.py",
+            "tests/test_oracle.py",
+        ),
+        edits=V1_RUNNER_EDITS,
+    ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: structured outputs on draft trees",
+        body="""\
+vLLM fills a structured-output request's `1 + k` grammar rows along its drafts as one chain,
+and the scheduler first cuts the drafts at the first token the grammar refuses as a chain.
+A DDTree request's drafts are its tree's nodes in best-first order, each with a parent, so
+its row `i` must be the grammar after the path from the root to node `i`. The runner hands
+the trees' parents to the scheduler beside their tokens (patch 9); here the scheduler keeps
+a structured-output request's tree whole, with its parents, where vLLM's chain check would
+cut it (synchronous and asynchronous scheduling), and the structured-output manager fills
+each request's rows by one walk of its tree: a node's token is accepted on the way down and
+rolled back on the way up; a node its parent's row refuses, and its subtree, get
+unconstrained rows the walk never reaches. Reasoning parsers keep vLLM's rule per path.
+
+Every hunk is behind a DDTree engine's `ddtree_config`.
+
+Tests: tests/v1/spec_decode/ddtree/test_structured_outputs.py fills the rows of trees
+against a grammar and compares each with the grammar after its node's own path (several
+requests, a request without parents read as a chain, a reasoning end marker) on CPU; the
+project's CPU end-to-end tests of grammars (greedy, and seeded sampling whatever the tree)
+run against vLLM-CPU patched with the series, the plugin not loaded.""",
+        tests=("tests/test_structured_outputs.py",),
+        edits=STRUCTURED_OUTPUT_EDITS,
     ),
 )
