@@ -210,16 +210,25 @@ def test_the_series_tests_pass_against_vllm_patched_with_it(vllm_src, series, tm
     assert series_file.startswith(site), where.stdout  # the series' own files, in place
     # Without the interpreter runs of the kernels: the project's own run of the same tests
     # runs them on the same code (the series changes module names only, checked above).
+    summary = run_pytest(checkout, env, "-m", "not interpreter", *tests)
+    assert " passed" in summary, summary
+
+
+def run_pytest(cwd: str, env: dict[str, str], *args: str, timeout: int | None = None) -> str:
+    """``python -m pytest -q *args`` in ``cwd`` with ``env``; asserts it passed and returns its
+    summary line."""
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "not interpreter", *tests],
-        cwd=checkout,
+        [sys.executable, "-m", "pytest", "-q", *args],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
+        timeout=timeout,
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in summary and "failed" not in summary, summary
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert "failed" not in summary, summary
+    return summary
 
 
 def vllm_tests_env(*path: str) -> dict[str, str]:
@@ -309,14 +318,5 @@ def test_the_cpu_end_to_end_tests_pass_against_vllm_patched_with_the_series(
     )
     found = where.stdout.strip().splitlines()[-1:]  # after vLLM's log lines
     assert where.returncode == 0 and found[0].startswith(site), where.stdout + where.stderr[-3000:]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", *E2E_TESTS],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=2400,
-    )
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
-    assert "failed" not in summary and "skipped" not in summary, summary
+    summary = run_pytest(PROJECT_ROOT, env, "-p", "no:xdist", *E2E_TESTS, timeout=2400)
+    assert "skipped" not in summary, summary
