@@ -74,9 +74,9 @@ def test_the_metrics_count_predicted_steps_and_gauge_the_nodes_served():
 
 def test_the_log_line_says_the_predicted_acceptance_length_beside_the_realised_one():
     pytest.importorskip("vllm")
-    from vllm_ddtree.metrics.spec_counters import _tree_logging_class
+    from vllm_ddtree.metrics.spec_counters import tree_logging_class
 
-    logging = _tree_logging_class()()
+    logging = tree_logging_class()()
     spec = SimpleNamespace(
         num_drafts=4,
         num_draft_tokens=64,

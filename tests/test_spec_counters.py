@@ -1,5 +1,5 @@
-"""The scheduler's speculative-decoding counters of a DDTree engine (metrics/spec_counters.py),
-against stand-ins for vLLM's scheduler."""
+"""The scheduler's speculative-decoding counters of a DDTree engine (metrics/spec_counters.py,
+through the plugin's wrapper), against stand-ins for vLLM's scheduler."""
 
 from types import SimpleNamespace
 
@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_ddtree.compat.metrics_hooks import _wrap_make_spec_decoding_stats  # noqa: E402
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
-from vllm_ddtree.metrics.spec_counters import _wrap_make_spec_decoding_stats  # noqa: E402
 
 
 def ddtree_scheduler():

@@ -7,8 +7,9 @@ reads 0. Here a DDTree engine's per-position counters have one position per dept
 reach (``tree_positions``): the scheduler's statistics (engine core), the Prometheus counter
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` and the periodic ``SpecDecoding metrics`` log
 line (front end). Position ``i`` counts the steps whose accepted path reached depth ``i + 1``;
-the totals (drafts, draft tokens = tree nodes, accepted tokens) are vLLM's own. Each request's
-own verified trees are counted too (``requests.options.RequestStatsBook``). The periodic log
+the totals (drafts, draft tokens = tree nodes, accepted tokens) are vLLM's own (the plugin's
+wrappers, ``compat/metrics_hooks.py``, count each request's own verified trees there too,
+``requests.options.RequestStatsBook``). The periodic log
 line also says how many tree nodes a verify step checked per request on average
 (``TreeSpecDecodingLogging``): the budget the engine served, after per-batch-size schedules
 ("auto" on V2) and requests' own budgets cut the trees.
@@ -18,10 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm_ddtree.budget import metrics as budget_metrics
-from vllm_ddtree.compat import bind_arguments
 from vllm_ddtree.config import get_ddtree_config
-from vllm_ddtree.requests.scheduler_hooks import stats_book
 
 
 def tree_positions(ddtree) -> int:
@@ -50,66 +48,33 @@ def observe_tree(stats, num_draft_tokens: int, num_accepted_tokens: int, depth: 
         stats.num_draft_tokens_per_pos[i] += 1
 
 
-def _wrap_make_spec_decoding_stats(original):
-    """``Scheduler.make_spec_decoding_stats`` (engine core): a DDTree engine's statistics have
-    one position per tree depth."""
-
-    def make_spec_decoding_stats(self, *args, **kwargs):
-        ddtree = get_ddtree_config(self.vllm_config.speculative_config)
-        book = stats_book(self)  # the requests' own statistics (requests/options.py)
-        if ddtree is None and book is None:
-            return original(self, *args, **kwargs)
-        bound = bind_arguments(original, self, *args, **kwargs).arguments
-        num_draft_tokens = bound["num_draft_tokens"]
-        invalid = bound.get("num_invalid_spec_tokens")
-        if invalid:
-            num_draft_tokens -= invalid.get(bound["request_id"], 0)
-        if book is not None:
-            book.observe(bound["request_id"], num_draft_tokens, bound["num_accepted_tokens"])
-        if ddtree is None:  # "auto" chose the chain: vLLM's counters
-            return original(self, *args, **kwargs)
-        if not self.log_stats:
-            return None
-        if not num_draft_tokens:  # every draft invalid: the other requests' counts stay
-            return bound["spec_decoding_stats"]
-        budget_metrics.observe(self, num_draft_tokens)  # what "auto" predicted for it
-        positions = tree_positions(ddtree)
-        stats = tree_stats(bound["spec_decoding_stats"], positions)
-        observe_tree(stats, num_draft_tokens, bound["num_accepted_tokens"], positions)
-        return stats
-
-    return make_spec_decoding_stats
+def observe_tree_step(spec_decoding_stats, ddtree, num_draft_tokens: int, num_accepted_tokens: int):
+    """The scheduler's ``make_spec_decoding_stats`` in a DDTree engine that logs statistics:
+    one verified tree of ``num_draft_tokens`` valid nodes (vLLM's invalid drafts already
+    taken off) counted in ``spec_decoding_stats`` (made with one position per tree depth
+    when None); a tree whose drafts were all invalid leaves the other requests' counts."""
+    if not num_draft_tokens:
+        return spec_decoding_stats
+    positions = tree_positions(ddtree)
+    stats = tree_stats(spec_decoding_stats, positions)
+    observe_tree(stats, num_draft_tokens, num_accepted_tokens, positions)
+    return stats
 
 
-class _DepthView:
-    """``speculative_config`` with ``num_speculative_tokens`` read as the tree's depth."""
-
-    def __init__(self, config, depth: int):
-        self._config, self.num_speculative_tokens = config, depth
-
-    def __getattr__(self, name):
-        return getattr(self._config, name)
-
-
-def _wrap_spec_decoding_prom_init(original):
-    """``SpecDecodingProm.__init__`` (front end): one per-position counter per tree depth."""
-
-    def __init__(self, *args, **kwargs):
-        bound = bind_arguments(original, self, *args, **kwargs)
-        config = bound.arguments.get("speculative_config")
-        ddtree = get_ddtree_config(config) if config is not None else None
-        if ddtree is not None:
-            bound.arguments["speculative_config"] = _DepthView(config, tree_positions(ddtree))
-        return original(*bound.args, **bound.kwargs)
-
-    return __init__
+def accepted_positions(speculative_config) -> int:
+    """The per-position counters of an engine's acceptance (vLLM's Prometheus counter): one
+    per tree depth in a DDTree engine, vLLM's one per speculative token otherwise."""
+    ddtree = get_ddtree_config(speculative_config)
+    if ddtree is not None:
+        return tree_positions(ddtree)
+    return speculative_config.num_speculative_tokens
 
 
 @functools.cache
-def _tree_logging_class():
+def tree_logging_class():
     """``TreeSpecDecodingLogging``, built once on vLLM's ``SpecDecodingLogging`` when first
-    needed (this module loads at plugin registration; vLLM's metrics module only with an
-    engine)."""
+    needed (vLLM's metrics module loads only with an engine): a DDTree engine's
+    ``LoggingStatLogger.spec_decoding_logging``."""
     from vllm.v1.spec_decode.metrics import SpecDecodingLogging
 
     class TreeSpecDecodingLogging(SpecDecodingLogging):
@@ -145,16 +110,3 @@ def _tree_logging_class():
             return super().log(log_fn=with_nodes)
 
     return TreeSpecDecodingLogging
-
-
-def _wrap_logging_stat_logger_init(original):
-    """``LoggingStatLogger.__init__`` (front end): a DDTree engine's spec-decode log line
-    says the mean tree nodes verified (``TreeSpecDecodingLogging``)."""
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        config = getattr(self.vllm_config, "speculative_config", None)
-        if get_ddtree_config(config) is not None and not self.spec_decoding_logging.is_diffusion:
-            self.spec_decoding_logging = _tree_logging_class()()
-
-    return __init__

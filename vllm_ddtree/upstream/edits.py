@@ -518,3 +518,51 @@ STRUCTURED_OUTPUT_EDITS = (
     DDTREE_TREE_DRAFTS_KEPT_IN_OUTPUT,
     DDTREE_TREE_GRAMMAR_ROWS,
 )
+
+# vLLM's acceptance counters by tree depth: the plugin wraps the same places
+# (compat/metrics_hooks.py) and calls the same functions (spec_counters).
+DDTREE_TREE_STATS = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="""        if not self.log_stats or not num_draft_tokens:
+            return None
+""",
+    text="""        speculative_config = self.vllm_config.speculative_config
+        if speculative_config is not None and speculative_config.ddtree_config:
+            # DDTree: one accepted-token position per tree depth, not per tree node.
+            from vllm.v1.spec_decode.ddtree import spec_counters
+
+            if num_invalid_spec_tokens:
+                num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)
+            return spec_counters.observe_tree_step(
+                spec_decoding_stats,
+                speculative_config.ddtree_config,
+                num_draft_tokens,
+                num_accepted_tokens,
+            )
+""",
+    why="a DDTree engine's statistics count accepted depths",
+)
+DDTREE_DEPTH_COUNTERS = Edit(
+    path="vllm/v1/spec_decode/metrics.py",
+    anchor="            num_spec_tokens = speculative_config.num_speculative_tokens\n",
+    text="""            if speculative_config.ddtree_config is not None:
+                # DDTree: one counter per depth a tree can reach.
+                from vllm.v1.spec_decode.ddtree import spec_counters
+
+                num_spec_tokens = spec_counters.accepted_positions(speculative_config)
+""",
+    why="a DDTree engine's per-position Prometheus counters, one per tree depth",
+)
+DDTREE_LOG_LINE = Edit(
+    path="vllm/v1/metrics/loggers.py",
+    anchor="        self.spec_decoding_logging = SpecDecodingLogging(is_diffusion=is_diffusion)\n",
+    text="""        speculative_config = self.vllm_config.speculative_config
+        if speculative_config is not None and speculative_config.ddtree_config:
+            # DDTree: the log line also says the mean tree nodes verified.
+            from vllm.v1.spec_decode.ddtree import spec_counters
+
+            self.spec_decoding_logging = spec_counters.tree_logging_class()()
+""",
+    why="a DDTree engine's spec-decode log line says the mean tree nodes verified",
+)
+METRICS_EDITS = (DDTREE_TREE_STATS, DDTREE_DEPTH_COUNTERS, DDTREE_LOG_LINE)

