@@ -5,7 +5,7 @@ import logging
 from types import SimpleNamespace
 
 from vllm_ddtree.requests.scheduler_hooks import (
-    _wrap_free_request,
+    finish_request_stats,
     install_stats_book,
     stats_book,
 )
@@ -22,9 +22,8 @@ def test_an_engine_serving_the_chain_says_what_it_served(caplog):
     install_stats_book(scheduler, serves_chain=True)
     stats_book(scheduler).observe("r", 15, 6)
     request = SimpleNamespace(request_id="r", sampling_params=params(ddtree_stats=True))
-    free = _wrap_free_request(lambda self, request: ({"connector": 1}, None))
     with caplog.at_level(logging.INFO, logger="vllm.ddtree"):
-        kv_params, _ = free(scheduler, request)
+        kv_params = finish_request_stats(scheduler, request, {"connector": 1})
     returned = kv_params["ddtree_stats"]
     assert kv_params["connector"] == 1 and returned["served"] == "dflash_chain"
     assert (returned["verify_steps"], returned["accepted_tokens"]) == (1, 6)

@@ -350,7 +350,7 @@ def test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_returned_an
     results, log = run_engines(tiny_target_path, [TARGET_ALONE, run], PROMPTS, max_tokens=48)
     assert results["own_budgets"]["tokens"] == results["target"]["tokens"]
     pattern = re.compile(
-        r"vllm-ddtree: request \S+: (\d+) verify steps, (\d+) tree nodes verified "
+        r"(?:vllm-ddtree|DDTree): request \S+: (\d+) verify steps, (\d+) tree nodes verified "
         r"\(at most (\d+) in a step\), (\d+) draft tokens accepted, acceptance length ([\d.]+)"
     )
     found = [tuple(map(float, m.groups())) for m in pattern.finditer(log)]

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 class SchedulerState:
     """What a DDTree engine keeps on vLLM's scheduler (``handles.hold(scheduler, ...)``)."""
 
-    stats_book: RequestStatsBook | None = None  # engines asked for DDTree (trees or chain)
-    predictions: BudgetPredictions | None = None  # "auto"'s predicted tokens per verify
+    # Each request's tree statistics (engines asked for DDTree: trees or the chain).
+    stats_book: RequestStatsBook | None = None
+    predictions: BudgetPredictions | None = None  # "auto"'s predictions
     online_budget: OnlineBudget | None = None  # the engine core's online "auto"
-    online_budget_decided: bool = False  # online_budget was made (or found not to move)
+    online_budget_decided: bool = False  # online_budget made (or found not to move)

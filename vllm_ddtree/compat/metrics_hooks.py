@@ -14,7 +14,7 @@ from vllm_ddtree.metrics.spec_counters import (
     observe_tree_step,
     tree_logging_class,
 )
-from vllm_ddtree.requests.scheduler_hooks import stats_book
+from vllm_ddtree.requests.scheduler_hooks import observe_request, stats_book
 
 
 def _wrap_make_spec_decoding_stats(original):
@@ -29,10 +29,11 @@ def _wrap_make_spec_decoding_stats(original):
         bound = bind_arguments(original, self, *args, **kwargs).arguments
         num_draft_tokens = bound["num_draft_tokens"]
         invalid = bound.get("num_invalid_spec_tokens")
+        observe_request(
+            self, num_draft_tokens, bound["num_accepted_tokens"], invalid, bound["request_id"]
+        )
         if invalid:
             num_draft_tokens -= invalid.get(bound["request_id"], 0)
-        if book is not None:
-            book.observe(bound["request_id"], num_draft_tokens, bound["num_accepted_tokens"])
         if ddtree is None:  # "auto" chose the chain: vLLM's counters
             return original(self, *args, **kwargs)
         if not self.log_stats:

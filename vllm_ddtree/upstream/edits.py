@@ -264,6 +264,23 @@ SPEC_CONFIG_EDITS = (
 
 SUBSTITUTIONS: tuple[Substitution, ...] = (
     Substitution(
+        module="vllm_ddtree.scheduler_state",
+        old="""    from vllm_ddtree.budget.metrics import BudgetPredictions
+    from vllm_ddtree.budget.online import OnlineBudget
+""",
+        new="",
+        why='"auto"\'s predictions and online budget come with their own patch',
+    ),
+    Substitution(
+        module="vllm_ddtree.scheduler_state",
+        old="""    predictions: BudgetPredictions | None = None  # "auto"'s predictions
+    online_budget: OnlineBudget | None = None  # the engine core's online "auto"
+    online_budget_decided: bool = False  # online_budget made (or found not to move)
+""",
+        new="",
+        why='"auto"\'s scheduler state comes with its own patch',
+    ),
+    Substitution(
         module="tree_attn_backend.backend",
         old='logger = init_logger("vllm.tree_attn_backend")',
         new="logger = init_logger(__name__)",
@@ -566,3 +583,79 @@ DDTREE_LOG_LINE = Edit(
     why="a DDTree engine's spec-decode log line says the mean tree nodes verified",
 )
 METRICS_EDITS = (DDTREE_TREE_STATS, DDTREE_DEPTH_COUNTERS, DDTREE_LOG_LINE)
+
+# A request's own tree budget and statistics in the scheduler: the plugin wraps the same
+# methods (compat/scheduler_options.py) and calls the same functions (request_scheduling).
+DDTREE_STATS_BOOK = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="            if speculative_config.use_dspark():\n",
+    text="""            if (
+                speculative_config.ddtree_config is not None
+                or speculative_config.ddtree_served_chain
+            ):
+                # DDTree: each request's own tree statistics, kept until it is freed.
+                request_scheduling.install_stats_book(
+                    self, speculative_config.ddtree_served_chain
+                )
+            if speculative_config.use_dspark():
+""",
+    why="the scheduler of an engine asked for DDTree keeps each request's statistics",
+    replaces_anchor=True,
+)
+DDTREE_REQUEST_BUDGETS = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="""        self.current_step += 1
+        # NOTE(woosuk) on the scheduling algorithm:
+""",
+    text="""        self.current_step += 1
+        # DDTree: requests' own tree budgets cap their draft tokens first.
+        request_scheduling.before_schedule(self)
+        # NOTE(woosuk) on the scheduling algorithm:
+""",
+    why="a request's own tree budget caps its drafts before a step is planned",
+    replaces_anchor=True,
+)
+DDTREE_REQUEST_STATS_OBSERVED = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="""    ) -> SpecDecodingStats | None:
+        if not self.log_stats or not num_draft_tokens:
+""",
+    text="""    ) -> SpecDecodingStats | None:
+        # DDTree: the request's own tree statistics (whether or not stats are logged).
+        request_scheduling.observe_request(
+            self,
+            num_draft_tokens,
+            num_accepted_tokens,
+            num_invalid_spec_tokens,
+            request_id,
+        )
+        if not self.log_stats or not num_draft_tokens:
+""",
+    why="each verified tree counted in its request's statistics",
+    replaces_anchor=True,
+)
+DDTREE_REQUEST_STATS_RETURNED = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="        return kv_xfer_params, ec_xfer_params\n",
+    text="""        # DDTree: the request's tree statistics logged, and returned if it asked.
+        kv_xfer_params = request_scheduling.finish_request_stats(
+            self, request, kv_xfer_params
+        )
+        return kv_xfer_params, ec_xfer_params
+""",
+    why="a finished request's tree statistics in its final output",
+    replaces_anchor=True,
+)
+DDTREE_REQUEST_SCHEDULING_IMPORT = Edit(
+    path="vllm/v1/core/sched/scheduler.py",
+    anchor="from vllm.v1.spec_decode.metrics import SpecDecodingStats\n",
+    text="from vllm.v1.spec_decode.ddtree import request_scheduling\n",
+    why="the scheduler reaches a request's DDTree options through one module",
+)
+REQUEST_SCHEDULING_EDITS = (
+    DDTREE_REQUEST_SCHEDULING_IMPORT,
+    DDTREE_STATS_BOOK,
+    DDTREE_REQUEST_BUDGETS,
+    DDTREE_REQUEST_STATS_OBSERVED,
+    DDTREE_REQUEST_STATS_RETURNED,
+)

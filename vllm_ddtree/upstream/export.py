@@ -99,8 +99,9 @@ def generated_files(step: PatchStep, project_root: str = PROJECT_ROOT) -> dict[s
     for target, (source, module) in sources.items():
         with open(os.path.join(project_root, source)) as f:
             original = f.read()
-        text = in_tree_words(rewrite(substitute(module, original, SUBSTITUTIONS)))
-        leftover = unplaced_imports(original, project_root) + unmapped_imports(text)
+        substituted = substitute(module, original, SUBSTITUTIONS)
+        text = in_tree_words(rewrite(substituted))
+        leftover = unplaced_imports(substituted, project_root) + unmapped_imports(text)
         if leftover:
             raise ExportError(
                 f"{source} imports {', '.join(sorted(set(leftover)))}, which has no place in "

