@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from vllm_ddtree.compat import bind_arguments
 from vllm_ddtree.compat.cpu_dflash import use_per_layer_k_norm
+from vllm_ddtree.handles import held
 from vllm_ddtree.spec_decode import v1_hooks
 from vllm_ddtree.spec_decode.proposer import DDTreeProposer
+from vllm_ddtree.spec_decode.step_state import StepState
 
 
 class PluginDDTreeProposer(DDTreeProposer):
@@ -48,6 +50,9 @@ def _wrap_prepare_inputs(original):
 
 def _wrap_determine_batch_execution(original):
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        state = held(self, StepState)
+        if state is None or not state.rows_without_drafts:  # every step of other engines
+            return original(self, *args, **kwargs)
         bound = bind_arguments(original, self, *args, **kwargs)
         given = bound.arguments.get("force_uniform_decode")
         choice = v1_hooks.uniform_decode_choice(self, given)
