@@ -69,6 +69,9 @@ def tiny_target(tiny_target_path):
     return model.eval()
 
 
+LONGEST_GROUP = "tests.test_upstream"
+
+
 def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n 2 --dist loadgroup`` (README's command) tests go to the workers one by
     one, so that a file's slow tests run side by side; tests that use a module- or class-scoped
@@ -81,3 +84,6 @@ def pytest_collection_modifyitems(config, items):
         scopes = {defs[-1].scope for defs in fixture_info.name2fixturedefs.values() if defs}
         if scopes & {"module", "class"}:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # The longest group first (vLLM patched with the upstream series, the end-to-end tests
+    # run against it), so that its worker does not finish last.
+    items.sort(key=lambda item: getattr(item.module, "__name__", "") != LONGEST_GROUP)
