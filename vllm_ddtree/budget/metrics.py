@@ -77,7 +77,7 @@ class BudgetPredictions:
 
 
 def predictions(scheduler) -> BudgetPredictions | None:
-    """The scheduler's ``BudgetPredictions`` (``handles.SchedulerState``), or None."""
+    """The scheduler's ``BudgetPredictions`` (``scheduler_state.SchedulerState``), or None."""
     state = held(scheduler, SchedulerState)
     return state.predictions if state is not None else None
 

@@ -27,7 +27,7 @@ logger = logging.getLogger("vllm.ddtree")
 
 
 def stats_book(scheduler) -> RequestStatsBook | None:
-    """The scheduler's ``RequestStatsBook`` (``handles.SchedulerState``), or None."""
+    """The scheduler's ``RequestStatsBook`` (``scheduler_state.SchedulerState``), or None."""
     state = held(scheduler, SchedulerState)
     return state.stats_book if state is not None else None
 

@@ -473,6 +473,8 @@ V1_RUNNER_EDITS = (
 
 # Structured outputs on trees: the plugin wraps the same methods
 # (compat/scheduler_grammar.py) and calls the same functions (structured_outputs).
+# The opening of a hunk for DDTree engines only, in a method of an object that holds the
+# engine's vllm_config (the scheduler, the structured-output manager, the stat logger).
 _DDTREE_ENGINE = """        speculative_config = self.vllm_config.speculative_config
         if (
             speculative_config is not None
@@ -543,9 +545,8 @@ DDTREE_TREE_STATS = Edit(
     anchor="""        if not self.log_stats or not num_draft_tokens:
             return None
 """,
-    text="""        speculative_config = self.vllm_config.speculative_config
-        if speculative_config is not None and speculative_config.ddtree_config:
-            # DDTree: one accepted-token position per tree depth, not per tree node.
+    text=_DDTREE_ENGINE
+    + """            # DDTree: one accepted-token position per tree depth, not per tree node.
             from vllm.v1.spec_decode.ddtree import spec_counters
 
             if num_invalid_spec_tokens:
@@ -574,7 +575,11 @@ DDTREE_LOG_LINE = Edit(
     path="vllm/v1/metrics/loggers.py",
     anchor="        self.spec_decoding_logging = SpecDecodingLogging(is_diffusion=is_diffusion)\n",
     text="""        speculative_config = self.vllm_config.speculative_config
-        if speculative_config is not None and speculative_config.ddtree_config:
+        if (
+            speculative_config is not None
+            and speculative_config.ddtree_config is not None
+            and not is_diffusion
+        ):
             # DDTree: the log line also says the mean tree nodes verified.
             from vllm.v1.spec_decode.ddtree import spec_counters
 
