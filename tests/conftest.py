@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from tests.xdist_groups import pytest_collection_modifyitems  # noqa: F401 (the suite's grouping)
 from vllm_ddtree.testing import TinyQwen3Spec, make_tiny_dflash, make_tiny_qwen3
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,23 +68,3 @@ def tiny_target(tiny_target_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_path, dtype=torch.float32)
     return model.eval()
-
-
-LONGEST_GROUP = "tests.test_upstream"
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n 2 --dist loadgroup`` (README's command) tests go to the workers one by
-    one, so that a file's slow tests run side by side; tests that use a module- or class-scoped
-    fixture (an engine's outputs, a built tree) stay together on one worker, which builds the
-    fixture once."""
-    for item in items:
-        fixture_info = getattr(item, "_fixtureinfo", None)
-        if fixture_info is None:
-            continue
-        scopes = {defs[-1].scope for defs in fixture_info.name2fixturedefs.values() if defs}
-        if scopes & {"module", "class"}:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    # The longest group first (vLLM patched with the upstream series, the end-to-end tests
-    # run against it), so that its worker does not finish last.
-    items.sort(key=lambda item: getattr(item.module, "__name__", "") != LONGEST_GROUP)
