@@ -119,6 +119,41 @@ def test_each_patch_imports_only_what_it_or_an_earlier_patch_brings():
             assert imported <= placed, (step.subject, path, sorted(imported - placed))
 
 
+def test_a_fetched_source_tree_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A process that fetches the sdist while another extracts it never gets a partial tree
+    (the CI run where the two workers fetched at once got one without vLLM's files)."""
+    import hashlib
+    import io
+    import tarfile
+
+    from vllm_ddtree.upstream import sdist
+
+    archive = tmp_path / "served.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("pyproject.toml", "setup.py"):
+            data = f"# {name}\n".encode()
+            info = tarfile.TarInfo(f"vllm-{sdist.VLLM_VERSION}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    monkeypatch.setattr(sdist, "SDIST_SHA256", hashlib.sha256(archive.read_bytes()).hexdigest())
+    monkeypatch.setattr(sdist, "sdist_url", lambda: archive.as_uri())
+    dest = tmp_path / "cache"
+    tree = dest / f"vllm-{sdist.VLLM_VERSION}"
+    seen_while_extracting = []
+    extract = tarfile.TarFile.extractall
+
+    def watched(self, path, *args, **kwargs):
+        extract(self, path, *args, **kwargs)
+        seen_while_extracting.append(tree.exists())
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", watched)
+    assert sdist.fetch_sdist(str(dest)) == str(tree)
+    assert seen_while_extracting == [False]
+    assert sorted(os.listdir(tree)) == ["pyproject.toml", "setup.py"]
+    assert sorted(os.listdir(dest)) == sorted([sdist.SDIST_NAME, tree.name])  # no scratch left
+    assert sdist.fetch_sdist(str(dest)) == str(tree) and len(seen_while_extracting) == 1
+
+
 @pytest.fixture(scope="module")
 def vllm_src() -> str:
     """vLLM 0.26.0's source tree: ``VLLM_DDTREE_VLLM_SRC`` or the sdist fetched to .cache/."""

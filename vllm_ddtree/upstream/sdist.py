@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tarfile
+import tempfile
 import urllib.request
 
 VLLM_VERSION = "0.26.0"
@@ -33,16 +35,25 @@ def sdist_url(index_url: str = INDEX_URL) -> str:
 
 
 def fetch_sdist(dest: str) -> str:
-    """vLLM 0.26.0's source tree under ``dest`` (downloaded and extracted once); its path."""
+    """vLLM 0.26.0's source tree under ``dest`` (downloaded and extracted once); its path.
+
+    Processes that fetch at once (two test workers, say) never see a partial tree: each
+    downloads to its own file and extracts beside ``dest``'s tree, which appears whole, by a
+    rename, or not at all."""
     tree = os.path.join(dest, f"vllm-{VLLM_VERSION}")
     if os.path.isfile(os.path.join(tree, "pyproject.toml")):
         return tree
     os.makedirs(dest, exist_ok=True)
     archive = os.path.join(dest, SDIST_NAME)
     if not os.path.isfile(archive):
-        partial = archive + ".part"
-        urllib.request.urlretrieve(sdist_url(), partial)
-        os.replace(partial, archive)
+        handle, partial = tempfile.mkstemp(dir=dest, prefix=f".{SDIST_NAME}.", suffix=".part")
+        os.close(handle)
+        try:
+            urllib.request.urlretrieve(sdist_url(), partial)
+            os.replace(partial, archive)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
     digest = hashlib.sha256()
     with open(archive, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -50,6 +61,15 @@ def fetch_sdist(dest: str) -> str:
     if digest.hexdigest() != SDIST_SHA256:
         os.remove(archive)
         raise ValueError(f"{SDIST_NAME}: sha256 {digest.hexdigest()}, expected {SDIST_SHA256}")
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
+    scratch = tempfile.mkdtemp(dir=dest, prefix=".extract-")
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(scratch, filter="data")
+        try:
+            os.rename(os.path.join(scratch, f"vllm-{VLLM_VERSION}"), tree)
+        except OSError:
+            if not os.path.isfile(os.path.join(tree, "pyproject.toml")):
+                raise  # not another process's whole tree in the way
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return tree
