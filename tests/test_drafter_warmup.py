@@ -117,16 +117,18 @@ def test_a_failed_warm_up_is_a_warning_not_an_engine_failure(monkeypatch, caplog
 
 
 def test_every_ddtree_v2_engine_warms_the_kernel_after_capture(monkeypatch):
-    """``v2_hooks``' capture wrapper: after vLLM captured its graphs, a DDTree engine (fixed
-    budget or "auto") warms the kernel; an engine without DDTree is left alone."""
+    """The V2 capture wrapper (``v2_hooks``' functions around vLLM's capture): after vLLM
+    captured its graphs, a DDTree engine (fixed budget or "auto") warms the kernel; an engine
+    without DDTree is left alone."""
     pytest.importorskip("vllm")
+    from vllm_ddtree.compat import v2_runner
     from vllm_ddtree.config import DDTreeConfig
     from vllm_ddtree.spec_decode import v2_hooks
     from vllm_ddtree.spec_decode.step_state import StepState
 
     warmed = []
     monkeypatch.setattr(v2_hooks, "warm_drafter_inputs", lambda runner, spec: warmed.append(runner))
-    capture = v2_hooks._wrap_capture_model(lambda runner: "captured")
+    capture = v2_runner._wrap_capture_model(lambda runner: "captured")
     ddtree = DDTreeConfig(32, 8, 15, runner="v2")
     runner = SimpleNamespace(speculator=SimpleNamespace(ddtree=ddtree, state=StepState()))
     assert capture(runner) == "captured" and warmed == [runner]

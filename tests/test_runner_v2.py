@@ -107,9 +107,10 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
 
     import numpy as np
 
+    from vllm_ddtree.compat import v2_runner
     from vllm_ddtree.envs import CHECK_RANKS as RANK_CHECK_ENV
     from vllm_ddtree.ops.tree_mask import packed_ancestor_mask_ref
-    from vllm_ddtree.spec_decode import tree_step, v2_hooks
+    from vllm_ddtree.spec_decode import tree_step
     from vllm_ddtree.spec_decode.proposal_store import ProposalStore
     from vllm_ddtree.spec_decode.step_state import StepState
     from vllm_ddtree.tree import build_trees
@@ -155,7 +156,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
     )
     slot_mapping = torch.arange(total) + 1000
     runner = SimpleNamespace(speculator=speculator, attn_groups=[])
-    prepare_attn = v2_hooks._wrap_prepare_attn(lambda self, ib: ("tables", slot_mapping[None]))
+    prepare_attn = v2_runner._wrap_prepare_attn(lambda self, ib: ("tables", slot_mapping[None]))
     tables, slots = prepare_attn(runner, batch)
     assert tables == "tables" and torch.equal(slots, slot_mapping[None])
 
@@ -208,7 +209,7 @@ def test_one_v2_step_through_the_hooks_on_a_stand_in_runner(monkeypatch):
         bad_words_state=SimpleNamespace(num_bad_words=SimpleNamespace(np=np.zeros(4, np.int32))),
     )
     runner.compilation_config = SimpleNamespace(static_forward_context={})  # no KV layers
-    sample = v2_hooks._wrap_sample(lambda *a: pytest.fail("the tree path must run"))
+    sample = v2_runner._wrap_sample(lambda *a: pytest.fail("the tree path must run"))
     hidden = torch.zeros(total, dtype=torch.long)
     hidden[batch.logits_indices] = logit_rows
     checked = []  # tensor parallel: the walked trees go to the rank comparison
@@ -344,18 +345,18 @@ def test_the_v2_drafts_for_the_scheduler_carry_the_trees_parents():
     bitmask of each node's own path, and nothing is attached when none were proposed."""
     from types import SimpleNamespace
 
+    from vllm_ddtree.compat import v2_runner
     from vllm_ddtree.requests.structured_outputs import TREE_PARENTS_ATTR, ParentsToHost
-    from vllm_ddtree.spec_decode import v2_hooks
 
     parents = ParentsToHost()
     speculator = SimpleNamespace(ddtree=object(), parents_to_host=parents)
     runner = SimpleNamespace(speculator=speculator)
     drafts = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[5, 6, 7], [8, 9, 1]])
-    take = v2_hooks._wrap_take_draft_token_ids(lambda self: drafts)
+    take = v2_runner._wrap_take_draft_token_ids(lambda self: drafts)
     parents.start(torch.tensor([[0, 1, 0], [0, 0, 2], [9, 9, 9]]))
     taken = take(runner)
     assert getattr(taken, TREE_PARENTS_ATTR) == [[0, 1, 0], [0, 0, 2]]
     parents.clear()
     other = SimpleNamespace(req_ids=["a"], draft_token_ids=[[5]])
-    take = v2_hooks._wrap_take_draft_token_ids(lambda self: other)
+    take = v2_runner._wrap_take_draft_token_ids(lambda self: other)
     assert not hasattr(take(runner), TREE_PARENTS_ATTR)

@@ -340,6 +340,7 @@ def test_graphs_are_timed_at_capture_on_one_rank_only(monkeypatch, tensor_parall
     import collections
     import contextlib
 
+    from vllm_ddtree.compat import v2_runner
     from vllm_ddtree.config import DDTreeConfig
     from vllm_ddtree.spec_decode import v2_hooks
     from vllm_ddtree.spec_decode.step_state import StepState
@@ -374,7 +375,7 @@ def test_graphs_are_timed_at_capture_on_one_rank_only(monkeypatch, tensor_parall
         vllm_config=SimpleNamespace(parallel_config=parallel),
     )
     monkeypatch.setattr(v2_hooks, "_synchronize_stream", lambda: None)
-    assert v2_hooks._wrap_capture_model(capture_model)(runner) == "captured"
+    assert v2_runner._wrap_capture_model(capture_model)(runner) == "captured"
     if tensor_parallel_size == 1:
         assert replays_before_registration and state.step_costs is not None
     else:

@@ -63,7 +63,7 @@ GDN_CPU_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 GDN_METADATA_MODULE = "vllm.v1.attention.backends.gdn_attn"
 
 _V1 = "vllm_ddtree.compat.v1_runner"
-_V2 = "vllm_ddtree.spec_decode.v2_hooks"
+_V2 = "vllm_ddtree.compat.v2_runner"
 _ENGINE = "vllm_ddtree.compat.installer"
 _KV = "vllm_ddtree.compat.kv_specs"
 _GDN = "vllm_ddtree.compat.gdn_dispatch"

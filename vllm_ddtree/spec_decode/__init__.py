@@ -8,7 +8,7 @@
   thinking budgets); ``draft_source.py``: the draft logits the proposer and speculator are
   given (the drafter's own, or the test kit's oracle).
 * ``v1_hooks.py``: the V1 runner's step as plain functions its methods call (the plugin's
-  wrappers: ``compat/v1_runner.py``); ``v2_hooks.py``: where the V2 runner is wrapped.
+  wrappers: ``compat/v1_runner.py``); ``v2_hooks.py``: the V2 runner's (``compat/v2_runner.py``).
 * ``step_state.py``: ``StepState``, everything a step hands from one stage to the next, and
   the readers the engine core runs in a worker; ``engine_step.py``: the engine core's step
   loops, where an online ``"auto"`` (``budget/``) refreshes its budgets.

@@ -12,12 +12,12 @@ schedules next. It owns the worker's ``StepState``, which the V2 runner hooks
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 
 from vllm_ddtree import envs
 from vllm_ddtree.budget.acceptance import make_tracker
-from vllm_ddtree.compat import bind_arguments
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.hybrid.gdn_layer import hybrid_tree_step
 from vllm_ddtree.metrics.step_ranges import step_range
@@ -60,6 +60,8 @@ def ddtree_speculator_class():
         """
 
         _speculator_name = "DDTree"
+        # vLLM's arguments to ``propose``, read by name however they were passed.
+        _propose_signature = inspect.signature(DFlashSpeculator.propose)
 
         def __init__(self, vllm_config, device: torch.device):
             ddtree = get_ddtree_config(vllm_config.speculative_config)
@@ -120,7 +122,7 @@ def ddtree_speculator_class():
             slot_mappings, last_hidden_states, aux_hidden_states, num_sampled, ...``) on the
             accepted path's rows; returns the node tokens ``[R, budget]`` (padding: token 0),
             keeping each request's tree for its next step."""
-            bound = bind_arguments(DFlashSpeculator.propose, self, input_batch, *args, **kwargs)
+            bound = self._propose_signature.bind(self, input_batch, *args, **kwargs)
             dummy_run = bound.arguments.get("dummy_run", False)
             step, self.state.step = self.state.step, None
             if not dummy_run and step is not None and step.accepted is not None:

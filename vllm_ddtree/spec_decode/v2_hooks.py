@@ -22,8 +22,11 @@ runners"):
    path's rows first with fresh positions (``ops/drafter_rows.py``), then returns the node tokens
    ``[R, budget]`` vLLM schedules next.
 
-Checked on a GPU host only (vLLM-CPU has no V2 runner): ``benchmarks/lossless_gpu.py --runner
-v2``. Request features are refused per request as on V1 (``config.check_sampling_params``).
+The plain functions here are what vLLM's tree calls from those methods of its V2
+``GPUModelRunner`` and from ``init_speculator`` (upstream patch 13); the plugin's wrappers are
+``compat/v2_runner.py``, one call each. Checked on a GPU host only (vLLM-CPU has no V2 runner):
+``benchmarks/lossless_gpu.py --runner v2``. Request features are refused per request as on V1
+(``config.check_sampling_params``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from vllm_ddtree.hybrid.gdn_layer import prepare_before_capture
 from vllm_ddtree.metrics.step_ranges import step_range
 from vllm_ddtree.ops.path_tokens import row_layout, row_path_tokens
 from vllm_ddtree.requests.structured_outputs import with_tree_parents
-from vllm_ddtree.spec_decode.draft_source import draft_source
 from vllm_ddtree.spec_decode.drafter_warmup import warm_drafter_inputs
 from vllm_ddtree.spec_decode.speculator import (
     ddtree_speculator_class,
@@ -59,70 +61,54 @@ from vllm_ddtree.spec_decode.tree_step import (
 
 logger = logging.getLogger("vllm.ddtree")
 
-RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+def init_speculator(vllm_config, device):
+    """The V2 runner's speculator for a DDTree engine (None for other engines)."""
+    if get_ddtree_config(vllm_config.speculative_config) is None:
+        return None
+    return ddtree_speculator_class()(vllm_config, device)
 
 
-def _wrap_init_speculator(original):
-    def init_speculator(vllm_config, device):
-        spec = vllm_config.speculative_config
-        if get_ddtree_config(spec) is not None:
-            speculator = ddtree_speculator_class()(vllm_config, device)
-            if speculator.state.hybrid is not None:  # the GDN layers' calls to the tree path
-                from vllm_ddtree.compat.gdn_dispatch import install
-
-                install(device)
-            return speculator
-        if getattr(spec, "method", None) == "dflash":  # the chain, drafting from its source
-            source = draft_source(vllm_config, device)
-            return source.v2_chain_speculator(vllm_config, device, original)
-        return original(vllm_config, device)
-
-    return init_speculator
-
-
-def _wrap_capture_model(original):
-    """An online "auto" engine times each graph as vLLM captures it (``step_costs.py``): the
-    step costs it judges budgets by. Then every DDTree engine compiles vLLM's DFlash input
-    kernel for every block size it can take (``drafter_warmup.py``)."""
-
-    def capture_model(self):
-        speculator = _ddtree_speculator(self)
-        if speculator is None:
-            return original(self)
-        if speculator.state.hybrid is not None:
-            # The GDN layers reach the tree path through TREE_ATTN's metadata, in the captured
-            # verify graphs too, whose buffers exist before the first capture.
-            prepare_before_capture(speculator.state.hybrid, self.model, "before capture")
-            speculator.state.bind_tree_attention(self.attn_groups)
-        if speculator.state.acceptance is None:
-            captured = original(self)
-        elif not times_graphs_at_capture(self.vllm_config.parallel_config):
-            logger.info(
-                "vllm-ddtree: tree_budget 'auto' judges budgets by its cost profile's step "
-                "costs (graphs are timed at capture on one rank only)"
-            )
-            captured = original(self)
-        else:
-            timers = time_graphs_as_captured(self, _synchronize_stream)
-            captured = original(self)
-            _keep_step_costs(speculator.state, timers)
-        warm_drafter_inputs(self, speculator)
-        return captured
-
-    return capture_model
+def before_capture_model(runner) -> list | None:
+    """Before vLLM captures the V2 ``runner``'s graphs: a hybrid target's GatedDeltaNet layers
+    reach the tree path through TREE_ATTN's metadata in the captured verify graphs too, whose
+    buffers exist before the first capture; an online "auto" engine times each graph as vLLM
+    captures it (``step_costs.py``: the step costs it judges budgets by). Returns the timers
+    for ``after_capture_model`` (None: nothing timed)."""
+    speculator = _ddtree_speculator(runner)
+    if speculator is None:
+        return None
+    if speculator.state.hybrid is not None:
+        prepare_before_capture(speculator.state.hybrid, runner.model, "before capture")
+        speculator.state.bind_tree_attention(runner.attn_groups)
+    if speculator.state.acceptance is None:
+        return None
+    if not times_graphs_at_capture(runner.vllm_config.parallel_config):
+        logger.info(
+            "vllm-ddtree: tree_budget 'auto' judges budgets by its cost profile's step "
+            "costs (graphs are timed at capture on one rank only)"
+        )
+        return None
+    return time_graphs_as_captured(runner, _synchronize_stream)
 
 
-def _wrap_profile_run(original):
+def after_capture_model(runner, timers: list | None) -> None:
+    """Once vLLM captured the graphs: the step costs ``timers`` timed kept, then vLLM's DFlash
+    input kernel compiled for every block size the drafter can take (``drafter_warmup.py``)."""
+    speculator = _ddtree_speculator(runner)
+    if speculator is None:
+        return
+    if timers is not None:
+        _keep_step_costs(speculator.state, timers)
+    warm_drafter_inputs(runner, speculator)
+
+
+def before_profile_run(runner) -> None:
     """A hybrid target's GDN tree buffers exist while vLLM profiles memory, so the KV cache it
     sizes after leaves room for them (as on V1)."""
-
-    def profile_run(self):
-        speculator = _ddtree_speculator(self)
-        if speculator is not None and speculator.state.hybrid is not None:
-            prepare_before_capture(speculator.state.hybrid, self.model, "before memory profiling")
-        return original(self)
-
-    return profile_run
+    speculator = _ddtree_speculator(runner)
+    if speculator is not None and speculator.state.hybrid is not None:
+        prepare_before_capture(speculator.state.hybrid, runner.model, "before memory profiling")
 
 
 def _synchronize_stream() -> None:
@@ -177,148 +163,145 @@ def _step_trees(speculator, input_batch, has_tree: np.ndarray):
     return trees, root_row, num_draft, counts, is_tree
 
 
-def _wrap_prepare_attn(original):
-    def prepare_attn(self, input_batch):
-        block_tables, slot_mappings = original(self, input_batch)
-        source = getattr(getattr(self, "speculator", None), "draft_source", None)
-        if source is not None:  # (draft_source.py; vLLM's own speculators have none)
-            source.v2_bind(self, input_batch)
-        speculator = _ddtree_speculator(self)
-        if speculator is not None:  # every scheduled step takes its requests' proposals
-            num_reqs = input_batch.num_reqs
-            has_tree = speculator.proposals.take(
-                input_batch.idx_mapping_np[:num_reqs], input_batch.req_ids[:num_reqs]
-            )
-        if speculator is None:
-            return block_tables, slot_mappings
-        state = speculator.state
-        state.bind_tree_attention(self.attn_groups)
-        state.publish(None)
-        state.step = None
-        if input_batch.num_draft_tokens == 0:
-            return block_tables, slot_mappings
-        with step_range("ddtree::prepare_tree_inputs"):
-            trees, root_row, num_draft, counts, is_tree = _step_trees(
-                speculator, input_batch, has_tree
-            )
-            start_tree_step(
-                state,
-                trees,
-                root_row,
-                num_draft,
-                counts,
-                is_tree,
-                input_batch.input_ids,
-                input_batch.positions,
-                input_batch.num_tokens,
-                widest=int(input_batch.num_draft_tokens_per_req[:num_reqs].max()),
-                slot_mapping=slot_mappings[0],
-            )
-        return block_tables, slot_mappings
-
-    return prepare_attn
-
-
-def _wrap_sample(original):
-    def sample(self, hidden_states, input_batch, grammar_output):
-        speculator = _ddtree_speculator(self)
-        step = speculator.state.step if speculator is not None else None
-        if step is None or input_batch.num_draft_tokens == 0:
-            return original(self, hidden_states, input_batch, grammar_output)
-        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
-        from vllm.v1.worker.gpu.sample.output import SamplerOutput
-
-        logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
-        if grammar_output is not None:
-            # The scheduler filled each tree row's bitmask along the row's own path
-            # (structured_outputs.py); the rows are laid out as a chain's.
-            self.structured_outputs_worker.apply_grammar_bitmask(
-                logits,
-                input_batch,
-                grammar_output.structured_output_request_ids,
-                grammar_output.grammar_bitmask,
-            )
-        num_reqs = input_batch.num_reqs
-        first_row = input_batch.cu_num_logits[:num_reqs].long()
-        paths = None
-        if reads_row_paths(self.sampler, input_batch.idx_mapping_np):
-            tokens, lengths = row_path_tokens(
-                step.trees,
-                input_batch.cu_num_logits[: num_reqs + 1],
-                logits.shape[0],
-                speculator.ddtree.depth,
-            )
-            paths = RowPaths(tokens, lengths)
-        returns_logprobs = self.sampler.returns_logprobs(input_batch.idx_mapping_np)
-        with step_range("ddtree::target_tokens"), tree_rows(self.sampler, paths):
-            # One draw per logits row, keyed by its (depth) position: a node's token is the one
-            # target-alone decoding would draw there, after the sampling parameters of its own
-            # path.
-            chosen, processed_logits = self.sampler.sample(
-                logits,
-                input_batch.expanded_idx_mapping,
-                input_batch.idx_mapping_np,
-                input_batch.positions[input_batch.logits_indices],
-                input_batch.input_ids[input_batch.logits_indices],
-                input_batch.expanded_local_pos,
-                return_logprobs=returns_logprobs,
-            )
-        out_width = step.trees.tree_budget + 1
-        with step_range("ddtree::follow_tree"):
-            sampled = walk_tree_step(
-                speculator.state, step, chosen.long(), first_row, out_width, torch.int64
-            )
-        accepted, num_accepted = step.accepted, step.num_accepted
-        num_sampled = (num_accepted + 1).to(torch.int32)
-        logprobs = None
-        if returns_logprobs:
-            requests, local = row_layout(input_batch.cu_num_logits[: num_reqs + 1], logits.shape[0])
-            logprobs = tree_step_logprobs_v2(
-                self.sampler,
-                logits,
-                processed_logits,
-                input_batch,
-                requests,
-                local,
-                first_row,
-                accepted,
-                num_accepted,
-                sampled,
-            )
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
-            num_sampled,
-            input_batch.seq_lens,
-            input_batch.cu_num_logits,
-            input_batch.idx_mapping,
-            self.sampler.req_states.prefill_len.gpu,
+def after_prepare_attn(runner, input_batch, slot_mappings: torch.Tensor) -> None:
+    """Once vLLM computed the step's slot mappings (from sequential positions: one KV slot per
+    node): each request's proposals taken; in a step with trees, the node rows' positions
+    become depth positions and TREE_ATTN's ancestor masks are published, before vLLM's
+    metadata builders run."""
+    source = getattr(getattr(runner, "speculator", None), "draft_source", None)
+    if source is not None:  # (draft_source.py; vLLM's own speculators have none)
+        source.v2_bind(runner, input_batch)
+    speculator = _ddtree_speculator(runner)
+    if speculator is None:
+        return
+    num_reqs = input_batch.num_reqs
+    # Every scheduled step takes its requests' proposals.
+    has_tree = speculator.proposals.take(
+        input_batch.idx_mapping_np[:num_reqs], input_batch.req_ids[:num_reqs]
+    )
+    state = speculator.state
+    state.bind_tree_attention(runner.attn_groups)
+    state.publish(None)
+    state.step = None
+    if input_batch.num_draft_tokens == 0:
+        return
+    with step_range("ddtree::prepare_tree_inputs"):
+        trees, root_row, num_draft, counts, is_tree = _step_trees(speculator, input_batch, has_tree)
+        start_tree_step(
+            state,
+            trees,
+            root_row,
+            num_draft,
+            counts,
+            is_tree,
+            input_batch.input_ids,
+            input_batch.positions,
+            input_batch.num_tokens,
+            widest=int(input_batch.num_draft_tokens_per_req[:num_reqs].max()),
+            slot_mapping=slot_mappings[0],
         )
-        with step_range("ddtree::commit_kv"):
-            commit_step_kv(self, speculator.state, step)
-            hybrid = speculator.state.hybrid
-            if hybrid is not None:  # before vLLM's state postprocess reads the caches
-                roots = input_batch.positions.index_select(0, step.root_row)
-                hybrid.commit(accepted, num_accepted, step.num_draft, roots)
-        output = SamplerOutput(
-            sampled_token_ids=sampled,
-            logprobs_tensors=logprobs,
-            num_nans=None,
-            num_sampled=num_sampled,
-            num_rejected=num_rejected,
+
+
+def sample(runner, hidden_states, input_batch, grammar_output):
+    """A tree step's sampling on the V2 ``runner``: the target's token at every node from
+    vLLM's own sampler, the walk, the KV commit; returns what the runner's ``sample`` returns
+    (``SamplerOutput``, num_sampled, num_rejected), or None where vLLM's own runs (no tree)."""
+    speculator = _ddtree_speculator(runner)
+    step = speculator.state.step if speculator is not None else None
+    if step is None or input_batch.num_draft_tokens == 0:
+        return None
+    return _sample_tree_step(runner, speculator, step, hidden_states, input_batch, grammar_output)
+
+
+def _sample_tree_step(runner, speculator, step, hidden_states, input_batch, grammar_output):
+    """The tree step's sample (``sample``), on ``speculator``'s walked ``step``."""
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+    logits = runner.model.compute_logits(hidden_states[input_batch.logits_indices])
+    if grammar_output is not None:
+        # The scheduler filled each tree row's bitmask along the row's own path
+        # (structured_outputs.py); the rows are laid out as a chain's.
+        runner.structured_outputs_worker.apply_grammar_bitmask(
+            logits,
+            input_batch,
+            grammar_output.structured_output_request_ids,
+            grammar_output.grammar_bitmask,
         )
-        return output, output.num_sampled, output.num_rejected
+    num_reqs = input_batch.num_reqs
+    first_row = input_batch.cu_num_logits[:num_reqs].long()
+    paths = None
+    if reads_row_paths(runner.sampler, input_batch.idx_mapping_np):
+        tokens, lengths = row_path_tokens(
+            step.trees,
+            input_batch.cu_num_logits[: num_reqs + 1],
+            logits.shape[0],
+            speculator.ddtree.depth,
+        )
+        paths = RowPaths(tokens, lengths)
+    returns_logprobs = runner.sampler.returns_logprobs(input_batch.idx_mapping_np)
+    with step_range("ddtree::target_tokens"), tree_rows(runner.sampler, paths):
+        # One draw per logits row, keyed by its (depth) position: a node's token is the one
+        # target-alone decoding would draw there, after the sampling parameters of its own
+        # path.
+        chosen, processed_logits = runner.sampler.sample(
+            logits,
+            input_batch.expanded_idx_mapping,
+            input_batch.idx_mapping_np,
+            input_batch.positions[input_batch.logits_indices],
+            input_batch.input_ids[input_batch.logits_indices],
+            input_batch.expanded_local_pos,
+            return_logprobs=returns_logprobs,
+        )
+    out_width = step.trees.tree_budget + 1
+    with step_range("ddtree::follow_tree"):
+        sampled = walk_tree_step(
+            speculator.state, step, chosen.long(), first_row, out_width, torch.int64
+        )
+    accepted, num_accepted = step.accepted, step.num_accepted
+    num_sampled = (num_accepted + 1).to(torch.int32)
+    logprobs = None
+    if returns_logprobs:
+        requests, local = row_layout(input_batch.cu_num_logits[: num_reqs + 1], logits.shape[0])
+        logprobs = tree_step_logprobs_v2(
+            runner.sampler,
+            logits,
+            processed_logits,
+            input_batch,
+            requests,
+            local,
+            first_row,
+            accepted,
+            num_accepted,
+            sampled,
+        )
+    num_sampled, num_rejected = get_num_sampled_and_rejected(
+        num_sampled,
+        input_batch.seq_lens,
+        input_batch.cu_num_logits,
+        input_batch.idx_mapping,
+        runner.sampler.req_states.prefill_len.gpu,
+    )
+    with step_range("ddtree::commit_kv"):
+        commit_step_kv(runner, speculator.state, step)
+        hybrid = speculator.state.hybrid
+        if hybrid is not None:  # before vLLM's state postprocess reads the caches
+            roots = input_batch.positions.index_select(0, step.root_row)
+            hybrid.commit(accepted, num_accepted, step.num_draft, roots)
+    output = SamplerOutput(
+        sampled_token_ids=sampled,
+        logprobs_tensors=logprobs,
+        num_nans=None,
+        num_sampled=num_sampled,
+        num_rejected=num_rejected,
+    )
+    return output, output.num_sampled, output.num_rejected
 
-    return sample
 
-
-def _wrap_take_draft_token_ids(original):
-    """vLLM's ``DraftTokenIds`` for the scheduler (steps with structured outputs) also carries
-    the trees' parents (``structured_outputs.TREE_PARENTS_ATTR``), for its grammar bitmask."""
-
-    def take_draft_token_ids(self):
-        taken = original(self)
-        speculator = _ddtree_speculator(self)
-        if speculator is None:
-            return taken
-        return with_tree_parents(taken, speculator.parents_to_host)
-
-    return take_draft_token_ids
+def with_tree_parents_of(runner, taken):
+    """vLLM's ``DraftTokenIds`` for the scheduler (steps with structured outputs), carrying the
+    trees' parents (``structured_outputs.TREE_PARENTS_ATTR``) for its grammar bitmask."""
+    speculator = _ddtree_speculator(runner)
+    if speculator is None:
+        return taken
+    return with_tree_parents(taken, speculator.parents_to_host)
