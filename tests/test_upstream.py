@@ -185,6 +185,15 @@ def test_the_series_regenerates_byte_for_byte(vllm_src, series, tmp_path):
     assert [open(p).read() for p in again] == [open(p).read() for p in series]
 
 
+def test_the_series_is_written_where_a_relative_out_says(vllm_src, series, tmp_path, monkeypatch):
+    """``--out`` relative to where the export runs (the patches were written into the export's
+    scratch repository, and lost, before)."""
+    monkeypatch.chdir(tmp_path)
+    written = export(vllm_src, "patches")
+    assert [os.path.dirname(p) for p in written] == [str(tmp_path / "patches")] * len(series)
+    assert all(os.path.isfile(p) for p in written)
+
+
 def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]:
     """The installed vLLM with the series' files in place (symlinks to the installed package,
     the series' own files written), and a directory holding vLLM's patched tests tree and

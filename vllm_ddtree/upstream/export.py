@@ -124,6 +124,7 @@ def edited_paths() -> list[str]:
 def export(vllm_src: str, out: str, project_root: str = PROJECT_ROOT) -> list[str]:
     """Write the series to ``out`` (emptied first) against the vLLM tree ``vllm_src``; returns
     the patch files in order."""
+    out = os.path.abspath(out)  # git writes them from its scratch repository
     missing = [p for p in edited_paths() if not os.path.isfile(os.path.join(vllm_src, p))]
     if missing:
         raise ExportError(f"{vllm_src} is not a vLLM source tree: it lacks {', '.join(missing)}")
