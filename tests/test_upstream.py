@@ -31,6 +31,7 @@ from vllm_ddtree.upstream.layout import (
     unplaced_imports,
 )
 from vllm_ddtree.upstream.series import SERIES
+from vllm_ddtree.upstream.site import patched_site
 
 
 def test_module_names_are_rewritten_whole_and_in_every_import_form():
@@ -194,31 +195,40 @@ def test_the_series_is_written_where_a_relative_out_says(vllm_src, series, tmp_p
     assert all(os.path.isfile(p) for p in written)
 
 
-def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]:
-    """The installed vLLM with the series' files in place (symlinks to the installed package,
-    the series' own files written), and a directory holding vLLM's patched tests tree and
-    its ``pyproject.toml`` but not its ``vllm`` sources, from where ``python -m pytest``
-    imports the installed vLLM: ``(site, checkout)``."""
+def test_a_site_from_files_patched_beforehand_is_the_series_applied_in_place(
+    vllm_src, series, tmp_path
+):
+    """``export --files`` (a host without git): the files the series changes, patched from
+    vLLM's sources, in a site over the installed vLLM are what applying the series to the
+    installed files gives; every other file is the installed one."""
     import vllm
 
-    installed = os.path.dirname(vllm.__file__)
-    site = os.path.join(root, "site")
-    shutil.copytree(installed, os.path.join(site, "vllm"), copy_function=os.symlink)
+    from vllm_ddtree.upstream.site import patched_files, site_with
+
+    written = patched_files(series, vllm_src, str(tmp_path / "files"))
+    assert "vllm/v1/worker/gpu_model_runner.py" in written
+    site = site_with(str(tmp_path / "files"), str(tmp_path / "from-files"))
+    applied = patched_site(series, str(tmp_path / "applied"))
+    for path in written:
+        with open(os.path.join(site, path)) as got, open(os.path.join(applied, path)) as want:
+            assert got.read() == want.read(), path
+        assert not os.path.islink(os.path.join(site, path))
+    installed = os.path.join(site, "vllm", "config", "model.py")
+    assert os.path.realpath(installed) == os.path.join(
+        os.path.dirname(vllm.__file__), "config", "model.py"
+    )
+
+
+def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]:
+    """The installed vLLM's files with the series applied (``upstream.site.patched_site``),
+    and a directory holding vLLM's patched tests tree and its ``pyproject.toml`` but not its
+    ``vllm`` sources, from where ``python -m pytest`` imports the installed vLLM:
+    ``(site, checkout)``."""
+    site = patched_site(series, root)
     tree = os.path.join(root, "tree")
     shutil.copytree(vllm_src, tree, ignore=shutil.ignore_patterns("csrc", "docs", "benchmarks"))
     for patch in series:
         subprocess.run(["git", "apply", patch], cwd=tree, check=True)
-    changed = subprocess.run(
-        ["git", "apply", "--numstat", *series], cwd=tree, capture_output=True, text=True
-    )
-    for line in changed.stdout.splitlines():
-        path = line.split("\t")[-1]
-        if path.startswith("vllm/"):
-            target = os.path.join(site, path)
-            if os.path.lexists(target):
-                os.remove(target)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.copyfile(os.path.join(tree, path), target)
     return site, vllm_tests_checkout(tree, os.path.join(root, "checkout"))
 
 

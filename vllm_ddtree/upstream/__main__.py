@@ -1,6 +1,8 @@
-"""``python -m vllm_ddtree.upstream export --vllm-src DIR --out PATCHES [--check]``:
+"""``python -m vllm_ddtree.upstream export --vllm-src DIR --out PATCHES [--check] [--files FILES]``:
 the plugin as a patch series against the vLLM source tree ``DIR`` (vLLM 0.26.0's sdist,
 extracted, or a checkout at v0.26.0); ``--check`` then applies it to a copy of ``DIR``.
+``--files FILES`` also writes the ``vllm/`` files the series changes or adds, patched, under
+``FILES`` (for a host without git: ``benchmarks/upstream_gpu.py --files``).
 ``python -m vllm_ddtree.upstream fetch --dest DIR``: vLLM 0.26.0's sdist from the package
 index, checked against its sha256, extracted under ``DIR``; prints the tree's path."""
 
@@ -11,6 +13,7 @@ import sys
 
 from vllm_ddtree.upstream.export import check, export
 from vllm_ddtree.upstream.sdist import fetch_sdist
+from vllm_ddtree.upstream.site import patched_files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     exporting.add_argument("--vllm-src", required=True, help="vLLM 0.26.0's source tree")
     exporting.add_argument("--out", required=True, help="folder for the patches (emptied)")
     exporting.add_argument("--check", action="store_true", help="apply it to a copy after")
+    exporting.add_argument("--files", help="also write the patched vllm/ files here")
     fetching = commands.add_parser("fetch", help="download and extract vLLM 0.26.0's sdist")
     fetching.add_argument("--dest", required=True)
     args = parser.parse_args(argv)
@@ -32,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         check(args.vllm_src, patches)
         print(f"{len(patches)} patches apply to {args.vllm_src}")
+    if args.files:
+        written = patched_files(patches, args.vllm_src, args.files)
+        print(f"{len(written)} patched files under {args.files}")
     return 0
 
 
