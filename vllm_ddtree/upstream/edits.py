@@ -664,3 +664,107 @@ REQUEST_SCHEDULING_EDITS = (
     DDTREE_REQUEST_STATS_OBSERVED,
     DDTREE_REQUEST_STATS_RETURNED,
 )
+
+# The V2 model runner (dense GPU targets): the plugin wraps the same methods
+# (compat/v2_runner.py) and calls the same functions (spec_decode/v2_hooks.py, in-tree
+# vllm/v1/worker/gpu/spec_decode/ddtree/v2_runner.py), each a no-op unless the runner's
+# speculator is DDTree's.
+_V2_RUNNER = "vllm/v1/worker/gpu/model_runner.py"
+DDTREE_V2_SPECULATOR = Edit(
+    path="vllm/v1/worker/gpu/spec_decode/__init__.py",
+    anchor="""    if speculative_config.method == "dflash":
+""",
+    text="""        if speculative_config.ddtree_config is not None:
+            if vllm_config.model_config.is_hybrid:
+                raise ValueError(
+                    '"method": "ddtree" verifies trees on dense targets only '
+                    "in this vLLM; hybrid (GatedDeltaNet) targets: "
+                    '"method": "dflash"'
+                )
+            # DDTree: vLLM's DFlash speculator at the drafter's depth, then a draft
+            # tree per request.
+            from vllm.v1.worker.gpu.spec_decode.ddtree import v2_runner
+
+            return v2_runner.init_speculator(vllm_config, device)
+""",
+    why="a DDTree engine's V2 speculator; hybrid targets refused until their GatedDeltaNet "
+    "layers verify trees",
+)
+DDTREE_V2_IMPORT = Edit(
+    path=_V2_RUNNER,
+    anchor="from vllm.v1.worker.gpu.spec_decode import init_speculator\n",
+    text="from vllm.v1.worker.gpu.spec_decode.ddtree import v2_runner as ddtree_v2\n",
+    why="the V2 runner reaches DDTree's step through one module",
+)
+DDTREE_V2_BEFORE_CAPTURE = Edit(
+    path=_V2_RUNNER,
+    anchor="        compilation_counter.num_gpu_runner_capture_triggers += 1\n",
+    text="""        # DDTree: an online "auto" engine times its graphs as they are captured.
+        ddtree_timers = ddtree_v2.before_capture_model(self)
+""",
+    why='the step costs an online "auto" judges budgets by, timed as vLLM captures',
+)
+DDTREE_V2_AFTER_CAPTURE = Edit(
+    path=_V2_RUNNER,
+    anchor="""            if self.speculator is not None:
+                self.speculator.capture()
+""",
+    text="""        # DDTree: the timed step costs kept; the drafter's input kernel compiled for
+        # every block size it can take.
+        ddtree_v2.after_capture_model(self, ddtree_timers)
+""",
+    why="a DDTree engine's start-up work once the graphs are captured",
+)
+DDTREE_V2_PREPARE_ATTN = Edit(
+    path=_V2_RUNNER,
+    anchor="""            num_tokens_padded=input_batch.num_tokens_after_padding,
+        )
+        return block_tables, slot_mappings
+""",
+    text="""            num_tokens_padded=input_batch.num_tokens_after_padding,
+        )
+        if self.speculator is not None:
+            # DDTree: the step's trees taken, their node positions and ancestor masks.
+            ddtree_v2.after_prepare_attn(self, input_batch, slot_mappings)
+        return block_tables, slot_mappings
+""",
+    why="a tree step's inputs, once the slot mappings are computed from sequential positions "
+    "(one KV slot per node) and before the metadata builders run",
+    replaces_anchor=True,
+)
+DDTREE_V2_SAMPLE = Edit(
+    path=_V2_RUNNER,
+    anchor="""    ) -> tuple[SamplerOutput, torch.Tensor, torch.Tensor]:
+        sample_hidden_states = hidden_states[input_batch.logits_indices]
+""",
+    text="""    ) -> tuple[SamplerOutput, torch.Tensor, torch.Tensor]:
+        if self.speculator is not None:
+            # DDTree: the target's token at every tree node, the walk, the KV commit.
+            sampled = ddtree_v2.sample(self, hidden_states, input_batch, grammar_output)
+            if sampled is not None:
+                return sampled
+        sample_hidden_states = hidden_states[input_batch.logits_indices]
+""",
+    why="a tree step's sampling: the walk in place of the rejection sampler",
+    replaces_anchor=True,
+)
+DDTREE_V2_TAKE_DRAFTS = Edit(
+    path=_V2_RUNNER,
+    anchor="        return self.draft_tokens_handler.get_draft_tokens()\n",
+    text="""        # DDTree: the trees' parents ride beside their tokens to the scheduler.
+        return ddtree_v2.with_tree_parents_of(
+            self, self.draft_tokens_handler.get_draft_tokens()
+        )
+""",
+    why="the scheduler's grammar bitmask follows each tree's parents",
+    replaces_anchor=True,
+)
+V2_RUNNER_EDITS = (
+    DDTREE_V2_SPECULATOR,
+    DDTREE_V2_IMPORT,
+    DDTREE_V2_BEFORE_CAPTURE,
+    DDTREE_V2_AFTER_CAPTURE,
+    DDTREE_V2_PREPARE_ATTN,
+    DDTREE_V2_SAMPLE,
+    DDTREE_V2_TAKE_DRAFTS,
+)

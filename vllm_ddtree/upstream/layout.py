@@ -80,6 +80,15 @@ MODULES: dict[str, str] = {
     "vllm_ddtree.metrics.spec_counters": "vllm.v1.spec_decode.ddtree.spec_counters",
     "vllm_ddtree.scheduler_state": "vllm.v1.spec_decode.ddtree.scheduler_state",
     "vllm_ddtree.requests.scheduler_hooks": "vllm.v1.spec_decode.ddtree.request_scheduling",
+    **{
+        f"vllm_ddtree.spec_decode.{name}": f"vllm.v1.worker.gpu.spec_decode.ddtree.{target}"
+        for name, target in (
+            ("speculator", "speculator"),
+            ("v2_hooks", "v2_runner"),
+            ("tree_rows_v2", "tree_rows"),
+            ("drafter_warmup", "drafter_warmup"),
+        )
+    },
     # The oracle drafter: synthetic drafts for tests and benchmarks (as vLLM's synthetic
     # rejection sampler), behind VLLM_DDTREE_TEST_ORACLE.
     "vllm_ddtree.testing.oracle": "vllm.v1.spec_decode.ddtree.oracle",
@@ -117,6 +126,7 @@ TESTS: dict[str, str] = {
     },
     "tests/test_tree_counters.py": "tests/v1/spec_decode/ddtree/test_spec_counters.py",
     "tests/test_scheduler_hooks.py": "tests/v1/spec_decode/ddtree/test_scheduler_hooks.py",
+    "tests/test_v2_step.py": "tests/v1/spec_decode/ddtree/test_v2_runner.py",
 }
 # vLLM's own tests, from its tests tree, of what the series touches that run on CPU machines
 # in seconds: the attention backend registry and selection, batch splitting and reordering,
@@ -142,7 +152,8 @@ VLLM_OWN_TESTS: tuple[str, ...] = (
 # output, trees accepted deeply (the oracle drafter's, and the trained SmolLM2 pair's as deeply
 # as the reference engine), vLLM's batch-size schedule, preemption and aborts, request
 # options on tree rows, logprobs, structured outputs, counters by tree depth, a request's own
-# tree budget and statistics. Not yet: "auto"'s online moves, hybrid targets, the V2 runner.
+# tree budget and statistics. Not yet: "auto"'s online moves, hybrid targets; the V2 runner
+# (GPU only) is checked by ``benchmarks/upstream_gpu.py``.
 _E2E = "tests/test_vllm_e2e.py::"
 E2E_TESTS: tuple[str, ...] = tuple(
     _E2E + name

@@ -19,6 +19,7 @@ from vllm_ddtree.upstream.edits import (
     STRUCTURED_OUTPUT_EDITS,
     TREE_ATTN_MEMBER,
     V1_RUNNER_EDITS,
+    V2_RUNNER_EDITS,
     Edit,
 )
 
@@ -416,5 +417,48 @@ series, the plugin not loaded.""",
         modules=("vllm_ddtree.scheduler_state", "vllm_ddtree.requests.scheduler_hooks"),
         tests=("tests/test_scheduler_hooks.py",),
         edits=REQUEST_SCHEDULING_EDITS,
+    ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: draft trees verified in the V2 model runner",
+        body="""\
+vLLM runs dense GPU targets on its V2 model runner, where the DFlash chain's step costs
+about half the V1 one: its drafter runs in a FULL CUDA graph and its step state stays on the
+GPU. A DDTree engine's V2 speculator is `DDTreeSpeculator`: vLLM's DFlash speculator at the
+drafter's depth, whose `sample_draft` builds a best-first tree per request from the mask
+rows' full-vocabulary logits inside the speculator's CUDA graph (patch 3's ops, no host
+synchronisation), and whose `propose` first moves the accepted path's rows first with fresh
+positions, then returns the node tokens `[R, budget]` the scheduler schedules next. The
+runner reaches the step through plain functions (v2_runner.py) called where its methods
+prepare attention (node positions at root + depth after the slot mappings are computed from
+sequential positions, one KV slot per node; the ancestor masks published to TREE_ATTN before
+the metadata builders run), sample (the target's token at every node from vLLM's own
+sampler, one keyed draw per row, penalties and bad words along each row's own path; the
+walk; vLLM's `SamplerOutput` with `num_sampled = accepted + 1`; the accepted nodes' K/V moved
+to contiguous slots) and capture graphs (the drafter's input kernel compiled for every block
+size it takes). The runner choice of patch 7 keeps V1 where DDTree chose it; hybrid targets
+are refused where the V2 speculator is made, as on V1.
+
+Every call is a no-op unless the runner's speculator is DDTree's. An engine without CUDA
+graphs compiles the drafter's input kernel at its first steps rather than at start.
+
+Tests: tests/v1/spec_decode/ddtree/test_v2_runner.py runs one V2 step through these functions
+on stand-ins for the runner, sampler and speculator (a prefill and two trees in one batch:
+depth positions, masks, sampler rows, num_sampled / num_rejected, the drafter's rows after),
+the speculator's draft step with the oracle drafter, an "auto" speculator's search width,
+and the trees' parents handed to the scheduler (CPU). On a GPU, the dense oracle grid
+(greedy at budgets 1 to 256, eager and CUDA graphs, batch 16 and 1, and the sampling
+check) passes on vLLM patched with the series, the plugin not loaded:
+benchmarks/upstream_gpu.py.""",
+        modules=(
+            "vllm_ddtree.spec_decode.tree_rows_v2",
+            "vllm_ddtree.spec_decode.drafter_warmup",
+            "vllm_ddtree.spec_decode.speculator",
+            "vllm_ddtree.spec_decode.v2_hooks",
+        ),
+        tests=("tests/test_v2_step.py",),
+        packages={
+            "vllm/v1/worker/gpu/spec_decode/ddtree/__init__.py": "DDTree on the V2 model runner.",
+        },
+        edits=V2_RUNNER_EDITS,
     ),
 )
