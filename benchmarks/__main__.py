@@ -16,6 +16,10 @@ COMMANDS = {
         "lossless_options",
         "request options (penalties, bad words, grammars, logprobs) vs target (GPU)",
     ),
+    "upstream-gpu": (
+        "upstream_gpu",
+        "vLLM patched with the upstream series, no plugin: the V2 oracle grid (GPU)",
+    ),
     "lossless-pair": ("lossless_pair", "the real SmolLM2 pair against the target alone (GPU)"),
     "lifecycle": ("lifecycle_fuzz", "request lifecycles (joins, aborts, preemption) vs target"),
     "serve-check": ("serve_check", "the OpenAI server answers like the target alone"),

@@ -140,9 +140,32 @@ def run_engine(job: dict) -> dict:
     result["runner"] = "V2" if config.use_v2_model_runner else "V1"
     result["cudagraph_mode"] = str(config.compilation_config.cudagraph_mode)
     result["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
+    result["engine"] = engine_provenance(llm)
     del llm
     torch.cuda.empty_cache()
     return result
+
+
+def engine_provenance(llm) -> dict:
+    """Which vLLM ran the engine: its package's file, whether the plugin was installed in this
+    process, and the module of the runner's drafter class (V1 ``drafter``, V2 ``speculator``;
+    the engine core runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    import vllm
+
+    def drafter_module(worker) -> str | None:
+        runner = worker.model_runner
+        drafter = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+        return None if drafter is None else type(drafter).__module__
+
+    try:
+        module = llm.collective_rpc(drafter_module)[0]
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+        module = f"unknown ({type(exc).__name__}: {exc})"
+    return {
+        "vllm_file": vllm.__file__,
+        "plugin_installed": "vllm_ddtree.compat.installer" in sys.modules,
+        "drafter_module": module,
+    }
 
 
 def prompt_sampling_params(own: dict, max_tokens: int):
@@ -684,6 +707,7 @@ def main() -> int:
                     "tokens_checked": sum(map(len, result[key])),
                     "seconds": result[f"{key}_seconds"],
                     "runner": result["runner"],
+                    "engine": result.get("engine"),
                     "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"),
                     "cache": result.get("cache"),
                     "cudagraph_mode": result["cudagraph_mode"],
@@ -754,6 +778,7 @@ def main() -> int:
         "reference": "target alone, TREE_ATTN, CUDA graphs, at the row's batch size (16 "
         "requests at once, or each prompt alone)",
         "target_alone_batch_1_vs_16": target_alone_batch_shapes,
+        "reference_engine": reference["reference"].get("engine"),
         "prefix_caching": (
             {
                 "block_size": engine_extra.get("block_size"),
