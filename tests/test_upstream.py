@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
+from vllm_ddtree.envs import VARIABLES
 from vllm_ddtree.upstream.edits import AnchorError, Edit, apply_edit
 from vllm_ddtree.upstream.export import PROJECT_ROOT, check, export, generated_files
 from vllm_ddtree.upstream.layout import (
@@ -32,6 +33,9 @@ from vllm_ddtree.upstream.layout import (
 )
 from vllm_ddtree.upstream.series import SERIES
 from vllm_ddtree.upstream.site import patched_site
+
+# DDTree's environment variables vLLM's tree reads (all but the project tools').
+DDTREE_VARIABLES = [name for name, v in VARIABLES.items() if v.audience != "tool"]
 
 
 def test_module_names_are_rewritten_whole_and_in_every_import_form():
@@ -262,6 +266,16 @@ def test_the_series_tests_pass_against_vllm_patched_with_it(vllm_src, series, tm
     vllm_file, series_file = found[-1]
     assert os.path.realpath(vllm_file) == os.path.realpath(vllm.__file__), where.stdout
     assert series_file.startswith(site), where.stdout  # the series' own files, in place
+    # vLLM knows DDTree's variables: its strictest check of the environment passes.
+    known = {k: v for k, v in env.items() if not k.startswith("VLLM_")}
+    known.update({"VLLM_PLUGINS": ""}, **{name: "1" for name in DDTREE_VARIABLES})
+    strict = (
+        "import vllm.envs as e; e.validate_environ(hard_fail=True); print(e.VLLM_DDTREE_RUNNER)"
+    )
+    checked = subprocess.run(
+        [sys.executable, "-c", strict], cwd=checkout, env=known, capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and checked.stdout.strip().endswith("1"), checked.stderr[-2000:]
     # Without the interpreter runs of the kernels: the project's own run of the same tests
     # runs them on the same code (the series changes module names only, checked above).
     summary = run_pytest(checkout, env, "-m", "not interpreter", *tests)

@@ -17,7 +17,10 @@ fails the export rather than leaving the plugin's words in vLLM.
 from __future__ import annotations
 
 import os
+import textwrap
 from dataclasses import dataclass
+
+from vllm_ddtree.envs import VARIABLES
 
 
 class AnchorError(RuntimeError):
@@ -93,6 +96,41 @@ COST_PROFILES_DATA = Edit(
     text='        "v1/spec_decode/ddtree/budget/cost_profiles/*.json",\n',
     why='the cost profiles "tree_budget": "auto" reads, in vLLM\'s wheel',
 )
+
+
+def ddtree_environment_entries(line_length: int = 88) -> str:
+    """``vllm/envs.py``'s entries for DDTree's environment variables (those of the project's
+    ``envs`` module read by vLLM's tree: all but the project tools'), each with its meaning as
+    a comment and its default; made from ``envs.VARIABLES``, so the list never drifts."""
+    lines = ["    # DDTree speculative decoding (vllm/v1/spec_decode/ddtree/envs.py checks them)."]
+    for variable in VARIABLES.values():
+        if variable.audience == "tool":
+            continue
+        comment = f"{variable.name}: {variable.meaning}."
+        lines += textwrap.wrap(
+            comment, line_length, initial_indent="    # ", subsequent_indent="    # "
+        )
+        one_line = (
+            f'    "{variable.name}": lambda: os.getenv("{variable.name}", "{variable.default}"),'
+        )
+        if len(one_line) <= line_length:
+            lines.append(one_line)
+        else:
+            lines += [
+                f'    "{variable.name}": lambda: os.getenv(',
+                f'        "{variable.name}", "{variable.default}"',
+                "    ),",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+DDTREE_ENVIRONMENT = Edit(
+    path="vllm/envs.py",
+    anchor='    "VLLM_NIC_SELECTION_VARS": lambda: os.getenv("VLLM_NIC_SELECTION_VARS", ""),\n',
+    text=ddtree_environment_entries(),
+    why="vLLM knows DDTree's variables (it warns about any VLLM_ variable it does not)",
+)
+
 
 # method="ddtree" through vLLM's engine arguments: the plugin's installer wraps the same
 # places (compat/seams.py: EngineArgs.create_speculative_config and create_engine_config,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm_ddtree.upstream.edits import (
     COST_PROFILES_DATA,
+    DDTREE_ENVIRONMENT,
     DDTREE_REQUEST_CHECK,
     INTERPRETER_MARKER,
     METRICS_EDITS,
@@ -45,7 +46,8 @@ DDTree (Diffusion Draft Tree, Ringel & Romano 2026) turns a block-diffusion draf
 per-position distributions (DFlash) into a tree of the `budget` most probable prefixes,
 found best-first, which the target verifies in one forward. This adds the tree itself:
 construction from each depth's top candidates, ancestor masks, and the walk's helpers as
-PyTorch references, plus the module of its environment variables.
+PyTorch references, plus the module of its environment variables, which vLLM's
+`vllm/envs.py` lists so that it does not warn about them.
 
 Nothing calls it yet; the TREE_ATTN backend and the proposer follow in this series.
 
@@ -54,6 +56,7 @@ brute-force enumeration of every prefix, the masks against the parents, and the 
 log-probabilities against a float32 log-softmax (CPU).""",
         modules=("vllm_ddtree.envs", "vllm_ddtree.tree"),
         tests=("tests/test_tree.py",),
+        edits=(DDTREE_ENVIRONMENT,),
         packages={
             "vllm/v1/spec_decode/ddtree/__init__.py": "DDTree speculative decoding.",
             "tests/v1/spec_decode/ddtree/__init__.py": "",
