@@ -326,6 +326,20 @@ SUBSTITUTIONS: tuple[Substitution, ...] = (
     ),
 )
 
+
+def _hybrid_refusal(model_config: str, indent: int) -> str:
+    """The refusal of a hybrid target where a runner makes DDTree's drafter, at ``indent``
+    spaces (until the GatedDeltaNet layers verify trees in vLLM's tree)."""
+    refusal = f"""if {model_config}.is_hybrid:
+    raise ValueError(
+        '"method": "ddtree" verifies trees on dense targets only '
+        "in this vLLM; hybrid (GatedDeltaNet) targets: "
+        '"method": "dflash"'
+    )
+"""
+    return textwrap.indent(refusal, " " * indent)
+
+
 # The V1 model runner (the CPU runner's base): the plugin wraps the same methods
 # (compat/v1_runner.py) and calls the same functions (spec_decode/v1_hooks.py, in-tree
 # v1_runner.py), each a no-op unless the runner's drafter is a DDTreeProposer.
@@ -342,13 +356,9 @@ DDTREE_V1_PROPOSER = Edit(
     path=_V1_RUNNER,
     anchor="                self.drafter = DFlashProposer(self.vllm_config, self.device, self)\n",
     text="""                if self.speculative_config.ddtree_config is not None:
-                    if self.model_config.is_hybrid:
-                        raise ValueError(
-                            '"method": "ddtree" verifies trees on dense targets only '
-                            "in this vLLM; hybrid (GatedDeltaNet) targets: "
-                            '"method": "dflash"'
-                        )
-                    # DDTree: the DFlash drafter's pass, then a draft tree per request.
+"""
+    + _hybrid_refusal("self.model_config", 20)
+    + """                    # DDTree: the DFlash drafter's pass, then a draft tree per request.
                     self.drafter = DDTreeProposer(self.vllm_config, self.device, self)
                 else:
                     self.drafter = DFlashProposer(self.vllm_config, self.device, self)
@@ -713,13 +723,9 @@ DDTREE_V2_SPECULATOR = Edit(
     anchor="""    if speculative_config.method == "dflash":
 """,
     text="""        if speculative_config.ddtree_config is not None:
-            if vllm_config.model_config.is_hybrid:
-                raise ValueError(
-                    '"method": "ddtree" verifies trees on dense targets only '
-                    "in this vLLM; hybrid (GatedDeltaNet) targets: "
-                    '"method": "dflash"'
-                )
-            # DDTree: vLLM's DFlash speculator at the drafter's depth, then a draft
+"""
+    + _hybrid_refusal("vllm_config.model_config", 12)
+    + """            # DDTree: vLLM's DFlash speculator at the drafter's depth, then a draft
             # tree per request.
             from vllm.v1.worker.gpu.spec_decode.ddtree import v2_runner
 
