@@ -207,11 +207,6 @@ def sample(runner, hidden_states, input_batch, grammar_output):
     step = speculator.state.step if speculator is not None else None
     if step is None or input_batch.num_draft_tokens == 0:
         return None
-    return _sample_tree_step(runner, speculator, step, hidden_states, input_batch, grammar_output)
-
-
-def _sample_tree_step(runner, speculator, step, hidden_states, input_batch, grammar_output):
-    """The tree step's sample (``sample``), on ``speculator``'s walked ``step``."""
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
