@@ -27,13 +27,13 @@ def _wrap_make_spec_decoding_stats(original):
         if ddtree is None and book is None:
             return original(self, *args, **kwargs)
         bound = bind_arguments(original, self, *args, **kwargs).arguments
-        num_draft_tokens = bound["num_draft_tokens"]
-        invalid = bound.get("num_invalid_spec_tokens")
-        observe_request(
-            self, num_draft_tokens, bound["num_accepted_tokens"], invalid, bound["request_id"]
+        num_draft_tokens = observe_request(  # the valid ones
+            self,
+            bound["num_draft_tokens"],
+            bound["num_accepted_tokens"],
+            bound.get("num_invalid_spec_tokens"),
+            bound["request_id"],
         )
-        if invalid:
-            num_draft_tokens -= invalid.get(bound["request_id"], 0)
         if ddtree is None:  # "auto" chose the chain: vLLM's counters
             return original(self, *args, **kwargs)
         if not self.log_stats:

@@ -41,15 +41,16 @@ def before_schedule(scheduler) -> None:
 
 def observe_request(
     scheduler, num_draft_tokens: int, num_accepted_tokens: int, num_invalid_spec_tokens, request_id
-) -> None:
+) -> int:
     """Where the scheduler counts a request's verified drafts (``make_spec_decoding_stats``):
-    the request's own tree statistics, its invalid drafts taken off."""
-    book = stats_book(scheduler)
-    if book is None:
-        return
+    the request's own tree statistics, its invalid drafts taken off. Returns its valid draft
+    tokens."""
     if num_invalid_spec_tokens:
         num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)
-    book.observe(request_id, num_draft_tokens, num_accepted_tokens)
+    book = stats_book(scheduler)
+    if book is not None:
+        book.observe(request_id, num_draft_tokens, num_accepted_tokens)
+    return num_draft_tokens
 
 
 def finish_request_stats(scheduler, request, kv_transfer_params):
