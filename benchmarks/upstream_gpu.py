@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -64,11 +63,6 @@ def engine_checks(grid: dict, site: str) -> list[dict]:
     return checks
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks upstream-gpu")
     parser.add_argument("--series", help="the patch series' folder (PATCHES of the export)")
@@ -77,6 +71,7 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--work", default="/tmp/vllm-ddtree-upstream")
     args, grid_args = parser.parse_known_args()
+    from vllm_ddtree.upstream.sdist import sha256_of
     from vllm_ddtree.upstream.site import patched_site, site_with
 
     os.makedirs(args.work, exist_ok=True)
@@ -86,7 +81,7 @@ def main() -> int:
     if args.files:
         applied = {
             "files": {
-                os.path.relpath(os.path.join(d, n), args.files): _sha256(os.path.join(d, n))
+                os.path.relpath(os.path.join(d, n), args.files): sha256_of(os.path.join(d, n))
                 for d, _, names in os.walk(os.path.join(args.files, "vllm"))
                 for n in sorted(names)
             }
@@ -104,7 +99,7 @@ def main() -> int:
         if not patches:
             parser.error(f"no patches in {args.series}")
         applied = {
-            "series": [{"patch": os.path.basename(p), "sha256": _sha256(p)} for p in patches]
+            "series": [{"patch": os.path.basename(p), "sha256": sha256_of(p)} for p in patches]
         }
         site = patched_site(patches, site_root)
     env = {

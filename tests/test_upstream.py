@@ -18,8 +18,7 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
-from vllm_ddtree.envs import VARIABLES
-from vllm_ddtree.upstream.edits import AnchorError, Edit, apply_edit
+from vllm_ddtree.upstream.edits import DDTREE_VARIABLES, AnchorError, Edit, apply_edit
 from vllm_ddtree.upstream.export import PROJECT_ROOT, check, export, generated_files
 from vllm_ddtree.upstream.layout import (
     E2E_TESTS,
@@ -33,9 +32,6 @@ from vllm_ddtree.upstream.layout import (
 )
 from vllm_ddtree.upstream.series import SERIES
 from vllm_ddtree.upstream.site import patched_site
-
-# DDTree's environment variables vLLM's tree reads (all but the project tools').
-DDTREE_VARIABLES = [name for name, v in VARIABLES.items() if v.audience != "tool"]
 
 
 def test_module_names_are_rewritten_whole_and_in_every_import_form():
@@ -218,9 +214,8 @@ def test_a_site_from_files_patched_beforehand_is_the_series_applied_in_place(
             assert got.read() == want.read(), path
         assert not os.path.islink(os.path.join(site, path))
     installed = os.path.join(site, "vllm", "config", "model.py")
-    assert os.path.realpath(installed) == os.path.join(
-        os.path.dirname(vllm.__file__), "config", "model.py"
-    )
+    want = os.path.join(os.path.dirname(vllm.__file__), "config", "model.py")
+    assert os.path.realpath(installed) == os.path.realpath(want)
 
 
 def patched_vllm(vllm_src: str, series: list[str], root: str) -> tuple[str, str]:

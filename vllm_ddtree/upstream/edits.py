@@ -98,14 +98,16 @@ COST_PROFILES_DATA = Edit(
 )
 
 
+# DDTree's environment variables vLLM's tree reads: all of the project's ``envs`` module but
+# the project tools'.
+DDTREE_VARIABLES = tuple(name for name, v in VARIABLES.items() if v.audience != "tool")
+
+
 def ddtree_environment_entries(line_length: int = 88) -> str:
-    """``vllm/envs.py``'s entries for DDTree's environment variables (those of the project's
-    ``envs`` module read by vLLM's tree: all but the project tools'), each with its meaning as
-    a comment and its default; made from ``envs.VARIABLES``, so the list never drifts."""
+    """``vllm/envs.py``'s entries for ``DDTREE_VARIABLES``, each with its meaning as a comment
+    and its default; made from ``envs.VARIABLES``, so the list never drifts."""
     lines = ["    # DDTree speculative decoding (vllm/v1/spec_decode/ddtree/envs.py checks them)."]
-    for variable in VARIABLES.values():
-        if variable.audience == "tool":
-            continue
+    for variable in (VARIABLES[name] for name in DDTREE_VARIABLES):
         comment = f"{variable.name}: {variable.meaning}."
         lines += textwrap.wrap(
             comment, line_length, initial_indent="    # ", subsequent_indent="    # "

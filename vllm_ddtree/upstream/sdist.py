@@ -34,6 +34,15 @@ def sdist_url(index_url: str = INDEX_URL) -> str:
     raise FileNotFoundError(f"{index_url} lists no {SDIST_NAME}")
 
 
+def sha256_of(path: str) -> str:
+    """The file's sha256, hex (read in 1 MiB chunks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def fetch_sdist(dest: str) -> str:
     """vLLM 0.26.0's source tree under ``dest`` (downloaded and extracted once); its path.
 
@@ -54,13 +63,10 @@ def fetch_sdist(dest: str) -> str:
         finally:
             if os.path.exists(partial):
                 os.remove(partial)
-    digest = hashlib.sha256()
-    with open(archive, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != SDIST_SHA256:
+    digest = sha256_of(archive)
+    if digest != SDIST_SHA256:
         os.remove(archive)
-        raise ValueError(f"{SDIST_NAME}: sha256 {digest.hexdigest()}, expected {SDIST_SHA256}")
+        raise ValueError(f"{SDIST_NAME}: sha256 {digest}, expected {SDIST_SHA256}")
     scratch = tempfile.mkdtemp(dir=dest, prefix=".extract-")
     try:
         with tarfile.open(archive) as tar:
