@@ -17,9 +17,8 @@ from vllm.v1.attention.backends.gdn_attn import (  # noqa: E402
     GDNAttentionMetadataBuilder,
 )
 
-from vllm_ddtree import envs  # noqa: E402
-from vllm_ddtree.compat import DDTREE_ATTR  # noqa: E402
-from vllm_ddtree.config import DDTreeConfig  # noqa: E402
+from vllm_ddtree.config import DDTREE_ATTR, DDTreeConfig  # noqa: E402
+from vllm_ddtree.envs import CHECK_INDICES  # noqa: E402
 from vllm_ddtree.hybrid import gdn_metadata
 
 NUM_SPEC = 5  # the tree budget: vLLM's num_speculative_tokens in a DDTree engine
@@ -136,41 +135,22 @@ def test_every_other_step_is_left_to_vllm(drafts, query_lens):
     assert gdn_metadata.tree_step_metadata(make_builder(), common, accepted, drafts_cpu) is None
 
 
-def recording_builder_class():
-    calls = []
-
-    class Recording(GDNAttentionMetadataBuilder):
-        pass
-
-    def vllms_build(self, *args, **kwargs):
-        calls.append(args)
-        return GDNAttentionMetadataBuilder.build(self, *args, **kwargs)
-
-    Recording.build = gdn_metadata.build_wrapper(vllms_build)  # as the seam installs it
-    return Recording, calls
-
-
-@pytest.mark.parametrize("method, vllm_builds", [("ddtree", False), ("dflash", True)])
-def test_the_wrapper_builds_tree_steps_only_in_ddtree_engines(method, vllm_builds):
-    """A DDTree engine's tree step never reaches vLLM's build (its host masks wait on the
-    device); a DFlash chain's engine keeps vLLM's build; both give vLLM's metadata."""
-    Recording, calls = recording_builder_class()
-    builder = make_builder(method)
-    builder.__class__ = Recording
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_the_build_starts_with_tree_steps_in_ddtree_engines_only(method):
+    """What vLLM's build calls first: a DDTree engine's tree step comes back built (vLLM's
+    own build, with host masks that wait on the device, is not reached); a DFlash chain's
+    engine, and a prefill beside a tree in either, are left to vLLM's build."""
     common, accepted, drafts_cpu = step_inputs(*TREE_STEPS[3])
-    built = builder.build(
-        common_prefix_len=0,
-        common_attn_metadata=common,
-        num_accepted_tokens=accepted,
-        num_decode_draft_tokens_cpu=drafts_cpu,
-    )
-    assert bool(calls) == vllm_builds
-    vllms = GDNAttentionMetadataBuilder.build(make_builder(method), 0, common, accepted, drafts_cpu)
-    assert_same_metadata(built, vllms)
-    calls.clear()  # a prefill beside a tree: vLLM's build in both engines
+    built = gdn_metadata.tree_step_build(make_builder(method), common, accepted, drafts_cpu)
+    if method == "dflash":
+        assert built is None
+    else:
+        vllms = GDNAttentionMetadataBuilder.build(
+            make_builder(method), 0, common, accepted, drafts_cpu
+        )
+        assert_same_metadata(built, vllms)
     common, accepted, drafts_cpu = step_inputs(*OTHER_STEPS[0])
-    builder.build(0, common, accepted, drafts_cpu)
-    assert len(calls) == 1
+    assert gdn_metadata.tree_step_build(make_builder(method), common, accepted, drafts_cpu) is None
 
 
 def test_index_checks_cover_vllms_gdn_metadata(monkeypatch):
@@ -184,23 +164,19 @@ def test_index_checks_cover_vllms_gdn_metadata(monkeypatch):
         num_accepted_tokens=torch.tensor([1, 3]),
     )
 
-    class Builder:
-        vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=10))
-
-        def build(self, *args, **kwargs):
-            return built
-
-    Builder.build = gdn_metadata.build_wrapper(Builder.build)  # as the seam installs it
-    assert Builder().build(0, None) is built  # the switch off: no check
-    monkeypatch.setenv(envs.CHECK_INDICES, "1")
-    assert Builder().build(0, None) is built
+    builder = SimpleNamespace(
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=10))
+    )
+    assert gdn_metadata.finish_build(builder, built) is built  # the switch off: no check
+    monkeypatch.setenv(CHECK_INDICES, "1")
+    assert gdn_metadata.finish_build(builder, built) is built
     built.prefill_state_indices = torch.tensor([2, 10])
     with pytest.raises(RuntimeError, match="prefill_state_indices out of range"):
-        Builder().build(0, None)
+        gdn_metadata.finish_build(builder, built)
     built.prefill_state_indices = torch.tensor([2])
     built.num_accepted_tokens = torch.tensor([1, 4])
     with pytest.raises(RuntimeError, match="num_accepted_tokens"):
-        Builder().build(0, None)
+        gdn_metadata.finish_build(builder, built)
 
 
 def test_vllm_cpus_state_indices_reach_its_kernels_with_a_unit_last_stride():

@@ -187,7 +187,7 @@ def test_the_budget_package_never_reaches_into_the_step():
 # the same); the root modules ``config``, ``envs``, ``handles``, ``scheduler_state`` and
 # ``tree`` are open to all.
 MAY_IMPORT = {
-    "vllm_ddtree.hybrid": ("vllm_ddtree.compat", "vllm_ddtree.ops"),
+    "vllm_ddtree.hybrid": ("vllm_ddtree.ops",),
     "vllm_ddtree.requests": ("vllm_ddtree.compat",),
     "vllm_ddtree.metrics": ("vllm_ddtree.compat", "vllm_ddtree.requests", "vllm_ddtree.budget"),
     "vllm_ddtree.budget": ("vllm_ddtree.compat",),

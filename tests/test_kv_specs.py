@@ -1,73 +1,9 @@
-"""The target's TREE_ATTN layers and the drafter's layers share one KV-cache spec (kv_specs.py)."""
+"""The plugin wraps both runners' ``get_kv_cache_spec`` (``compat/kv_specs.py``) with
+``hybrid/kv_cache_specs.ddtree_kv_cache_spec`` (in vLLM's tree the runners call it)."""
 
 from __future__ import annotations
 
-import torch
-from vllm.v1.core import kv_cache_utils
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-from vllm_ddtree.compat.kv_specs import one_block_stride_indexing
-
-
-def _attention(indexes_kv_by_block_stride: bool) -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=16,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=torch.bfloat16,
-        indexes_kv_by_block_stride=indexes_kv_by_block_stride,
-    )
-
-
-def _hybrid_specs() -> dict:
-    """A Qwen3-Next-like layout: 2 target attention layers on TREE_ATTN (False), 6 GDN layers,
-    and a 3-layer DFlash drafter on a packed-KV backend (True)."""
-    page = _attention(False).page_size_bytes
-    gdn = MambaSpec(
-        block_size=16,
-        shapes=((4, 8), (2, 8, 8)),
-        dtypes=(torch.bfloat16, torch.float32),
-        page_size_padded=page,
-    )
-    specs = {f"model.layers.{i}.self_attn.attn": _attention(False) for i in (3, 7)}
-    specs.update({f"draft.layers.{i}.self_attn.attn": _attention(True) for i in range(3)})
-    specs.update({f"model.layers.{i}.linear_attn": gdn for i in (0, 1, 2, 4, 5, 6)})
-    return specs
-
-
-def _drafter_groups(specs: dict) -> set[int]:
-    groups = kv_cache_utils._get_kv_cache_groups_uniform_page_size(specs)
-    return {
-        index
-        for index, group in enumerate(groups)
-        for name in group.layer_names
-        if name.startswith("draft.")
-    }
-
-
-def test_drafter_layers_share_one_group_with_the_target_attention():
-    specs = _hybrid_specs()
-    # vLLM's grouping splits the drafter's layers when their flag differs from TREE_ATTN's
-    # (its DFlash proposer refuses that at start-up)...
-    assert len(_drafter_groups(specs)) > 1
-    unified = one_block_stride_indexing(specs)
-    # ... and keeps them in one group, the target attention layers' one, when it does not.
-    assert len(_drafter_groups(unified)) == 1
-    groups = kv_cache_utils._get_kv_cache_groups_uniform_page_size(unified)
-    (drafter_group,) = _drafter_groups(unified)
-    assert "model.layers.3.self_attn.attn" in groups[drafter_group].layer_names
-    assert all(
-        not spec.indexes_kv_by_block_stride
-        for spec in unified.values()
-        if isinstance(spec, FullAttentionSpec)
-    )
-
-
-def test_uniform_flags_are_left_alone():
-    specs = {name: _attention(True) for name in ("a", "b")}
-    assert one_block_stride_indexing(specs) is specs
-    specs = {name: _attention(False) for name in ("a", "b")}
-    assert one_block_stride_indexing(specs) is specs
+from tests.test_kv_cache_specs import _hybrid_specs
 
 
 def test_both_runners_get_the_wrapper():

@@ -17,6 +17,7 @@ import torch
 
 from vllm_ddtree import envs
 from vllm_ddtree.compat import seams
+from vllm_ddtree.hybrid import gdn_metadata
 from vllm_ddtree.hybrid.gdn_layer import step_of_this_forward, tree_spec_forward_cpu
 
 GDN_MODULE = seams.GDN_MODULE
@@ -46,19 +47,7 @@ def _conv_dispatcher(original):
         step = step_of_this_forward() if _is_tree_conv_call(kwargs) else None
         if step is None:
             return original(*args, **kwargs)
-        names = ("x", "conv_state", "weight", "bias", "activation")
-        given = {**dict(zip(names, args, strict=False)), **kwargs}
-        return step.tree_conv(
-            given["x"],
-            given["conv_state"],
-            given["weight"],
-            given.get("bias"),
-            given.get("activation"),
-            given["conv_state_indices"],
-            given["query_start_loc"],
-            given["max_query_len"],
-            given["num_accepted_tokens"],
-        )
+        return step.tree_conv(*args, **kwargs)  # takes vLLM's speculative call as it is
 
     return causal_conv1d_update
 
@@ -69,20 +58,7 @@ def _recurrence_dispatcher(original):
         step = step_of_this_forward() if tree_call else None
         if step is None:
             return original(*args, **kwargs)
-        return step.tree_recurrence(
-            kwargs["A_log"],
-            kwargs["a"],
-            kwargs["b"],
-            kwargs["dt_bias"],
-            kwargs["q"],
-            kwargs["k"],
-            kwargs["v"],
-            kwargs["initial_state"],
-            kwargs["cu_seqlens"],
-            kwargs["ssm_state_indices"],
-            kwargs["num_accepted_tokens"],
-            kwargs.get("use_qk_l2norm_in_kernel", False),
-        )
+        return step.tree_recurrence(**kwargs)  # takes vLLM's speculative call as it is
 
     return fused_sigmoid_gating_delta_rule_update
 
@@ -98,6 +74,37 @@ def _cpu_spec_dispatcher(original):
         return tree_spec_forward_cpu(step, *given)
 
     return _spec_forward
+
+
+def build_wrapper(original):
+    """``GDNAttentionMetadataBuilder.build`` as the plugin wraps it: a DDTree engine's tree
+    steps through ``gdn_metadata.tree_step_build``, every other build through vLLM's, then
+    ``finish_build`` (vLLM's tree makes both calls in the build itself)."""
+
+    def build(
+        self,
+        common_prefix_len,
+        common_attn_metadata,
+        num_accepted_tokens=None,
+        num_decode_draft_tokens_cpu=None,
+        fast_build=False,
+    ):
+        metadata = gdn_metadata.tree_step_build(
+            self, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu
+        )
+        if metadata is not None:
+            return metadata
+        metadata = original(
+            self,
+            common_prefix_len,
+            common_attn_metadata,
+            num_accepted_tokens,
+            num_decode_draft_tokens_cpu,
+            fast_build,
+        )
+        return gdn_metadata.finish_build(self, metadata)
+
+    return build
 
 
 def install(device: torch.device) -> None:

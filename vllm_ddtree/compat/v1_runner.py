@@ -125,29 +125,17 @@ def _wrap_capture_model(original):
 
 def _wrap_update_states_after_model_execute(original):
     """A DDTree engine serving a hybrid target with prefix caching on a device without Triton
-    (vLLM-CPU): vLLM's step end, its ``align`` state copies done on the host
-    (``compat.cpu_mamba_align``; vLLM's own is a Triton kernel). Everywhere else vLLM's."""
+    (vLLM-CPU): vLLM's step end, with its ``align`` state copies made on the host
+    (``v1_hooks.align_states_on_host``; vLLM's own is a Triton kernel). Everywhere else
+    vLLM's."""
 
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
-        if not _copies_align_states_on_host(self):
+        if not v1_hooks.copies_align_states_on_host(self):
             return original(self, output_token_ids, scheduler_output)
-        from vllm_ddtree.compat.cpu_mamba_align import postprocess_align
-
         # vLLM's align branch, with its kernel's decisions and copies made on the host.
         num_reqs = output_token_ids.size(0)
         self.num_accepted_tokens.gpu[:num_reqs] = (output_token_ids != -1).sum(dim=1)
-        postprocess_align(self, num_reqs)
+        v1_hooks.align_states_on_host(self, num_reqs)
         self.num_accepted_tokens_event.record()
 
     return _update_states_after_model_execute
-
-
-def _copies_align_states_on_host(runner) -> bool:
-    """Whether ``runner`` is a DDTree engine's on a hybrid target in vLLM's prefix-caching
-    ``align`` layout, on a device vLLM's Triton kernels do not run on."""
-    from vllm.triton_utils import HAS_TRITON
-
-    if HAS_TRITON or v1_hooks.ddtree_proposer(runner) is None:
-        return False
-    speculating = runner.speculative_config is not None and runner.model_config.is_hybrid
-    return speculating and runner.cache_config.mamba_cache_mode == "align"

@@ -286,18 +286,21 @@ class HybridTreeStep:
         weight,
         bias,
         activation,
+        *,
         conv_state_indices,
+        num_accepted_tokens,
         query_start_loc,
         max_query_len,
-        num_accepted_tokens,
+        validate_data: bool = False,
     ):
-        """vLLM's speculative ``causal_conv1d_update`` over trees: ``x`` ``[n, C]`` (row ``s``
-        from ``query_start_loc[s]``), ``conv_state`` ``[blocks, C, K - 1 + B]``, each row's
-        window from column ``num_accepted_tokens[s] - 1``; returns ``[n, C]``. One launch on
-        CUDA, which also keeps the nodes' inputs and the rows' conv blocks and window columns
-        in the layer's buffers for the commit. vLLM may schedule fewer drafts than the budget
-        (e.g. near ``max_model_len``): a row then has fewer tokens, and its tree was cut to
-        match."""
+        """vLLM's speculative ``causal_conv1d_update`` over trees, called as vLLM calls it:
+        ``x`` ``[n, C]`` (row ``s`` from ``query_start_loc[s]``), ``conv_state``
+        ``[blocks, C, K - 1 + B]``, each row's window from column
+        ``num_accepted_tokens[s] - 1``; returns ``[n, C]`` (``validate_data``, vLLM's input
+        checks, is not used). One launch on CUDA, which also keeps the nodes' inputs and the
+        rows' conv blocks and window columns in the layer's buffers for the commit. vLLM may
+        schedule fewer drafts than the budget (e.g. near ``max_model_len``): a row then has
+        fewer tokens, and its tree was cut to match."""
         num_rows, total = conv_state_indices.shape[0], x.shape[0]
         assert int(max_query_len) == self.tokens_per_row, "verify rows are 1 + tree_budget"
         if self.routed_calls == 0:
@@ -342,6 +345,7 @@ class HybridTreeStep:
 
     def tree_recurrence(
         self,
+        *,
         A_log,
         a,
         b,
@@ -353,17 +357,21 @@ class HybridTreeStep:
         cu_seqlens,
         ssm_state_indices,
         num_accepted_tokens,
-        use_qk_l2norm_in_kernel,
+        use_qk_l2norm_in_kernel: bool = False,
+        inplace_final_state: bool = True,
     ):
-        """vLLM's speculative ``fused_sigmoid_gating_delta_rule_update`` over trees: ``q``/``k``
-        ``[1, n, Hk, K]``, ``v`` ``[1, n, Hv, V]`` (row ``s`` from ``cu_seqlens[s]``),
-        ``a``/``b`` ``[>= n, Hv]``, ``initial_state`` float32 ``[blocks, Hv, V, K]``,
-        ``ssm_state_indices`` ``[>= S, 1 + B]``. Returns ``(out [1, n, Hv, V], initial_state)``
-        like vLLM's function. One launch on CUDA (the gates computed in it), which also keeps
-        the rows' state blocks in the layer's buffer for the commit.
+        """vLLM's speculative ``fused_sigmoid_gating_delta_rule_update`` over trees, called as
+        vLLM calls it: ``q``/``k`` ``[1, n, Hk, K]``, ``v`` ``[1, n, Hv, V]`` (row ``s`` from
+        ``cu_seqlens[s]``), ``a``/``b`` ``[>= n, Hv]``, ``initial_state`` float32
+        ``[blocks, Hv, V, K]``, ``ssm_state_indices`` ``[>= S, 1 + B]``. Returns
+        ``(out [1, n, Hv, V], initial_state)`` like vLLM's function; every node's state is
+        written into ``initial_state`` (``inplace_final_state``, as vLLM's speculative call
+        asks). One launch on CUDA (the gates computed in it), which also keeps the rows' state
+        blocks in the layer's buffer for the commit.
 
         With full CUDA graphs vLLM pads ``ssm_state_indices`` to the graph's batch (null-block
         rows) but passes ``cu_seqlens`` for the ``S`` real rows only: the rows are those."""
+        assert inplace_final_state, "the tree path writes every node's state in place"
         num_rows = cu_seqlens.shape[0] - 1
         ssm_state_indices = ssm_state_indices[:num_rows]
         layer = self._conv_layer
@@ -536,24 +544,24 @@ def tree_spec_forward_cpu(
         _unpacked_conv_weight(layer),
         layer.conv1d.bias,
         layer.activation,
-        indices[:, 0],
-        starts,
-        indices.shape[-1],
-        md.num_accepted_tokens[:rows],
+        conv_state_indices=indices[:, 0],
+        num_accepted_tokens=md.num_accepted_tokens[:rows],
+        query_start_loc=starts,
+        max_query_len=indices.shape[-1],
     )
     q, k, v = layer.rearrange_mixed_qkv(y)
     out, _ = step.tree_recurrence(
-        layer.A_log,
-        a,
-        b,
-        layer.dt_bias,
-        q,
-        k,
-        v,
-        ssm_state.transpose(-1, -2),  # the [slots, Hv, V, K] view tree_recurrence expects
-        starts,
-        indices,
-        md.num_accepted_tokens[:rows],
-        True,
+        A_log=layer.A_log,
+        a=a,
+        b=b,
+        dt_bias=layer.dt_bias,
+        q=q,
+        k=k,
+        v=v,
+        initial_state=ssm_state.transpose(-1, -2),  # the [slots, Hv, V, K] view it expects
+        cu_seqlens=starts,
+        ssm_state_indices=indices,
+        num_accepted_tokens=md.num_accepted_tokens[:rows],
+        use_qk_l2norm_in_kernel=True,
     )
     return out[0]

@@ -14,10 +14,11 @@ copied. ``tree_step_metadata`` builds that step, field for field what vLLM's bui
 (``tests/test_gdn_metadata.py`` compares every field); any other step (a prefill, a plain
 decode, a mask that is not a prefix) returns None and vLLM builds it.
 
-The seam wraps vLLM's build once per worker (``build_wrapper``); the tree-step build applies
-to DDTree engines only (a DFlash chain in the same process keeps vLLM's own), and the same
-wrapper makes vLLM-CPU's state indices contiguous and runs the index checks under
-``VLLM_DDTREE_CHECK_INDICES=1``.
+vLLM's build calls ``tree_step_build`` at its start (the tree-step build, for DDTree engines
+only: a DFlash chain in the same process keeps vLLM's own) and ``finish_build`` at its end
+(vLLM-CPU's state indices made contiguous; the index checks under
+``VLLM_DDTREE_CHECK_INDICES=1``); the plugin wraps the build once per worker to make both calls
+(``compat/gdn_dispatch.build_wrapper``).
 """
 
 from __future__ import annotations
@@ -160,39 +161,23 @@ def tree_step_metadata(builder, m, num_accepted_tokens, num_decode_draft_tokens_
     )
 
 
-def build_wrapper(original):
-    """``GDNAttentionMetadataBuilder.build``: a DDTree engine's tree steps through
-    ``tree_step_metadata``, every other build through vLLM's; then, on vLLM-CPU, its state
-    indices made contiguous (``contiguous_cpu_state_indices``) and, while
-    ``VLLM_DDTREE_CHECK_INDICES=1``, checked against the engine's block count
-    (``check_gdn_metadata``)."""
+def tree_step_build(builder, m, num_accepted_tokens, num_decode_draft_tokens_cpu):
+    """The start of ``GDNAttentionMetadataBuilder.build`` in a DDTree engine: a tree step's
+    metadata (``tree_step_metadata``), finished (``finish_build``); None where vLLM builds
+    (any other step, any other engine: a DFlash chain in the same process keeps vLLM's)."""
+    if not is_ddtree_builder(builder):
+        return None
+    metadata = tree_step_metadata(builder, m, num_accepted_tokens, num_decode_draft_tokens_cpu)
+    return None if metadata is None else finish_build(builder, metadata)
 
-    def build(
-        self,
-        common_prefix_len,
-        common_attn_metadata,
-        num_accepted_tokens=None,
-        num_decode_draft_tokens_cpu=None,
-        fast_build=False,
-    ):
-        metadata = None
-        if is_ddtree_builder(self):
-            metadata = tree_step_metadata(
-                self, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu
-            )
-        if metadata is None:
-            metadata = original(
-                self,
-                common_prefix_len,
-                common_attn_metadata,
-                num_accepted_tokens,
-                num_decode_draft_tokens_cpu,
-                fast_build,
-            )
-        contiguous_cpu_state_indices(metadata)
-        num_blocks = getattr(self.vllm_config.cache_config, "num_gpu_blocks", None)
-        if num_blocks and checking_indices():
-            check_gdn_metadata(metadata, num_blocks)
-        return metadata
 
-    return build
+def finish_build(builder, metadata):
+    """The end of ``GDNAttentionMetadataBuilder.build``: on vLLM-CPU the state indices made
+    contiguous (``contiguous_cpu_state_indices``) and, while ``VLLM_DDTREE_CHECK_INDICES=1``,
+    checked against the engine's block count (``check_gdn_metadata``). Returns
+    ``metadata``."""
+    contiguous_cpu_state_indices(metadata)
+    num_blocks = getattr(builder.vllm_config.cache_config, "num_gpu_blocks", None)
+    if num_blocks and checking_indices():
+        check_gdn_metadata(metadata, num_blocks)
+    return metadata

