@@ -814,3 +814,214 @@ V2_RUNNER_EDITS = (
     DDTREE_V2_SAMPLE,
     DDTREE_V2_TAKE_DRAFTS,
 )
+
+# GatedDeltaNet targets: the layer, its metadata builder, the runners' KV-cache specs and
+# vLLM-CPU's align copies call DDTree where the plugin wraps them (compat/gdn_dispatch.py,
+# compat/kv_specs.py, compat/v1_runner.py); then the runners make DDTree drafters for them.
+_GDN_LAYER = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
+DDTREE_GDN_LAYER_IMPORT = Edit(
+    path=_GDN_LAYER,
+    anchor="from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata\n",
+    text="from vllm.v1.spec_decode.ddtree import gdn_layer as ddtree_gdn\n",
+    why="the GatedDeltaNet layer reaches DDTree's tree path through one module",
+)
+DDTREE_GDN_LAYER_STEP = Edit(
+    path=_GDN_LAYER,
+    anchor="""        num_accepted_tokens = attn_metadata.num_accepted_tokens
+
+""",
+    text="""        # DDTree: in a forward verifying draft trees, the speculative rows' conv and
+        # recurrence run over each tree, every node from its parent's state.
+        ddtree_step = (
+            ddtree_gdn.step_of_this_forward()
+            if spec_sequence_masks is not None
+            else None
+        )
+
+""",
+    why="a forward verifying trees is found once per layer call",
+)
+DDTREE_GDN_LAYER_CONV = Edit(
+    path=_GDN_LAYER,
+    anchor="""            assert spec_state_indices_tensor is not None
+            mixed_qkv_spec = causal_conv1d_update(
+""",
+    text="""            assert spec_state_indices_tensor is not None
+            spec_conv1d_update = (
+                causal_conv1d_update if ddtree_step is None else ddtree_step.tree_conv
+            )
+            mixed_qkv_spec = spec_conv1d_update(
+""",
+    why="the speculative rows' conv over each tree (each node's window from its path)",
+    replaces_anchor=True,
+)
+DDTREE_GDN_LAYER_RECURRENCE = Edit(
+    path=_GDN_LAYER,
+    anchor="""            core_attn_out_spec, last_recurrent_state = (
+                fused_sigmoid_gating_delta_rule_update(
+""",
+    text="""            spec_delta_rule_update = (
+                fused_sigmoid_gating_delta_rule_update
+                if ddtree_step is None
+                else ddtree_step.tree_recurrence
+            )
+            core_attn_out_spec, last_recurrent_state = (
+                spec_delta_rule_update(
+""",
+    why="the speculative rows' recurrence over each tree (a state per node)",
+    replaces_anchor=True,
+)
+DDTREE_CPU_GDN_SPEC_FORWARD = Edit(
+    path="vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py",
+    anchor="""    num_spec_decodes = attn_metadata_i.num_spec_decodes
+    spec_state_indices = attn_metadata_i.spec_state_indices_tensor
+""",
+    text="""    ddtree_step = ddtree_gdn.step_of_this_forward()
+    if ddtree_step is not None:  # DDTree: the rows verify draft trees
+        return ddtree_gdn.tree_spec_forward_cpu(
+            ddtree_step,
+            layer,
+            attn_metadata_i,
+            mixed_qkv_spec,
+            b_spec,
+            a_spec,
+            conv_buf,
+            ssm_state,
+        )
+    num_spec_decodes = attn_metadata_i.num_spec_decodes
+    spec_state_indices = attn_metadata_i.spec_state_indices_tensor
+""",
+    why="vLLM-CPU's speculative GatedDeltaNet rows over each tree",
+    replaces_anchor=True,
+)
+DDTREE_CPU_GDN_IMPORT = Edit(
+    path="vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py",
+    anchor="from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata\n",
+    text="from vllm.v1.spec_decode.ddtree import gdn_layer as ddtree_gdn\n",
+    why="vLLM-CPU's GatedDeltaNet ops reach DDTree's tree path through one module",
+)
+_GDN_METADATA = "vllm/v1/attention/backends/gdn_attn.py"
+DDTREE_GDN_METADATA_IMPORT = Edit(
+    path=_GDN_METADATA,
+    anchor="from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec\n",
+    text="from vllm.v1.spec_decode.ddtree import gdn_metadata as ddtree_gdn_metadata\n",
+    why="the GatedDeltaNet metadata builder reaches DDTree through one module",
+)
+DDTREE_GDN_METADATA_TREE_STEP = Edit(
+    path=_GDN_METADATA,
+    anchor="""    ) -> GDNAttentionMetadata:
+        m = common_attn_metadata
+""",
+    text="""        # DDTree: a tree step's metadata made with slices, where this build's host
+        # masks would wait for the device.
+        tree_step = ddtree_gdn_metadata.tree_step_build(
+            self, m, num_accepted_tokens, num_decode_draft_tokens_cpu
+        )
+        if tree_step is not None:
+            return tree_step
+""",
+    why="a DDTree engine's tree step built without a device wait",
+)
+DDTREE_GDN_METADATA_FINISH = Edit(
+    path=_GDN_METADATA,
+    anchor="""            token_chunk_offset_ptr=token_chunk_offset_ptr,
+        )
+        return attn_metadata
+""",
+    text="""            token_chunk_offset_ptr=token_chunk_offset_ptr,
+        )
+        # vLLM-CPU's kernels take unit-strided state indices; DDTree's index checks.
+        return ddtree_gdn_metadata.finish_build(self, attn_metadata)
+""",
+    why="vLLM-CPU's state indices made contiguous (a step of plain decodes beside "
+    "speculation stopped its decode kernel); the index checks under "
+    "VLLM_DDTREE_CHECK_INDICES=1",
+    replaces_anchor=True,
+)
+DDTREE_V1_KV_CACHE_SPEC = Edit(
+    path=_V1_RUNNER,
+    anchor="""                kv_cache_spec[layer_name] = spec
+
+        return kv_cache_spec
+""",
+    text="""                kv_cache_spec[layer_name] = spec
+
+        # DDTree: TREE_ATTN's layers and the drafter's in one KV-cache group.
+        return ddtree_kv_cache_spec(self.vllm_config, kv_cache_spec)
+""",
+    why="a hybrid target's TREE_ATTN layers and the DFlash drafter's layers in one group",
+    replaces_anchor=True,
+)
+DDTREE_V1_KV_CACHE_SPEC_IMPORT = Edit(
+    path=_V1_RUNNER,
+    anchor="from vllm.v1.spec_decode.ddtree import v1_runner as ddtree_v1\n",
+    text="from vllm.v1.spec_decode.ddtree.kv_cache_specs import ddtree_kv_cache_spec\n",
+    why="the V1 runner's KV-cache specs through DDTree's grouping",
+)
+DDTREE_V1_ALIGN_ON_HOST = Edit(
+    path=_V1_RUNNER,
+    anchor="""        self.num_accepted_tokens.gpu[:num_reqs] = (output_token_ids != -1).sum(dim=1)
+
+        if self.cache_config.mamba_cache_mode == "align":
+""",
+    text="""        self.num_accepted_tokens.gpu[:num_reqs] = (output_token_ids != -1).sum(dim=1)
+
+        if ddtree_v1.copies_align_states_on_host(self):
+            # DDTree on vLLM-CPU: the align layout's state copies made on the host (the
+            # fused postprocess below is a Triton kernel).
+            ddtree_v1.align_states_on_host(self, num_reqs)
+            assert self.num_accepted_tokens_event is not None
+            self.num_accepted_tokens_event.record()
+        elif self.cache_config.mamba_cache_mode == "align":
+""",
+    why="vLLM-CPU serves a hybrid target with prefix caching under DDTree",
+    replaces_anchor=True,
+)
+DDTREE_V2_KV_CACHE_SPEC = Edit(
+    path=_V2_RUNNER,
+    anchor="        return get_kv_cache_spec(self.vllm_config)\n",
+    text="""        kv_cache_spec = get_kv_cache_spec(self.vllm_config)
+        # DDTree: TREE_ATTN's layers and the drafter's in one KV-cache group.
+        return ddtree_kv_cache_spec(self.vllm_config, kv_cache_spec)
+""",
+    why="a hybrid target's TREE_ATTN layers and the DFlash drafter's layers in one group",
+    replaces_anchor=True,
+)
+DDTREE_V2_KV_CACHE_SPEC_IMPORT = Edit(
+    path=_V2_RUNNER,
+    anchor="from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput\n",
+    text="from vllm.v1.spec_decode.ddtree.kv_cache_specs import ddtree_kv_cache_spec\n",
+    why="the V2 runner's KV-cache specs through DDTree's grouping",
+)
+HYBRID_ACCEPTED_ON_V1 = Edit(
+    path=_V1_RUNNER,
+    anchor=_hybrid_refusal("self.model_config", 20),
+    text="",
+    why="hybrid targets verify trees on the V1 runner",
+    replaces_anchor=True,
+)
+HYBRID_ACCEPTED_ON_V2 = Edit(
+    path="vllm/v1/worker/gpu/spec_decode/__init__.py",
+    anchor=_hybrid_refusal("vllm_config.model_config", 12),
+    text="",
+    why="hybrid targets verify trees on the V2 runner",
+    replaces_anchor=True,
+)
+GDN_TREE_EDITS = (
+    DDTREE_GDN_LAYER_IMPORT,
+    DDTREE_GDN_LAYER_STEP,
+    DDTREE_GDN_LAYER_CONV,
+    DDTREE_GDN_LAYER_RECURRENCE,
+    DDTREE_CPU_GDN_IMPORT,
+    DDTREE_CPU_GDN_SPEC_FORWARD,
+    DDTREE_GDN_METADATA_IMPORT,
+    DDTREE_GDN_METADATA_TREE_STEP,
+    DDTREE_GDN_METADATA_FINISH,
+    DDTREE_V1_KV_CACHE_SPEC_IMPORT,
+    DDTREE_V1_KV_CACHE_SPEC,
+    DDTREE_V1_ALIGN_ON_HOST,
+    DDTREE_V2_KV_CACHE_SPEC_IMPORT,
+    DDTREE_V2_KV_CACHE_SPEC,
+    HYBRID_ACCEPTED_ON_V1,
+    HYBRID_ACCEPTED_ON_V2,
+)

