@@ -81,7 +81,17 @@ def chain_outputs(layer: Layer, window, state, x, a, b):
 
 
 def tree_step(
-    step, layer, table, num_accepted, gen, budget, depth, num_draft, graph_pad=0, publish=True
+    step,
+    layer,
+    table,
+    num_accepted,
+    gen,
+    budget,
+    depth,
+    num_draft,
+    graph_pad=0,
+    publish=True,
+    forward=None,
 ):
     """One verify forward of the layer through the step's dispatch targets. Row ``r`` has
     ``1 + num_draft[r]`` tokens (vLLM may schedule fewer drafts than the budget; the tree is
@@ -93,7 +103,9 @@ def tree_step(
     conv call and ``ssm_state_indices`` / ``num_accepted_tokens`` of the recurrence padded
     (null block 0, one accepted), the conv's state indices and the recurrence's ``cu_seqlens``
     for the real rows only. ``publish=False``: another layer of the step the last published
-    trees belong to."""
+    trees belong to. ``forward(x=, a=, b=, query_start=)``, when given, runs the layer in
+    place of the step's two calls and returns the core attention output ``[1, n, Hv, V]``
+    (``tests/helpers/gdn_forward_core.py``: vLLM's own layer)."""
     num_reqs, tokens = table.shape
     trees = build_trees(torch.randn(num_reqs, depth, 3, generator=gen) * 2, budget)
     trees.num_nodes = torch.minimum(trees.num_nodes, num_draft)
@@ -105,9 +117,20 @@ def tree_step(
     x = torch.randn(total, CHANNELS, generator=gen)
     a = torch.randn(total, HV, generator=gen)
     b = torch.randn(total, HV, generator=gen)
+
+    def per_row(flat):
+        rows = flat.new_zeros((num_reqs, tokens, *flat.shape[1:]))
+        for r in range(num_reqs):
+            rows[r, : int(lengths[r])] = flat[int(query_start[r]) : int(query_start[r + 1])]
+        return rows
+
     padded_start = torch.cat([query_start, query_start.new_full((graph_pad,), total)])
     padded_table = torch.cat([table, table.new_zeros((graph_pad, tokens))])
     padded_accepted = torch.cat([num_accepted, num_accepted.new_ones(graph_pad)])
+    if forward is not None:
+        assert graph_pad == 0
+        out = forward(x=x, a=a, b=b, query_start=query_start)
+        return trees, per_row(x), per_row(a), per_row(b), per_row(out[0])
     y = step.tree_conv(
         torch.cat([x, x.new_zeros((graph_pad, CHANNELS))]),
         layer.conv_view(),
@@ -136,12 +159,6 @@ def tree_step(
         num_accepted_tokens=padded_accepted,
         use_qk_l2norm_in_kernel=True,
     )
-
-    def per_row(flat):
-        rows = flat.new_zeros((num_reqs, tokens, *flat.shape[1:]))
-        for r in range(num_reqs):
-            rows[r, : int(lengths[r])] = flat[int(query_start[r]) : int(query_start[r + 1])]
-        return rows
 
     return trees, per_row(x), per_row(a), per_row(b), per_row(out[0])
 

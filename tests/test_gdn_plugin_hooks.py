@@ -250,3 +250,17 @@ def test_the_wrapper_builds_tree_steps_only_in_ddtree_engines(method, vllm_build
     common, accepted, drafts_cpu = step_inputs(*OTHER_STEPS[0])
     builder.build(0, common, accepted, drafts_cpu)
     assert len(calls) == 1
+
+
+def test_vllms_gdn_layer_verifies_trees_through_the_routed_calls():
+    """vLLM's own ``_forward_core`` (on a stand-in layer) in a forward verifying trees, with the
+    plugin's routing installed: exactly what the step's own calls give
+    (``tests/helpers/gdn_forward_core.py``; ``tests/test_upstream.py`` runs the same check on
+    vLLM patched with the series, where the layer calls the step itself)."""
+    from tests.helpers.gdn_forward_core import check_forward_core_verifies_trees
+    from vllm_ddtree.compat import gdn_dispatch
+    from vllm_ddtree.hybrid.gdn_layer import HybridTreeStep
+    from vllm_ddtree.spec_decode.step_state import StepState
+
+    gdn_dispatch.install(torch.device("cpu"))
+    check_forward_core_verifies_trees(HybridTreeStep, StepState)

