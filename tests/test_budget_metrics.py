@@ -1,5 +1,6 @@
 """What "auto" predicted, from the engine core's scheduler to the front end's log line and
-/metrics (vllm_ddtree/budget/metrics.py), against stand-ins for vLLM's stats objects."""
+/metrics (``budget/metrics.py``), against stand-ins for vLLM's stats objects: the
+functions vLLM's methods call."""
 
 import functools
 from types import SimpleNamespace
@@ -28,9 +29,11 @@ def test_the_predictions_ride_in_kv_connector_stats_and_are_taken_out_once():
     budget_metrics.observe(scheduler, 8)
     budget_metrics.observe(scheduler, 8)
     connector = {"num_transfers": 2}  # a KV connector's own stats stay
-    make_stats = budget_metrics._wrap_make_stats(
-        lambda self: SimpleNamespace(kv_connector_stats=dict(connector), spec_decoding_stats=None)
-    )
+
+    def make_stats(scheduler):  # vLLM's make_stats, ending with DDTree's call
+        made = SimpleNamespace(kv_connector_stats=dict(connector), spec_decoding_stats=None)
+        return budget_metrics.with_predictions(scheduler, made)
+
     stats = make_stats(scheduler)
     payload = {"predicted_tokens": 6.0, "predicted_steps": 2}
     assert stats.kv_connector_stats == {**connector, "ddtree": payload}
@@ -39,13 +42,13 @@ def test_the_predictions_ride_in_kv_connector_stats_and_are_taken_out_once():
     assert budget_metrics.take_payload(stats) == payload  # the next stat logger's
     # Without a connector the field is left None, as vLLM sent it; nothing observed: no payload.
     budget_metrics.observe(scheduler, 8)
-    alone = budget_metrics._wrap_make_stats(
-        lambda self: SimpleNamespace(kv_connector_stats=None, spec_decoding_stats=None)
-    )(scheduler)
+    alone = budget_metrics.with_predictions(
+        scheduler, SimpleNamespace(kv_connector_stats=None, spec_decoding_stats=None)
+    )
     assert budget_metrics.take_payload(alone) is not None and alone.kv_connector_stats is None
-    quiet = budget_metrics._wrap_make_stats(
-        lambda self: SimpleNamespace(kv_connector_stats=None, spec_decoding_stats=None)
-    )(scheduler)
+    quiet = budget_metrics.with_predictions(
+        scheduler, SimpleNamespace(kv_connector_stats=None, spec_decoding_stats=None)
+    )
     assert quiet.kv_connector_stats is None and budget_metrics.take_payload(quiet) is None
     # A scheduler without predictions (a fixed budget) changes nothing.
     plain = make_stats(SimpleNamespace())
@@ -84,11 +87,10 @@ def test_the_log_line_says_the_predicted_acceptance_length_beside_the_realised_o
         num_accepted_tokens_per_pos=[4, 4, 3, 1],
     )
     logging.observe(spec)
-    record = budget_metrics._wrap_logging_record(lambda self, stats, *a, **k: None)
     stats = SimpleNamespace(
         kv_connector_stats={"ddtree": {"predicted_tokens": 16.0, "predicted_steps": 4}}
     )
-    record(SimpleNamespace(spec_decoding_logging=logging), stats, None)
+    budget_metrics.observe_logged(SimpleNamespace(spec_decoding_logging=logging), stats)
     lines = []
     logging.log(log_fn=lambda message, *args: lines.append(message % args))
     line = next(line for line in lines if line.startswith("SpecDecoding metrics"))
@@ -98,49 +100,20 @@ def test_the_log_line_says_the_predicted_acceptance_length_beside_the_realised_o
     )
 
 
-def test_custom_stat_loggers_see_the_connectors_stats_as_vllm_sent_them():
-    """vLLM's ``StatLoggerManager`` runs custom stat loggers before its own: they get the KV
-    connector's stats without DDTree's predictions (a logger rebuilding connector stats from
-    the dict would refuse an unknown key), and without a connector the field stays None; the
-    default loggers still get the predictions."""
-    pytest.importorskip("vllm")
-    from vllm.v1.metrics.loggers import StatLoggerManager
-
-    seen = []
-
-    class CustomLogger:  # what AsyncLLM(stat_loggers=...) or a stat logger plugin adds
-        def record(self, scheduler_stats, *args, **kwargs):
-            seen.append(scheduler_stats.kv_connector_stats)
-
-    class DefaultLogger:  # vLLM's own, patched: they read take_payload
-        def record(self, scheduler_stats, *args, **kwargs):
-            seen.append(budget_metrics.take_payload(scheduler_stats))
-
-    manager = SimpleNamespace(stat_loggers=[CustomLogger(), DefaultLogger()])
-    record = budget_metrics._wrap_stat_logger_manager_record(StatLoggerManager.record)
-    payload = {"predicted_tokens": 6.0, "predicted_steps": 2}
-    connector = {"Nixl": {"num_successful_transfers": [3]}}
-    for sent in ({**connector, "ddtree": payload}, {"ddtree": payload}):
-        seen.clear()
-        stats = SimpleNamespace(kv_connector_stats=sent, spec_decoding_stats=None)
-        record(manager, stats, None, engine_idx=0)
-        assert seen == [connector if len(sent) > 1 else None, payload]
-
-
 def test_predictions_sent_without_request_outputs_ride_with_the_next_stats():
     """vLLM's synchronous LLMEngine records no stats that come without request outputs: the
     engine core gives such predictions back, and the next stats carry them."""
     scheduler = SimpleNamespace()
     budget_metrics.set_predictions(scheduler, {8: 3.0})
-    make_stats = budget_metrics._wrap_make_stats(
-        lambda self: SimpleNamespace(kv_connector_stats=None, spec_decoding_stats=None)
-    )
 
     def step(with_outputs: bool):
         budget_metrics.observe(scheduler, 8)
         eco = SimpleNamespace(outputs=["out"] if with_outputs else [])
-        eco.scheduler_stats = make_stats(scheduler)
-        return budget_metrics._wrap_update_from_output(lambda self: {0: eco})(scheduler)[0]
+        eco.scheduler_stats = budget_metrics.with_predictions(
+            scheduler, SimpleNamespace(kv_connector_stats=None, spec_decoding_stats=None)
+        )
+        budget_metrics.keep_unsent_predictions(scheduler, {0: eco})
+        return eco
 
     quiet = step(with_outputs=False)
     assert quiet.scheduler_stats.kv_connector_stats is None

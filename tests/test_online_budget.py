@@ -1,4 +1,4 @@
-"""The engine core's online "auto" (vllm_ddtree/budget/online.py) against stand-ins for vLLM's
+"""The engine core's online "auto" (``budget/online.py``) against stand-ins for vLLM's
 engine core, executor and worker: it reads the worker's acceptance every REFRESH_STEPS steps
 and sets the scheduler's per-batch-size budgets with vLLM's own lookup builder."""
 
@@ -17,7 +17,7 @@ from vllm_ddtree.budget import online as online_budget  # noqa: E402
 from vllm_ddtree.budget.acceptance import make_tracker  # noqa: E402
 from vllm_ddtree.config import DDTREE_ATTR, DDTreeConfig  # noqa: E402
 from vllm_ddtree.handles import HANDLE  # noqa: E402
-from vllm_ddtree.spec_decode.engine_step import READERS, _wrap_engine_step  # noqa: E402
+from vllm_ddtree.spec_decode.engine_step import READERS, before_engine_step  # noqa: E402
 from vllm_ddtree.spec_decode.step_state import StepState  # noqa: E402
 
 
@@ -68,7 +68,11 @@ def observe(tracker, num_accepted: int, steps: int = 20):
 
 def test_the_budgets_follow_the_workers_acceptance_every_refresh(tmp_path, caplog):
     core, tracker = engine_core(tmp_path)
-    step = _wrap_engine_step(lambda self: "stepped")
+
+    def step(core):  # vLLM's step loop, starting with DDTree's call
+        before_engine_step(core)
+        return "stepped"
+
     observe(tracker, 0)
     for _ in range(online_budget.REFRESH_STEPS - 1):
         assert step(core) == "stepped"

@@ -39,6 +39,28 @@ REPORTED_METRICS = (
 )
 
 
+# The packages of "auto"'s online modules: the plugin's, and vLLM's own where vLLM is patched
+# with the upstream series (its engines import those; docs/upstream.md).
+CADENCE_PACKAGES = ("vllm_ddtree.budget", "vllm.v1.spec_decode.ddtree.budget")
+
+
+def cadence_modules() -> list[tuple]:
+    """``(acceptance, online)`` modules of each package in ``CADENCE_PACKAGES`` importable
+    here."""
+    import importlib
+
+    found = []
+    for package in CADENCE_PACKAGES:
+        try:
+            modules = tuple(
+                importlib.import_module(f"{package}.{name}") for name in ("acceptance", "online")
+            )
+        except ImportError:
+            continue
+        found.append(modules)
+    return found
+
+
 def spec_decode_metrics(llm) -> dict:
     """vLLM's spec-decode counters and DDTree's metrics now (a per-position counter as its
     vector of values)."""
@@ -194,18 +216,16 @@ if __name__ == "__main__":
         saved_env = {key: os.environ.get(key) for key in run_env}
         os.environ.update(run_env)
         # The engine core runs in this process: an online "auto" engine's cadence, scaled
-        # down so that a short run sees several refreshes (online_budget's constants).
-        from vllm_ddtree.budget import acceptance
-        from vllm_ddtree.budget import online as online_budget
-
+        # down so that a short run sees several refreshes (online_budget's constants), in
+        # each copy of the modules the engine may use.
         cadence = run.get("online_budget", {})
-        # Each constant where it is defined: the controller's, or the workers' tracker's.
-        homes = {
-            name: acceptance if hasattr(acceptance, name) else online_budget for name in cadence
-        }
-        saved_cadence = {name: getattr(homes[name], name) for name in cadence}
-        for name, value in cadence.items():
-            setattr(homes[name], name, value)
+        saved_cadence = []
+        for acceptance, online_budget in cadence_modules() if cadence else ():
+            # Each constant where it is defined: the controller's, or the workers' tracker's.
+            for name, value in cadence.items():
+                home = acceptance if hasattr(acceptance, name) else online_budget
+                saved_cadence.append((home, name, getattr(home, name)))
+                setattr(home, name, value)
         results[run["name"]] = generate(
             target,
             run["kwargs"],
@@ -216,8 +236,8 @@ if __name__ == "__main__":
             run.get("prompt_params"),
             run.get("phases"),
         )
-        for name, value in saved_cadence.items():
-            setattr(homes[name], name, value)
+        for home, name, value in saved_cadence:
+            setattr(home, name, value)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

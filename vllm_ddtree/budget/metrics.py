@@ -7,12 +7,16 @@ request's verify step then adds the prediction for the tree it verified (``obser
 prediction of the largest budget at most its tree nodes), and the step's ``SchedulerStats``
 carry the sums to the front end under ``"ddtree"`` in ``kv_connector_stats``: the one
 free-form field vLLM sends from the engine core (its serialiser drops any attribute that is
-not a declared field; ``_wrap_make_stats``). Stats that travel without request outputs give
-their sums back for the next ones (``_wrap_update_from_output``: vLLM's synchronous
-``LLMEngine`` records no stats from such outputs). In the front end the sums are taken out of
-the field before any stat logger runs (``_wrap_stat_logger_manager_record``, then
-``take_payload``), so custom stat loggers and vLLM's KV-connector metrics see the connector's
-stats as vLLM sent them.
+not a declared field; ``with_predictions``, at the end of ``Scheduler.make_stats``). Stats
+that travel without request outputs give their sums back for the next ones
+(``keep_unsent_predictions``, at the end of ``Scheduler.update_from_output``: vLLM's
+synchronous ``LLMEngine`` records no stats from such outputs). In the front end the sums are
+taken out of the field before any stat logger runs (``take_payload``, at the start of
+``StatLoggerManager.record``), so custom stat loggers and vLLM's KV-connector metrics see the
+connector's stats as vLLM sent them.
+
+vLLM calls these functions where this happens (upstream patch 15); the plugin wraps the same
+methods (``compat/budget_hooks.py``).
 
 Front end: the log line ends with the predicted tokens per verify step next to vLLM's mean
 acceptance length (the realised one), and ``/metrics`` has
@@ -97,21 +101,17 @@ def observe(scheduler, num_nodes: int) -> None:
         kept.observe(num_nodes)
 
 
-def _wrap_make_stats(original):
-    """``Scheduler.make_stats`` (engine core): the predictions of the verify steps since the
-    last stats ride to the front end in ``kv_connector_stats``."""
-
-    def make_stats(self, *args, **kwargs):
-        stats = original(self, *args, **kwargs)
-        held = predictions(self)
-        if stats is None or held is None:
-            return stats
-        payload = held.drain()
-        if payload is not None:
-            stats.kv_connector_stats = {**(stats.kv_connector_stats or {}), PAYLOAD_KEY: payload}
+def with_predictions(scheduler, stats):
+    """At the end of ``Scheduler.make_stats`` (engine core): the predictions of the verify
+    steps since the last stats ride to the front end in ``stats.kv_connector_stats``. Returns
+    ``stats``."""
+    kept = predictions(scheduler)
+    if stats is None or kept is None:
         return stats
-
-    return make_stats
+    payload = kept.drain()
+    if payload is not None:
+        stats.kv_connector_stats = {**(stats.kv_connector_stats or {}), PAYLOAD_KEY: payload}
+    return stats
 
 
 def _pop_payload(scheduler_stats) -> dict[str, Any] | None:
@@ -126,39 +126,23 @@ def _pop_payload(scheduler_stats) -> dict[str, Any] | None:
     return payload
 
 
-def _wrap_update_from_output(original):
-    """``Scheduler.update_from_output`` (engine core): predictions in stats sent without
-    request outputs go back to the scheduler, to ride with the next stats."""
-
-    def update_from_output(self, *args, **kwargs):
-        outputs = original(self, *args, **kwargs)
-        held = predictions(self)
-        if held is None or not outputs:
-            return outputs
-        for engine_core_outputs in outputs.values():
-            stats = engine_core_outputs.scheduler_stats
-            if stats is not None and not engine_core_outputs.outputs:
-                payload = _pop_payload(stats)
-                if payload is not None:
-                    held.give_back(payload)
-        return outputs
-
-    return update_from_output
-
-
-def _wrap_stat_logger_manager_record(original):
-    """``StatLoggerManager.record`` (front end): the predictions are taken out of the stats
-    before the first stat logger (a custom one included) sees them."""
-
-    def record(self, scheduler_stats, *args, **kwargs):
-        take_payload(scheduler_stats)
-        return original(self, scheduler_stats, *args, **kwargs)
-
-    return record
+def keep_unsent_predictions(scheduler, outputs) -> None:
+    """At the end of ``Scheduler.update_from_output`` (engine core): predictions in stats sent
+    without request outputs go back to the scheduler, to ride with the next stats."""
+    kept = predictions(scheduler)
+    if kept is None or not outputs:
+        return
+    for engine_core_outputs in outputs.values():
+        stats = engine_core_outputs.scheduler_stats
+        if stats is not None and not engine_core_outputs.outputs:
+            payload = _pop_payload(stats)
+            if payload is not None:
+                kept.give_back(payload)
 
 
 def take_payload(scheduler_stats) -> dict[str, Any] | None:
-    """Front end: the engine core's predictions in ``scheduler_stats``, taken out of its
+    """Front end (first at the start of ``StatLoggerManager.record``, before any stat logger
+    runs): the engine core's predictions in ``scheduler_stats``, taken out of its
     ``kv_connector_stats`` (left None when nothing else is there) the first time, so that
     vLLM's KV-connector metrics never see them; every stat logger gets the same."""
     if scheduler_stats is None:
@@ -170,18 +154,13 @@ def take_payload(scheduler_stats) -> dict[str, Any] | None:
     return payload
 
 
-def _wrap_logging_record(original):
-    """``LoggingStatLogger.record`` (front end): the predictions go to the spec-decode log
-    line (``spec_counters.TreeSpecDecodingLogging``)."""
-
-    def record(self, scheduler_stats, *args, **kwargs):
-        payload = take_payload(scheduler_stats)
-        logging = getattr(self, "spec_decoding_logging", None)
-        if payload is not None and hasattr(logging, "observe_predicted"):
-            logging.observe_predicted(payload["predicted_tokens"], payload["predicted_steps"])
-        return original(self, scheduler_stats, *args, **kwargs)
-
-    return record
+def observe_logged(stat_logger, scheduler_stats) -> None:
+    """At the start of ``LoggingStatLogger.record`` (front end): the predictions go to the
+    spec-decode log line (``spec_counters.TreeSpecDecodingLogging``)."""
+    payload = take_payload(scheduler_stats)
+    logging = getattr(stat_logger, "spec_decoding_logging", None)
+    if payload is not None and hasattr(logging, "observe_predicted"):
+        logging.observe_predicted(payload["predicted_tokens"], payload["predicted_steps"])
 
 
 class BudgetProm:
@@ -229,32 +208,20 @@ class BudgetProm:
             self.nodes_per_verify[engine_idx].set(spec.num_draft_tokens / spec.num_drafts)
 
 
-def _wrap_prometheus_init(original):
-    """``PrometheusStatLogger.__init__`` (front end): a DDTree engine's ``BudgetProm``."""
+def prometheus_metrics(stat_logger, vllm_config) -> BudgetProm | None:
+    """At the end of ``PrometheusStatLogger.__init__`` (front end): a DDTree engine's
+    ``BudgetProm``, None for any other engine."""
+    from vllm_ddtree.config import get_ddtree_config
 
-    def __init__(self, vllm_config, *args, **kwargs):
-        from vllm_ddtree.config import get_ddtree_config
-
-        original(self, vllm_config, *args, **kwargs)
-        ddtree = get_ddtree_config(vllm_config.speculative_config)
-        self.ddtree_prom = BudgetProm(self) if ddtree is not None else None
-
-    return __init__
+    if get_ddtree_config(vllm_config.speculative_config) is None:
+        return None
+    return BudgetProm(stat_logger)
 
 
-def _wrap_prometheus_record(original):
-    """``PrometheusStatLogger.record`` (front end): the DDTree metrics first."""
-
-    def record(self, *args, **kwargs):
-        from vllm_ddtree.compat import bind_arguments
-
-        bound = bind_arguments(original, self, *args, **kwargs)
-        bound.apply_defaults()
-        scheduler_stats = bound.arguments["scheduler_stats"]
-        payload = take_payload(scheduler_stats)
-        prom = getattr(self, "ddtree_prom", None)
-        if prom is not None and scheduler_stats is not None:
-            prom.observe(scheduler_stats, payload, bound.arguments["engine_idx"])
-        return original(self, *args, **kwargs)
-
-    return record
+def observe_prometheus(stat_logger, scheduler_stats, engine_idx: int) -> None:
+    """At the start of ``PrometheusStatLogger.record`` (front end): the DDTree metrics of
+    ``scheduler_stats`` (the logger's ``ddtree_prom``, where ``prometheus_metrics`` made one)."""
+    payload = take_payload(scheduler_stats)
+    prom = getattr(stat_logger, "ddtree_prom", None)
+    if prom is not None and scheduler_stats is not None:
+        prom.observe(scheduler_stats, payload, engine_idx)

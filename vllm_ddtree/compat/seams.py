@@ -70,8 +70,7 @@ _GDN = "vllm_ddtree.compat.gdn_dispatch"
 _METRICS = "vllm_ddtree.compat.metrics_hooks"
 _REQUESTS = "vllm_ddtree.compat.scheduler_options"
 _GRAMMAR = "vllm_ddtree.compat.scheduler_grammar"
-_ENGINE_STEP = "vllm_ddtree.spec_decode.engine_step"
-_BUDGET_METRICS = "vllm_ddtree.budget.metrics"
+_BUDGET_HOOKS = "vllm_ddtree.compat.budget_hooks"
 # vLLM's GDN metadata build, bound by name (gdn_dispatch.build_wrapper).
 _GDN_BUILD = (
     "self",
@@ -193,13 +192,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         "vllm.v1.engine.core:EngineCore.step",
         ENGINE,
-        f"{_ENGINE_STEP}:_wrap_engine_step",
+        f"{_BUDGET_HOOKS}:_wrap_engine_step",
         ("self",),
     ),
     Seam(
         "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
         ENGINE,
-        f"{_ENGINE_STEP}:_wrap_engine_step",
+        f"{_BUDGET_HOOKS}:_wrap_engine_step",
         ("self",),
     ),
     Seam(
@@ -243,37 +242,37 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
         ENGINE,
-        f"{_BUDGET_METRICS}:_wrap_make_stats",
+        f"{_BUDGET_HOOKS}:_wrap_make_stats",
         ("self", "spec_decoding_stats", "kv_connector_stats"),
     ),
     Seam(
         "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
         ENGINE,
-        f"{_BUDGET_METRICS}:_wrap_update_from_output",
+        f"{_BUDGET_HOOKS}:_wrap_update_from_output",
         ("self", "scheduler_output", "model_runner_output"),
     ),
     Seam(
         "vllm.v1.metrics.loggers:StatLoggerManager.record",
         ENGINE,
-        f"{_BUDGET_METRICS}:_wrap_stat_logger_manager_record",
+        f"{_BUDGET_HOOKS}:_wrap_stat_logger_manager_record",
         ("self", "scheduler_stats"),
     ),
     Seam(
         "vllm.v1.metrics.loggers:LoggingStatLogger.record",
         ENGINE,
-        f"{_BUDGET_METRICS}:_wrap_logging_record",
+        f"{_BUDGET_HOOKS}:_wrap_logging_record",
         _STAT_LOGGER_RECORD,
     ),
     Seam(
         "vllm.v1.metrics.loggers:PrometheusStatLogger.__init__",
         ENGINE,
-        f"{_BUDGET_METRICS}:_wrap_prometheus_init",
+        f"{_BUDGET_HOOKS}:_wrap_prometheus_init",
         ("self", "vllm_config", "engine_indexes"),
     ),
     Seam(
         "vllm.v1.metrics.loggers:PrometheusStatLogger.record",
         ENGINE,
-        f"{_BUDGET_METRICS}:_wrap_prometheus_record",
+        f"{_BUDGET_HOOKS}:_wrap_prometheus_record",
         _STAT_LOGGER_RECORD,
     ),
     Seam(
