@@ -1,4 +1,4 @@
-"""vLLM's GatedDeltaNet metadata in DDTree engines (``vllm_ddtree/hybrid/gdn_metadata.py``): a tree
+"""vLLM's GatedDeltaNet metadata in DDTree engines (``gdn_metadata``): a tree
 step's built with slices equals vLLM's own build field for field; every other step is vLLM's."""
 
 from __future__ import annotations

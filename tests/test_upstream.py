@@ -67,16 +67,20 @@ def test_a_module_kept_in_the_plugin_fails_the_export(monkeypatch):
 
 
 def test_a_mapped_packages_unplaced_submodule_fails_before_the_rewrite():
-    """``vllm_ddtree.budget`` has an in-tree place, ``budget.online`` not (yet): the rewrite
-    would turn its import into one of a module vLLM lacks, so the project's text is checked
-    first, in each import form; a mapped module imported from its package passes."""
+    """``vllm_ddtree.testing`` has an in-tree place (the tiny checkpoints, beside vLLM's
+    tests), its test switch ``testing.float32_gdn_prefill`` not: the rewrite would turn its
+    import into one of a module vLLM lacks, so the project's text is checked first, in each
+    import form; a mapped module imported from its package passes."""
+    switch = "vllm_ddtree.testing.float32_gdn_prefill"
+    assert switch not in MODULES and "vllm_ddtree.testing" in MODULES
     source = (
-        "from vllm_ddtree.budget.online import OnlineBudget\n"
-        "    from vllm_ddtree.budget import (\n        cost_model,\n        online as o,\n    )\n"
-        "import vllm_ddtree.budget.online\n"
+        f"from {switch} import install\n"
+        "    from vllm_ddtree.testing import (\n"
+        "        oracle,\n        float32_gdn_prefill as f,\n    )\n"
+        f"import {switch}\n"
         "from vllm_ddtree import envs\n"
     )
-    assert unplaced_imports(source, PROJECT_ROOT) == ["vllm_ddtree.budget.online"] * 3
+    assert unplaced_imports(source, PROJECT_ROOT) == [switch] * 3
 
 
 def test_data_files_land_in_their_packages_in_tree_place():

@@ -21,6 +21,7 @@ import textwrap
 from dataclasses import dataclass
 
 from vllm_ddtree.envs import VARIABLES
+from vllm_ddtree.upstream.layout import rewrite
 
 
 class AnchorError(RuntimeError):
@@ -302,24 +303,28 @@ SPEC_CONFIG_EDITS = (
     CPU_TREE_ATTN,
 )
 
-SUBSTITUTIONS: tuple[Substitution, ...] = (
-    Substitution(
-        module="vllm_ddtree.scheduler_state",
-        old="""    from vllm_ddtree.budget.metrics import BudgetPredictions
+# The scheduler state of patch 12 leaves out "auto"'s online state; patch 15 puts the same
+# text back (``AUTO_STATE_IMPORTS`` / ``AUTO_STATE_FIELDS``, its in-tree names).
+_AUTO_STATE_IMPORTS = Substitution(
+    module="vllm_ddtree.scheduler_state",
+    old="""    from vllm_ddtree.budget.metrics import BudgetPredictions
     from vllm_ddtree.budget.online import OnlineBudget
 """,
-        new="",
-        why='"auto"\'s predictions and online budget come with their own patch',
-    ),
-    Substitution(
-        module="vllm_ddtree.scheduler_state",
-        old="""    predictions: BudgetPredictions | None = None  # "auto"'s predictions
+    new="",
+    why='"auto"\'s predictions and online budget come with their own patch',
+)
+_AUTO_STATE_FIELDS = Substitution(
+    module="vllm_ddtree.scheduler_state",
+    old="""    predictions: BudgetPredictions | None = None  # "auto"'s predictions
     online_budget: OnlineBudget | None = None  # the engine core's online "auto"
     online_budget_decided: bool = False  # online_budget made (or found not to move)
 """,
-        new="",
-        why='"auto"\'s scheduler state comes with its own patch',
-    ),
+    new="",
+    why='"auto"\'s scheduler state comes with its own patch',
+)
+SUBSTITUTIONS: tuple[Substitution, ...] = (
+    _AUTO_STATE_IMPORTS,
+    _AUTO_STATE_FIELDS,
     Substitution(
         module="tree_attn_backend.backend",
         old='logger = init_logger("vllm.tree_attn_backend")',
@@ -1024,4 +1029,179 @@ GDN_TREE_EDITS = (
     DDTREE_V2_KV_CACHE_SPEC,
     HYBRID_ACCEPTED_ON_V1,
     HYBRID_ACCEPTED_ON_V2,
+)
+
+# "auto" moving its budgets online: the engine core's step loops, the scheduler's stats and
+# the front end's stat loggers call the functions the plugin's wrappers call
+# (compat/budget_hooks.py), each a no-op outside an engine whose "auto" moves online.
+DDTREE_ENGINE_STEP_IMPORT = Edit(
+    path="vllm/v1/engine/core.py",
+    anchor="from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder\n",
+    text="from vllm.v1.spec_decode.ddtree import engine_step as ddtree_engine_step\n",
+    why="the engine core reaches DDTree's online budget through one module",
+)
+DDTREE_ENGINE_STEP = Edit(
+    path="vllm/v1/engine/core.py",
+    anchor="""        # Check for any requests remaining in the scheduler - unfinished,
+        # or finished and not yet removed from the batch.
+        if not self.scheduler.has_requests():
+            return {}, False
+""",
+    text="""        # DDTree: an online "auto" engine refreshes its budgets first.
+        ddtree_engine_step.before_engine_step(self)
+        # Check for any requests remaining in the scheduler - unfinished,
+        # or finished and not yet removed from the batch.
+        if not self.scheduler.has_requests():
+            return {}, False
+""",
+    why='an online "auto" refreshes its per-batch-size budgets before a step',
+    replaces_anchor=True,
+)
+DDTREE_ENGINE_STEP_BATCH_QUEUE = Edit(
+    path="vllm/v1/engine/core.py",
+    anchor="""        batch_queue = self.batch_queue
+        assert batch_queue is not None
+""",
+    text="""        # DDTree: an online "auto" engine refreshes its budgets first.
+        ddtree_engine_step.before_engine_step(self)
+        batch_queue = self.batch_queue
+        assert batch_queue is not None
+""",
+    why='an online "auto" refreshes its budgets before a step, with a batch queue too',
+    replaces_anchor=True,
+)
+_SCHEDULER = "vllm/v1/core/sched/scheduler.py"
+DDTREE_BUDGET_METRICS_IMPORT = Edit(
+    path=_SCHEDULER,
+    anchor="from vllm.v1.spec_decode.ddtree import request_scheduling\n",
+    text="from vllm.v1.spec_decode.ddtree.budget import metrics as ddtree_budget_metrics\n",
+    why='the scheduler reaches "auto"\'s predictions through one module',
+)
+DDTREE_STATS_MADE = Edit(
+    path=_SCHEDULER,
+    anchor="        return SchedulerStats(\n",
+    text="        stats = SchedulerStats(\n",
+    why="the scheduler's stats made, then given DDTree's predictions",
+    replaces_anchor=True,
+)
+DDTREE_STATS_PREDICTIONS = Edit(
+    path=_SCHEDULER,
+    anchor="""            perf_stats=perf_stats,
+        )
+
+    def make_spec_decoding_stats(""",
+    text="""            perf_stats=perf_stats,
+        )
+        # DDTree: what "auto" predicted for the verify steps since the last stats.
+        return ddtree_budget_metrics.with_predictions(self, stats)
+
+    def make_spec_decoding_stats(""",
+    why='"auto"\'s predictions ride to the front end with the stats',
+    replaces_anchor=True,
+)
+DDTREE_VERIFY_PREDICTED = Edit(
+    path=_SCHEDULER,
+    anchor="""            return spec_counters.observe_tree_step(
+                spec_decoding_stats,
+""",
+    text="""            # DDTree: what "auto" predicted for this verify step, summed for the stats.
+            ddtree_budget_metrics.observe(self, num_draft_tokens)
+            return spec_counters.observe_tree_step(
+                spec_decoding_stats,
+""",
+    why="each verify step's prediction counted where its statistics are",
+    replaces_anchor=True,
+)
+DDTREE_UNSENT_PREDICTIONS = Edit(
+    path=_SCHEDULER,
+    anchor="""            eco.scheduler_stats = stats
+
+        return engine_core_outputs
+""",
+    text="""            eco.scheduler_stats = stats
+
+        # DDTree: predictions in stats without request outputs ride with the next ones.
+        ddtree_budget_metrics.keep_unsent_predictions(self, engine_core_outputs)
+        return engine_core_outputs
+""",
+    why="vLLM's synchronous engine records no stats sent without request outputs",
+    replaces_anchor=True,
+)
+_LOGGERS = "vllm/v1/metrics/loggers.py"
+DDTREE_LOGGERS_IMPORT = Edit(
+    path=_LOGGERS,
+    anchor="from vllm.v1.metrics.utils import create_metric_per_engine\n",
+    text="from vllm.v1.spec_decode.ddtree.budget import metrics as ddtree_budget_metrics\n",
+    why='the stat loggers reach "auto"\'s predictions through one module',
+)
+DDTREE_PREDICTIONS_TAKEN = Edit(
+    path=_LOGGERS,
+    anchor="""        if engine_idx is None:
+            engine_idx = 0
+        for stat_logger in self.stat_loggers:
+""",
+    text="""        if engine_idx is None:
+            engine_idx = 0
+        # DDTree: "auto"'s predictions out of kv_connector_stats before any logger.
+        ddtree_budget_metrics.take_payload(scheduler_stats)
+        for stat_logger in self.stat_loggers:
+""",
+    why="custom stat loggers and the KV-connector metrics see the connector's stats as sent",
+    replaces_anchor=True,
+)
+DDTREE_PREDICTIONS_LOGGED = Edit(
+    path=_LOGGERS,
+    anchor='        """Log Stats to standard output."""\n',
+    text="""        # DDTree: "auto"'s predicted acceptance length for the log line.
+        ddtree_budget_metrics.observe_logged(self, scheduler_stats)
+""",
+    why="the spec-decode log line says the predicted acceptance length",
+)
+DDTREE_PREDICTIONS_PROM = Edit(
+    path=_LOGGERS,
+    anchor="    def log_metrics_info(self, type: str, config_obj: SupportsMetricsInfo):\n",
+    text="""        # DDTree: what "auto" predicted and the tree nodes served, on /metrics.
+        self.ddtree_prom = ddtree_budget_metrics.prometheus_metrics(self, vllm_config)
+
+    def log_metrics_info(self, type: str, config_obj: SupportsMetricsInfo):
+""",
+    why="a DDTree engine's metrics: predicted tokens and steps, tree nodes per verify",
+    replaces_anchor=True,
+)
+DDTREE_PREDICTIONS_PROM_RECORD = Edit(
+    path=_LOGGERS,
+    anchor='        """Log to prometheus."""\n',
+    text="""        ddtree_budget_metrics.observe_prometheus(self, scheduler_stats, engine_idx)
+""",
+    why="the DDTree metrics recorded with vLLM's",
+)
+_SCHEDULER_STATE = "vllm/v1/spec_decode/ddtree/scheduler_state.py"
+AUTO_STATE_IMPORTS = Edit(
+    path=_SCHEDULER_STATE,
+    anchor="if TYPE_CHECKING:\n",
+    text=rewrite(_AUTO_STATE_IMPORTS.old),
+    why="the scheduler state's types of \"auto\"'s online state (left out by patch 12)",
+)
+AUTO_STATE_FIELDS = Edit(
+    path=_SCHEDULER_STATE,
+    anchor="    stats_book: RequestStatsBook | None = None\n",
+    text=_AUTO_STATE_FIELDS.old,
+    why='"auto"\'s predictions and online budget on the scheduler (left out by patch 12)',
+)
+ONLINE_BUDGET_EDITS = (
+    AUTO_STATE_IMPORTS,
+    AUTO_STATE_FIELDS,
+    DDTREE_ENGINE_STEP_IMPORT,
+    DDTREE_ENGINE_STEP,
+    DDTREE_ENGINE_STEP_BATCH_QUEUE,
+    DDTREE_BUDGET_METRICS_IMPORT,
+    DDTREE_STATS_MADE,
+    DDTREE_STATS_PREDICTIONS,
+    DDTREE_VERIFY_PREDICTED,
+    DDTREE_UNSENT_PREDICTIONS,
+    DDTREE_LOGGERS_IMPORT,
+    DDTREE_PREDICTIONS_TAKEN,
+    DDTREE_PREDICTIONS_LOGGED,
+    DDTREE_PREDICTIONS_PROM,
+    DDTREE_PREDICTIONS_PROM_RECORD,
 )

@@ -116,9 +116,13 @@ def generated_files(step: PatchStep, project_root: str = PROJECT_ROOT) -> dict[s
     return files
 
 
-def edited_paths() -> list[str]:
-    """vLLM's files the series edits by hand (they must exist in the vLLM tree)."""
-    return sorted({edit.path for step in SERIES for edit in step.edits})
+def edited_paths(project_root: str = PROJECT_ROOT) -> list[str]:
+    """vLLM's files the series edits by hand (they must exist in the vLLM tree); not the
+    series' own files a later patch edits."""
+    generated = {source_and_target(m, project_root)[1] for step in SERIES for m in step.modules}
+    generated |= {TESTS[test] for step in SERIES for test in step.tests}
+    edited = {edit.path for step in SERIES for edit in step.edits}
+    return sorted(edited - generated)
 
 
 def export(vllm_src: str, out: str, project_root: str = PROJECT_ROOT) -> list[str]:

