@@ -998,6 +998,14 @@ DDTREE_V2_KV_CACHE_SPEC_IMPORT = Edit(
     text="from vllm.v1.spec_decode.ddtree.kv_cache_specs import ddtree_kv_cache_spec\n",
     why="the V2 runner's KV-cache specs through DDTree's grouping",
 )
+DDTREE_V2_PROFILE = Edit(
+    path=_V2_RUNNER,
+    anchor="    def profile_run(self) -> None:\n",
+    text="""        # DDTree: a hybrid target's tree buffers counted in the profiled memory.
+        ddtree_v2.before_profile_run(self)
+""",
+    why="the GatedDeltaNet tree buffers exist while the V2 runner profiles memory",
+)
 HYBRID_ACCEPTED_ON_V1 = Edit(
     path=_V1_RUNNER,
     anchor=_hybrid_refusal("self.model_config", 20),
@@ -1027,6 +1035,7 @@ GDN_TREE_EDITS = (
     DDTREE_V1_ALIGN_ON_HOST,
     DDTREE_V2_KV_CACHE_SPEC_IMPORT,
     DDTREE_V2_KV_CACHE_SPEC,
+    DDTREE_V2_PROFILE,
     HYBRID_ACCEPTED_ON_V1,
     HYBRID_ACCEPTED_ON_V2,
 )
