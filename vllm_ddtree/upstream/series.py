@@ -490,7 +490,8 @@ decodes beside speculation stopped vLLM-CPU's decode kernel, vLLM's DFlash chain
 runners' KV-cache specs give every attention layer one block-stride flag in a DDTree engine,
 so the drafter's layers share the target's TREE_ATTN group (`kv_cache_specs`; the DFlash
 proposer refused split groups at start-up); vLLM-CPU makes the `align` layout's state copies
-on the host for DDTree engines (vLLM's fused postprocess is a Triton kernel). The two
+on the host for DDTree engines (vLLM's fused postprocess is a Triton kernel); the V2 runner
+makes the layers' tree buffers before it profiles memory, as V1 does (patch 9). The two
 refusals of hybrid targets (patches 9 and 13) go.
 
 Every hunk is behind a forward verifying trees or a DDTree engine, but the unit-strided
