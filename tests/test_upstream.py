@@ -378,6 +378,51 @@ def test_vllms_own_tests_pass_on_vllm_patched_with_the_series_as_unpatched(
     assert not lost, lost
 
 
+def vllm_lint(vllm_src: str, files: list[str]) -> set[tuple[str, str]]:
+    """``(file, rule)`` of every finding of ruff's import order, line length and pyflakes
+    rules under vLLM's own configuration in ``files`` (paths relative to ``vllm_src``'s
+    layout, read where they are given)."""
+    import json
+
+    config = os.path.join(vllm_src, "pyproject.toml")
+    first_party = "lint.isort.known-first-party = ['vllm', 'tests']"
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--config", config, "--config", first_party]
+        + ["--select", "I,E501,F", "--output-format", "json", "--exit-zero", *files],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {(found["filename"], found["code"]) for found in json.loads(result.stdout)}
+
+
+def test_the_series_adds_no_lint_finding_to_vllms_own_files(vllm_src, series, tmp_path):
+    """vLLM's files the series edits by hand, as released and patched, under vLLM's ruff rules
+    for import order, line length and pyflakes: patched, they have no finding they lacked
+    (an import placed out of order, an inserted line past 88 columns)."""
+    from vllm_ddtree.upstream.export import edited_paths
+
+    released = os.path.join(str(tmp_path), "released")
+    patched = os.path.join(str(tmp_path), "patched")
+    for root in (released, patched):
+        for path in edited_paths():
+            os.makedirs(os.path.dirname(os.path.join(root, path)), exist_ok=True)
+            shutil.copyfile(os.path.join(vllm_src, path), os.path.join(root, path))
+    for patch in series:  # only the hunks of vLLM's own files apply to this partial copy
+        subprocess.run(
+            ["git", "apply", *[f"--include={path}" for path in edited_paths()], patch],
+            cwd=patched,
+            check=True,
+        )
+    python_files = [path for path in edited_paths() if path.endswith(".py")]
+
+    def findings(root: str) -> set[tuple[str, str]]:
+        found = vllm_lint(vllm_src, [os.path.join(root, path) for path in python_files])
+        return {(os.path.relpath(name, root), code) for name, code in found}
+
+    assert sorted(findings(patched) - findings(released)) == []
+
+
 def run_in_patched_vllm(series: list[str], root: str, module: str) -> None:
     """``python -m module`` against the installed vLLM with the series applied, the plugin not
     loaded: it must print ``ok``."""

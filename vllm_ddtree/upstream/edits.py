@@ -353,7 +353,7 @@ def _hybrid_refusal(model_config: str, indent: int) -> str:
 _V1_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 DDTREE_V1_IMPORT = Edit(
     path=_V1_RUNNER,
-    anchor="from vllm.v1.spec_decode.dflash import DFlashProposer\n",
+    anchor="from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer\n",
     text="""from vllm.v1.spec_decode.ddtree import v1_runner as ddtree_v1
 from vllm.v1.spec_decode.ddtree.proposer import DDTreeProposer
 """,
@@ -708,7 +708,7 @@ DDTREE_REQUEST_STATS_RETURNED = Edit(
 )
 DDTREE_REQUEST_SCHEDULING_IMPORT = Edit(
     path="vllm/v1/core/sched/scheduler.py",
-    anchor="from vllm.v1.spec_decode.metrics import SpecDecodingStats\n",
+    anchor="from vllm.v1.request import Request, RequestStatus, StreamingUpdate\n",
     text="from vllm.v1.spec_decode.ddtree import request_scheduling\n",
     why="the scheduler reaches a request's DDTree options through one module",
 )
@@ -1228,8 +1228,9 @@ DFLASH_CPU_K_NORM = Edit(
             # layer's own K-norm weight here.
             normed = all_k.float()
             variance = normed.pow(2).mean(-1, keepdim=True)
-            normed = (normed * torch.rsqrt(variance + self._rms_norm_eps)).to(all_k.dtype)
-            return (self._k_norm_weights[:, None, None, :] * normed).to(all_k.dtype)
+            normed = normed * torch.rsqrt(variance + self._rms_norm_eps)
+            weights = self._k_norm_weights[:, None, None, :]
+            return (weights * normed.to(all_k.dtype)).to(all_k.dtype)
         # --- Grouped RMSNorm K across all layers ([L, num_ctx, nkv, hd]) ---
         # The weight is selected per layer by the outermost (layer) index.
 """,
